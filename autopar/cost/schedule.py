@@ -1,0 +1,384 @@
+"""Pipeline schedules as data: actions, generators, validation, send/recv lowering.
+
+A schedule is ``dict[rank, list[Action]]``: each pipeline rank's compute actions in
+the order it runs them, in the notation of ``torch.distributed.pipelining``
+(``0F3`` = stage 0 forward of micro-batch 3, ``1B0`` = backward w.r.t. the input,
+``0W2`` = weight gradient, ``2BW1`` = fused full backward). Stage ``s`` lives on
+rank ``s % n_ranks`` (Megatron's interleaved layout: stage = chunk * n_ranks + rank;
+with one chunk per rank, stage == rank). Sends and receives are implicit:
+
+- ``F(s, i)`` needs ``F(s-1, i)``;
+- ``B(s, i)`` / ``BW(s, i)`` need ``F(s, i)`` and the backward of ``(s+1, i)``;
+- ``W(s, i)`` needs ``B(s, i)``; a fused ``BW`` is a B for its consumers.
+
+``with_comm`` lowers a schedule into explicit per-rank SEND/RECV lists, and
+``autopar.cost.simulate`` times one (bubble, peak in-flight micro-batches).
+
+References:
+- GPipe: Huang et al. 2019, https://arxiv.org/abs/1811.06965
+- 1F1B (PipeDream-Flush): Narayanan et al. 2021, https://arxiv.org/abs/2006.09503
+- Interleaved 1F1B: Narayanan et al. 2021 (Megatron-LM), https://arxiv.org/abs/2104.04473,
+  and Megatron-LM ``forward_backward_pipelining_with_interleaving``
+- Zero Bubble PP (ZB-H1, ZB-H2): Qi et al. 2024, https://arxiv.org/abs/2401.10241,
+  and torch ``ScheduleInterleavedZeroBubble`` (ZB1P)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "KINDS",
+    "SCHEDULE_KINDS",
+    "Action",
+    "format_grid",
+    "gpipe",
+    "interleaved_1f1b",
+    "make_schedule",
+    "one_f_one_b",
+    "parse_action",
+    "validate_schedule",
+    "with_comm",
+    "zb_h1",
+    "zb_h2",
+]
+
+KINDS = ("F", "B", "W", "BW")
+"""Compute kinds: forward, backward w.r.t. input, weight gradient, fused full backward."""
+
+Schedule = dict[int, list["Action"]]
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One compute action: ``kind`` of ``stage`` on ``microbatch``; prints as ``0F3``."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Action kind must be one of {KINDS}, got {self.kind!r}")
+        if self.stage < 0 or self.microbatch < 0:
+            raise ValueError(f"Action stage and microbatch must be >= 0, got {self.stage}, {self.microbatch}")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+def parse_action(text: str) -> Action:
+    """Inverse of ``str(action)``: ``"1BW3"`` -> ``Action(1, "BW", 3)``."""
+    for kind in ("BW", "F", "B", "W"):  # "BW" before "B"
+        stage, sep, mb = text.partition(kind)
+        if sep and stage.isdigit() and mb.isdigit():
+            return Action(int(stage), kind, int(mb))
+    raise ValueError(f"cannot parse action {text!r}; expected e.g. '0F3', '1B0', '0W2', '2BW1'")
+
+
+# Dependency keys: ("F" | "B" | "W", stage, microbatch). A fused BW provides "B" and "W".
+_Key = tuple[str, int, int]
+
+
+def _provides(a: Action) -> tuple[_Key, ...]:
+    if a.kind == "BW":
+        return (("B", a.stage, a.microbatch), ("W", a.stage, a.microbatch))
+    return ((a.kind, a.stage, a.microbatch),)
+
+
+def _needs(a: Action, n_stages: int) -> tuple[_Key, ...]:
+    s, i = a.stage, a.microbatch
+    if a.kind == "F":
+        return (("F", s - 1, i),) if s > 0 else ()
+    if a.kind == "W":
+        return (("B", s, i),)
+    return (("F", s, i),) + ((("B", s + 1, i),) if s + 1 < n_stages else ())
+
+
+def _check_args(n_stages: int, n_micro: int, what: str = "n_stages") -> None:
+    for name, value in ((what, n_stages), ("n_micro", n_micro)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+# ---------------------------------------------------------------- generators
+
+
+def gpipe(n_stages: int, n_micro: int) -> Schedule:
+    """All forwards, then all fused backwards (ascending micro-batch, as torch's ScheduleGPipe)."""
+    _check_args(n_stages, n_micro)
+    return {
+        s: [Action(s, "F", i) for i in range(n_micro)] + [Action(s, "BW", i) for i in range(n_micro)]
+        for s in range(n_stages)
+    }
+
+
+def one_f_one_b(n_stages: int, n_micro: int) -> Schedule:
+    """1F1B: ``p - s - 1`` warm-up forwards on stage s, steady F/BW pairs, BW cool-down."""
+    _check_args(n_stages, n_micro)
+    sched: Schedule = {}
+    for s in range(n_stages):
+        warmup = min(n_stages - s - 1, n_micro)
+        acts = [Action(s, "F", i) for i in range(warmup)]
+        for j in range(n_micro - warmup):
+            acts += [Action(s, "F", warmup + j), Action(s, "BW", j)]
+        acts += [Action(s, "BW", i) for i in range(n_micro - warmup, n_micro)]
+        sched[s] = acts
+    return sched
+
+
+def interleaved_1f1b(n_ranks: int, n_micro: int, n_virtual: int) -> Schedule:
+    """Megatron's interleaved 1F1B: ``n_virtual`` model chunks per rank, stage = chunk * n_ranks + rank.
+
+    Micro-batches go round in groups of ``n_ranks`` per chunk ("depth first"); rank r
+    warms up with ``2 (p - r - 1) + (v - 1) p`` forwards (capped at ``v m``), then
+    alternates F and fused BW, then cools down. Needs ``n_micro % n_ranks == 0``.
+    """
+    _check_args(n_ranks, n_micro, "n_ranks")
+    if isinstance(n_virtual, bool) or not isinstance(n_virtual, int) or n_virtual < 2:
+        raise ValueError(
+            f"interleaved_1f1b needs n_virtual (model chunks per rank) >= 2, got {n_virtual!r}; "
+            "use one_f_one_b for one chunk per rank"
+        )
+    p, m, v = n_ranks, n_micro, n_virtual
+    if m % p:
+        raise ValueError(
+            f"interleaved 1F1B needs n_micro divisible by n_ranks, got n_micro={m}, n_ranks={p}; "
+            f"try n_micro={m + p - m % p} or {max(p, m - m % p)}"
+        )
+    total = m * v  # (chunk, micro-batch) pairs per rank
+
+    def stage(k: int, rank: int, forward: bool) -> int:
+        chunk = (k % (p * v)) // p
+        return (chunk if forward else v - 1 - chunk) * p + rank
+
+    def micro(k: int) -> int:
+        return (k // (p * v)) * p + k % p
+
+    sched: Schedule = {}
+    for r in range(p):
+        warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
+        acts = [Action(stage(k, r, True), "F", micro(k)) for k in range(warmup)]
+        for j in range(total - warmup):
+            k = warmup + j
+            acts += [Action(stage(k, r, True), "F", micro(k)), Action(stage(j, r, False), "BW", micro(j))]
+        acts += [Action(stage(k, r, False), "BW", micro(k)) for k in range(total - warmup, total)]
+        sched[r] = acts
+    return sched
+
+
+def zb_h1(n_stages: int, n_micro: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2024, sec. 2.1; torch's ZB1P): 1F1B with B split from W, W deferred.
+
+    Stage s warms up with 1F1B's ``p - s - 1`` forwards and runs each B as soon as
+    its gradient arrives; its W's trail by ``s`` micro-batches and fill the drain.
+    Every stage then holds up to ``p`` micro-batches in flight: the paper's memory
+    claim is that the *maximum over stages* (stage 0's ``p``) equals 1F1B's, not
+    that each stage matches 1F1B's ``p - s``. With T_F = T_B = T_W the step is
+    ``3m + (p - 1)`` slots against 1F1B's ``3(m + p - 1)``: a third of the bubble.
+    """
+    _check_args(n_stages, n_micro)
+    sched: Schedule = {}
+    for s in range(n_stages):
+        warmup = min(n_stages - s - 1, n_micro)
+        acts = [Action(s, "F", i) for i in range(warmup)]
+        for j in range(n_micro):  # steady F, B (, W) then cool-down B (, W)
+            if warmup + j < n_micro:
+                acts.append(Action(s, "F", warmup + j))
+            acts.append(Action(s, "B", j))
+            if j >= s:  # W of micro-batch j - s trails its B by s micro-batches
+                acts.append(Action(s, "W", j - s))
+        acts += [Action(s, "W", i) for i in range(max(0, n_micro - s), n_micro)]
+        sched[s] = acts
+    return sched
+
+
+def zb_h2(n_stages: int, n_micro: int) -> Schedule:
+    """ZB-H2 (Qi et al. 2024, sec. 2.2): up to ``2p - 1`` micro-batches in flight, no inner bubble.
+
+    Built by running the unit-time (T_F = T_B = T_W) pipeline greedily: each free
+    stage runs a ready B first (the critical path), else its next F while it
+    holds fewer than ``2p - 1`` micro-batches, else its oldest pending W. Stage s
+    is then busy without a gap from slot s to ``s + 3m`` (the paper's
+    parallelogram). One step only: the optimizer post-validation that lets
+    consecutive steps overlap is out of scope, so with T_F = T_B = T_W the step
+    time equals ZB-H1's; ZB-H2 wins when T_W < T_B, where ZB-H1's bubble
+    ``(p - 1)(T_F + T_B - T_W)`` grows.
+    """
+    _check_args(n_stages, n_micro)
+    p, m, cap = n_stages, n_micro, 2 * n_stages - 1
+    sched: Schedule = {s: [] for s in range(p)}
+    n_f, n_b, n_w = [0] * p, [0] * p, [0] * p
+    done: set[_Key] = set()
+    while any(n < m for n in n_w):
+        step = []
+        for s in range(p):
+            ready_b = n_b[s] < n_f[s] and (s + 1 == p or ("B", s + 1, n_b[s]) in done)
+            ready_f = n_f[s] < m and n_f[s] - n_w[s] < cap and (s == 0 or ("F", s - 1, n_f[s]) in done)
+            if ready_b:
+                a, n_b[s] = Action(s, "B", n_b[s]), n_b[s] + 1
+            elif ready_f:
+                a, n_f[s] = Action(s, "F", n_f[s]), n_f[s] + 1
+            elif n_w[s] < n_b[s]:
+                a, n_w[s] = Action(s, "W", n_w[s]), n_w[s] + 1
+            else:
+                continue
+            sched[s].append(a)
+            step.append(a)
+        for a in step:
+            done.update(_provides(a))
+    return sched
+
+
+SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+
+
+def make_schedule(kind: str, *, n_stages: int, n_micro: int, n_virtual: int = 1) -> Schedule:
+    """Build a schedule by name. ``n_stages`` is the pipeline degree (ranks); with
+    ``kind="interleaved"`` each rank holds ``n_virtual`` chunks, so there are
+    ``n_stages * n_virtual`` stages; every other kind needs ``n_virtual == 1``."""
+    if kind not in SCHEDULE_KINDS:
+        raise ValueError(f"unknown schedule kind {kind!r}; expected one of {', '.join(SCHEDULE_KINDS)}")
+    if kind == "interleaved":
+        return interleaved_1f1b(n_stages, n_micro, n_virtual)
+    if n_virtual != 1:
+        raise ValueError(f"schedule {kind!r} has one chunk per rank; got n_virtual={n_virtual}, use 'interleaved'")
+    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2}[kind](n_stages, n_micro)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _n_ranks(schedule: Schedule, n_stages: int) -> int:
+    n_ranks = len(schedule)
+    if sorted(schedule) != list(range(n_ranks)) or n_ranks == 0:
+        raise ValueError(f"schedule ranks must be 0..n-1, got {sorted(schedule)}")
+    if n_stages % n_ranks:
+        raise ValueError(f"n_stages={n_stages} is not a multiple of the {n_ranks} ranks in the schedule")
+    return n_ranks
+
+
+def validate_schedule(schedule: Schedule, n_stages: int, n_micro: int) -> None:
+    """Check completeness and same-rank order; raise one ValueError listing every problem.
+
+    Each (stage, micro-batch) needs exactly one F and either one fused BW or one B
+    and one W, all on rank ``stage % n_ranks``; on that rank B/BW come after the F
+    and W after the B. Cross-rank order (deadlock) is the simulator's job.
+    """
+    _check_args(n_stages, n_micro)
+    n_ranks = _n_ranks(schedule, n_stages)
+    problems: list[str] = []
+    seen: dict[Action, int] = {}
+    for rank in range(n_ranks):
+        done: set[_Key] = set()
+        for a in schedule[rank]:
+            if not isinstance(a, Action):
+                problems.append(f"rank {rank}: {a!r} is not an Action")
+                continue
+            if a.stage >= n_stages or a.microbatch >= n_micro:
+                problems.append(f"rank {rank}: {a} is outside {n_stages} stages x {n_micro} micro-batches")
+                continue
+            if a.stage % n_ranks != rank:
+                problems.append(f"rank {rank}: {a} belongs on rank {a.stage % n_ranks}")
+            if a in seen:
+                problems.append(f"rank {rank}: {a} appears more than once")
+            seen[a] = rank
+            local = [k for k in _needs(a, n_stages) if k[1] == a.stage]
+            for key in local:
+                if key not in done:
+                    problems.append(f"rank {rank}: {a} runs before {key[1]}{key[0]}{key[2]}")
+            done.update(_provides(a))
+    for s in range(n_stages):
+        for i in range(n_micro):
+            have = {k for k in KINDS if Action(s, k, i) in seen}
+            if "F" not in have:
+                problems.append(f"missing {Action(s, 'F', i)}")
+            if "BW" in have and have & {"B", "W"}:
+                problems.append(f"{s}BW{i} and split {s}B{i}/{s}W{i} both present")
+            elif "BW" not in have:
+                problems += [f"missing {Action(s, k, i)}" for k in ("B", "W") if k not in have]
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise ValueError("invalid pipeline schedule:\n  " + "\n  ".join(shown))
+
+
+# ---------------------------------------------------------------- lowering and display
+
+
+def _stuck_message(schedule: Schedule, pos: dict[int, int], done: set[_Key], n_stages: int) -> str:
+    stuck = []
+    for rank in sorted(schedule):
+        if pos[rank] < len(schedule[rank]):
+            a = schedule[rank][pos[rank]]
+            waits = ", ".join(f"{k[1]}{k[0]}{k[2]}" for k in _needs(a, n_stages) if k not in done)
+            stuck.append(f"rank {rank} at {a} waits for {waits}")
+    return "schedule deadlocks: " + "; ".join(stuck)
+
+
+def _lockstep(schedule: Schedule, n_stages: int) -> list[list[tuple[int, Action]]]:
+    """Unit-time execution: each step, every rank whose next action's inputs finished
+    in earlier steps runs it. Returns the (rank, action) pairs of each step."""
+    pos = {rank: 0 for rank in schedule}
+    done: set[_Key] = set()
+    steps: list[list[tuple[int, Action]]] = []
+    while any(pos[r] < len(acts) for r, acts in schedule.items()):
+        step = []
+        for rank in sorted(schedule):
+            if pos[rank] < len(schedule[rank]):
+                a = schedule[rank][pos[rank]]
+                if all(k in done for k in _needs(a, n_stages)):
+                    step.append((rank, a))
+        if not step:
+            raise ValueError(_stuck_message(schedule, pos, done, n_stages))
+        for rank, a in step:
+            pos[rank] += 1
+            done.update(_provides(a))
+        steps.append(step)
+    return steps
+
+
+def _n_stages_of(schedule: Schedule) -> int:
+    return 1 + max((a.stage for acts in schedule.values() for a in acts), default=0)
+
+
+def with_comm(schedule: Schedule, n_stages: int) -> dict[int, list[str]]:
+    """Per-rank action lists with explicit ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``.
+
+    A compute action whose output crosses ranks is followed by its SEND; the peer's
+    RECV is appended to the peer's list at that same moment of a unit-time lockstep
+    run (as torch's ``_add_send_recv``). All lists are thus subsequences of one
+    global order in which every RECV sits at its SEND, so neither batched
+    isend/irecv nor blocking rendezvous p2p can deadlock, and the SENDs from a to b
+    are posted in the order b posts the RECVs (NCCL matches p2p in order).
+    """
+    n_ranks = _n_ranks(schedule, n_stages)
+    out: dict[int, list[str]] = {rank: [] for rank in range(n_ranks)}
+    for step in _lockstep(schedule, n_stages):
+        for rank, a in step:
+            out[rank].append(str(a))
+            if a.kind == "F" and a.stage + 1 < n_stages:
+                peer_stage, tag = a.stage + 1, "F"
+            elif a.kind in ("B", "BW") and a.stage > 0:
+                peer_stage, tag = a.stage - 1, "B"
+            else:
+                continue
+            peer = peer_stage % n_ranks
+            if peer != rank:
+                out[rank].append(f"{a.stage}SEND_{tag}{a.microbatch}")
+                out[peer].append(f"{peer_stage}RECV_{tag}{a.microbatch}")
+    return out
+
+
+def format_grid(schedule: Schedule) -> str:
+    """Step x rank grid of a unit-time run (every action one step, ``.`` = idle).
+
+    For a timed Gantt chart use ``simulate(...).timeline``.
+    """
+    steps = _lockstep(schedule, _n_stages_of(schedule))
+    ranks = sorted(schedule)
+    cells = [["step"] + [f"rank{r}" for r in ranks]]
+    for t, step in enumerate(steps):
+        row = dict(step)
+        cells.append([str(t)] + [str(row[r]) if r in row else "." for r in ranks])
+    widths = [max(len(row[c]) for row in cells) for c in range(len(cells[0]))]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in cells)

@@ -1,0 +1,87 @@
+"""Load a model from a model spec `FILE.py:FN`, as the CLI's first argument names it.
+
+    load_model_spec("examples/gpt.py:build", {"size": "tiny"})
+    -> (model, example_inputs, loss_fn, example_target)
+
+FILE is a path relative to the current directory; it is loaded as a fresh module
+(a plain script, not part of a package). FN is called with the `--arg key=value`
+pairs as string keyword arguments and returns `(model, example_inputs)`,
+`(model, example_inputs, loss_fn)` or `(model, example_inputs, loss_fn,
+example_target)`; the missing tail is filled with None.
+"""
+import hashlib
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = ["load_model_spec"]
+
+_FORM = "expected the form FILE.py:FN, e.g. examples/gpt.py:build"
+
+
+def _split_spec(spec: str) -> tuple[str, str]:
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"model spec {spec!r} has no ':'; {_FORM}")
+    path, _, fn_name = spec.rpartition(":")
+    if not path or not fn_name:
+        raise ValueError(f"model spec {spec!r} is missing the file or the function name; {_FORM}")
+    if not fn_name.isidentifier():
+        raise ValueError(f"model spec {spec!r}: {fn_name!r} is not a function name; {_FORM}")
+    return path, fn_name
+
+
+def _load_module(spec: str, path: str):
+    if not os.path.isfile(path):
+        raise ValueError(f"model spec {spec!r}: no file {path!r} (relative to {os.getcwd()}); {_FORM}")
+    abs_path = os.path.abspath(path)
+    # A unique name per file, so two specs never share (or clobber) a module.
+    stem = os.path.splitext(os.path.basename(abs_path))[0]
+    digest = hashlib.sha1(abs_path.encode()).hexdigest()[:12]
+    module_name = f"_autopar_modelspec_{''.join(c if c.isalnum() else '_' for c in stem)}_{digest}"
+    import_spec = importlib.util.spec_from_file_location(module_name, abs_path)
+    if import_spec is None or import_spec.loader is None:
+        raise ValueError(f"model spec {spec!r}: {path!r} cannot be loaded as a Python file; {_FORM}")
+    module = importlib.util.module_from_spec(import_spec)
+    # Registered before exec so dataclasses and pickling can find the module.
+    sys.modules[module_name] = module
+    try:
+        import_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    return module
+
+
+def load_model_spec(spec: str, args: Mapping[str, Any] | None = None) -> tuple[nn.Module, Any, Any, Any]:
+    """Call the function a model spec names and return a 4-tuple.
+
+    Contract: `spec` is "FILE.py:FN" with FILE relative to the current directory;
+    `args` are passed to FN as keyword arguments unchanged (the CLI gives
+    strings). Returns (model, example_inputs, loss_fn, example_target), the
+    last two None when FN does not return them. Raises ValueError naming the
+    spec for a spec without ':', a missing file or function, or a result that
+    is not a 2-, 3- or 4-tuple whose first item is an nn.Module; errors raised
+    by the file or by FN itself propagate unchanged.
+    """
+    path, fn_name = _split_spec(spec)
+    module = _load_module(spec, path)
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__)
+        raise ValueError(
+            f"model spec {spec!r}: {path!r} has no function {fn_name!r} (it has: {', '.join(available) or 'none'}); {_FORM}"
+        )
+    result = fn(**dict(args or {}))
+    if not isinstance(result, tuple) or not 2 <= len(result) <= 4:
+        got = f"a {len(result)}-tuple" if isinstance(result, tuple) else type(result).__name__
+        raise ValueError(
+            f"model spec {spec!r}: {fn_name}() returned {got}; expected (model, example_inputs[, loss_fn[, example_target]]); {_FORM}"
+        )
+    if not isinstance(result[0], nn.Module):
+        raise ValueError(f"model spec {spec!r}: {fn_name}() returned {type(result[0]).__name__} as the model, expected an nn.Module; {_FORM}")
+    model, example_inputs, loss_fn, example_target = result + (None,) * (4 - len(result))
+    return model, example_inputs, loss_fn, example_target

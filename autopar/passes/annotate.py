@@ -1,0 +1,147 @@
+"""Annotate every node of a traced joint graph with its cost on one device.
+
+FLOPs come from ``torch.utils.flop_counter``'s formula registry for the ops it
+knows (mm, addmm, bmm, convolution, the SDPA kernels, ...). It does not know
+the CPU flash-attention kernel that CPU traces contain
+(``_scaled_dot_product_flash_attention_for_cpu`` and its backward), so those get
+the registry's own SDPA formulas applied to their shapes. Every other op is
+memory bound (pointwise, reductions, norms, softmax, embedding): it is costed
+by the bytes it moves and counts 0 FLOPs, as the flop counter does, so "model
+FLOPs" mean the matmul/attention FLOPs that MFU conventionally counts.
+
+Bytes: an op reads its tensor inputs and writes its outputs once; views
+(``t``, ``view``, ``expand``, ``getitem`` ...) move nothing. Saved activations
+are the forward tensors (and inputs) that a backward node reads, counted once
+per storage: a view read by backward charges its base tensor.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import flop_counter
+
+from autopar.cost.compute import compute_time_s
+from autopar.cost.devices import DeviceSpec
+from autopar.passes import meta_keys as mk
+
+__all__ = ["annotate_cost", "node_flops", "tensor_bytes"]
+
+aten = torch.ops.aten
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+# Ops that alias their input without copying although their schema is not a view.
+_NO_COPY = {aten._unsafe_view.default, aten.detach.default, aten.alias.default}
+
+
+def annotate_cost(gm: fx.GraphModule, *, device: DeviceSpec, compute_dtype: str | None = None) -> fx.GraphModule:
+    """Add ``meta[COST]`` (:class:`NodeCost`) to every node of ``gm``; return ``gm``.
+
+    Contract:
+      needs: ``meta["val"]`` and ``meta[TRACE]`` on every node (``trace_joint``).
+      produces: ``meta[COST]`` on every node; the graph itself is unchanged.
+      ``compute_dtype`` picks the device peak ("bf16", "fp32", ...) for all ops;
+      by default each op's output dtype picks it.
+      raises: nothing for unknown ops (they are costed by bytes alone).
+    """
+    saved = _saved_storages(gm)
+    for node in gm.graph.nodes:
+        info = node.meta[mk.TRACE]
+        out_bytes = tensor_bytes(node.meta.get("val"))
+        if node.op != "call_function":
+            param = out_bytes if info.role is mk.Role.PARAM else 0.0
+            node.meta[mk.COST] = mk.NodeCost(
+                flops=0.0, bytes_read=0.0, bytes_written=0.0, output_bytes=out_bytes,
+                saved_bytes=out_bytes if node in saved else 0.0, param_bytes=param, time_s=0.0)
+            continue
+        flops = node_flops(node)
+        if _is_view(node):
+            read = written = 0.0
+        elif node.target is aten.embedding.default:
+            read = tensor_bytes(node.args[1].meta["val"]) + out_bytes  # the gathered rows
+            written = out_bytes
+        else:
+            read = sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+            written = out_bytes
+        dtype = compute_dtype or _dtype_name(node.meta.get("val"))
+        node.meta[mk.COST] = mk.NodeCost(
+            flops=flops, bytes_read=read, bytes_written=written, output_bytes=out_bytes,
+            saved_bytes=out_bytes if node in saved else 0.0, param_bytes=0.0,
+            time_s=compute_time_s(flops=flops, bytes_moved=read + written, device=device, dtype=dtype))
+    return gm
+
+
+def tensor_bytes(val: Any) -> float:
+    """Bytes of a FakeTensor, or of every tensor in a tuple/list of them."""
+    if isinstance(val, torch.Tensor):
+        return float(val.numel() * val.element_size())
+    if isinstance(val, (tuple, list)):
+        return sum(tensor_bytes(v) for v in val)
+    return 0.0
+
+
+def _vals(x: Any) -> Any:
+    if isinstance(x, fx.Node):
+        return x.meta.get("val")
+    if isinstance(x, (tuple, list)):
+        return type(x)(_vals(v) for v in x)
+    return x
+
+
+def node_flops(node: fx.Node) -> float:
+    """FLOPs of one ``call_function`` node, as FlopCounterMode would count them."""
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    if packet is None:
+        return 0.0
+    args, kwargs = _vals(node.args), _vals(node.kwargs)
+    out = node.meta.get("val")
+    formula = flop_counter.flop_registry.get(packet)
+    if formula is not None:
+        return float(formula(*args, **kwargs, out_val=out))
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu:
+        q, k, v = args[:3]
+        return float(flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape))
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        grad_out, q, k, v = args[:4]
+        return float(flop_counter.sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape))
+    return 0.0
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.target is operator.getitem:
+        return True
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and (target.is_view or target in _NO_COPY)
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """Follow views back to the node that owns the storage."""
+    while node.op == "call_function" and _is_view(node) and node.target is not operator.getitem:
+        node = node.args[0]
+    return node
+
+
+def _saved_storages(gm: fx.GraphModule) -> set[fx.Node]:
+    """Forward nodes and inputs whose storage some backward node reads."""
+    saved = set()
+    for node in gm.graph.nodes:
+        if node.meta[mk.TRACE].role is not mk.Role.BACKWARD:
+            continue
+        for arg in node.all_input_nodes:
+            base = _base(arg)
+            if base.meta[mk.TRACE].role in (mk.Role.FORWARD, mk.Role.INPUT):
+                saved.add(base)
+    return saved
+
+
+def _dtype_name(val: Any) -> str:
+    if isinstance(val, (tuple, list)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    if isinstance(val, torch.Tensor):
+        return _DTYPE_NAMES.get(val.dtype, "fp32")
+    return "fp32"

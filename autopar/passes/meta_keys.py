@@ -1,0 +1,142 @@
+"""The metadata autopar's passes attach to fx nodes and graph modules.
+
+Every key autopar writes is defined here, once, with the frozen dataclass that
+is its value. A pass only adds its own keys, so running it twice is harmless.
+
+Node keys (``node.meta[KEY]``):
+
+- ``TRACE`` (:class:`NodeTrace`, set by ``trace_joint``): the node's role and
+  the module path it came from.
+- ``COST`` (:class:`NodeCost`, set by ``annotate_cost``): FLOPs, bytes moved,
+  saved-activation bytes and a roofline time estimate.
+- ``LAYER`` (``str``, set by ``group_layers``): the layer path the node belongs to.
+
+Graph keys (``gm.meta[KEY]``):
+
+- ``GRAPH`` (:class:`GraphTrace`, set by ``trace_joint``).
+- ``LAYERS`` (``tuple[LayerInfo, ...]``, set by ``group_layers``).
+
+Shapes always come from ``node.meta["val"]`` (a FakeTensor), never from here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+TRACE = "autopar.trace"
+COST = "autopar.cost"
+LAYER = "autopar.layer"
+GRAPH = "autopar.graph"
+LAYERS = "autopar.layers"
+
+
+class Role(str, enum.Enum):
+    """What a node of the joint graph is."""
+
+    PARAM = "param"  # a trainable parameter (placeholder)
+    BUFFER = "buffer"  # a non-trainable buffer (placeholder)
+    INPUT = "input"  # a user input or the loss target (placeholder)
+    TANGENT = "tangent"  # the seed gradient of the loss (placeholder)
+    FORWARD = "forward"  # computed in the forward pass
+    BACKWARD = "backward"  # computed in the backward pass
+    OUTPUT = "output"  # the graph's output node (loss and gradients)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeTrace:
+    role: Role
+    """Role of the node in the joint graph."""
+    module_path: str
+    """Dotted path of the innermost module that produced the node, relative to
+    the user's model ("" for code in the model's own forward or the loss)."""
+    module_class: str = ""
+    """Class name of that module ("" when unknown)."""
+    fqn: str = ""
+    """For PARAM/BUFFER placeholders: the state_dict key; for INPUT: the input's name."""
+    seq_nr: int = -1
+    """Autograd sequence number; a backward node shares it with its forward op."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeCost:
+    flops: float
+    """Floating-point operations (multiply and add counted separately)."""
+    bytes_read: float
+    """Bytes of tensor inputs the op reads (0 for views)."""
+    bytes_written: float
+    """Bytes of tensor outputs the op writes (0 for views)."""
+    output_bytes: float
+    """Size of the node's outputs, views included."""
+    saved_bytes: float
+    """Bytes of this forward node's output that backward reads (activation memory)."""
+    param_bytes: float
+    """For parameter placeholders, the parameter's size; else 0."""
+    time_s: float
+    """Roofline time of the op on one device of the cluster."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Repeat:
+    container: str
+    """Path of the ModuleList/Sequential whose blocks repeat, e.g. "model.layers"."""
+    traced: tuple[str, ...]
+    """Paths of the blocks that were traced, e.g. ("model.layers.0",)."""
+    count: int
+    """How many identical blocks the container holds."""
+    n_params_each: int
+    """Parameters in one block."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraphTrace:
+    model_name: str
+    input_names: tuple[str, ...]
+    """Names of the user inputs (positional "arg0", ... or keyword names), then "target" if any."""
+    param_fqns: tuple[str, ...]
+    """Parameter names in placeholder order."""
+    grad_outputs: dict[str, int] = field(default_factory=dict)
+    """Parameter name -> index of its gradient in the output tuple."""
+    loss_output: int = 0
+    """Index of the loss in the output tuple."""
+    n_params: int = 0
+    """Parameters of the whole model, counting collapsed repeats."""
+    repeats: tuple[Repeat, ...] = ()
+    """Repeated blocks traced once and stood for by their first instance."""
+    global_batch: int = 1
+    """Leading dimension of the inputs: the batch the planner splits."""
+    module_classes: dict[str, str] = field(default_factory=dict)
+    """Module path -> class name, for every module of the model ("" is the model)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerInfo:
+    """One layer of the model (a repeated block, an embedding, a head) and its costs.
+
+    Costs are for one instance at the traced (global) batch; ``count`` instances
+    exist when the layer stands for a run of identical blocks.
+    """
+
+    path: str
+    """Module path of the layer, e.g. "transformer.h.0"."""
+    index: int
+    """Position in forward order."""
+    class_name: str
+    """Class of the layer's module, e.g. "Block"."""
+    signature: str
+    """Structural hash: layers with the same signature are interchangeable."""
+    count: int
+    """Instances this layer stands for (> 1 for collapsed repeats)."""
+    param_fqns: tuple[str, ...]
+    n_params: int
+    param_bytes: float
+    flops_fwd: float
+    flops_bwd: float
+    bytes_fwd: float
+    bytes_bwd: float
+    time_fwd_s: float
+    time_bwd_s: float
+    saved_bytes: float
+    """Activation bytes the backward reads (what a stage holds per micro-batch in flight)."""
+    boundary_bytes: float
+    """Bytes of forward outputs later layers read (what a pipeline cut after it sends)."""

@@ -1,0 +1,359 @@
+"""Trace an unmodified model and its loss into one joint forward+backward ATen graph.
+
+How: TorchDynamo captures the Python-level graph (this is what lets Hugging Face
+models through: their mask helpers skip data-dependent checks while dynamo is
+tracing), then AOTAutograd's ``aot_export_joint_with_descriptors`` turns it into
+a functional ATen graph of forward and backward, with descriptors that say which
+placeholder is which parameter and which output is which gradient. Everything
+runs on FakeTensors: parameters on the ``meta`` device are swapped for fake CPU
+tensors for the duration of the trace, so a 70B-shaped model allocates nothing.
+
+Repeated blocks: a ModuleList/Sequential of structurally identical blocks (same
+class, same parameter shapes, same configuration) is traced with its first block
+only, and the graph records how many blocks that one stands for
+(:class:`~autopar.passes.meta_keys.Repeat`). That keeps a 80-layer model's trace
+as cheap as a 1-layer one. Pass ``collapse_repeats=False`` for the full graph
+(codegen needs it; planning does not).
+
+References: torch/_functorch/aot_autograd.py (aot_export_joint_with_descriptors),
+torch/_dynamo/functional_export.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from autopar.errors import TraceError
+from autopar.passes import meta_keys as mk
+
+log = logging.getLogger(__name__)
+
+__all__ = ["trace_joint", "LossError"]
+
+
+class LossError(ValueError):
+    """The model's output is not a loss and no ``loss_fn`` was given."""
+
+
+def trace_joint(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    example_target: Any = None,
+    collapse_repeats: bool = True,
+) -> fx.GraphModule:
+    """Trace ``loss_fn(model(*inputs), target)`` forward and backward into an ATen graph.
+
+    Contract:
+      needs: a model whose parameters live on one device (``cpu`` or ``meta``);
+        ``example_inputs`` a tuple of positional args, a dict of keyword args or
+        a single tensor (one global batch).
+      produces: a GraphModule whose placeholders are parameters, buffers, inputs
+        (then the target) and the loss tangent, and whose output is
+        ``(loss, *param_grads)`` in AOTAutograd's order; every node has
+        ``meta["val"]`` and ``meta[TRACE]`` (:class:`NodeTrace`); the module has
+        ``gm.meta[GRAPH]`` (:class:`GraphTrace`).
+      raises: :class:`LossError` when no loss can be found, :class:`TraceError`
+        naming the op or source line when the model cannot be traced.
+    """
+    names, flat, kw_names = _flatten_inputs(example_inputs)
+    if example_target is not None:
+        names, flat = names + ("target",), flat + [example_target]
+    repeats = _find_repeats(model) if collapse_repeats else ()
+    n_params = sum(p.numel() for p in model.parameters())
+    wrapper = _TrainStep(model, loss_fn, n_pos=len(flat) - len(kw_names) - (example_target is not None),
+                         kw_names=kw_names, has_target=example_target is not None)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with _collapsed(model, repeats), _fake_state(model, fake_mode), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fake_inputs = [_to_fake(x, fake_mode) for x in flat]
+        joint, flat_to_fqn = _export(wrapper, fake_inputs, type(model).__name__)
+    gm = joint.graph_module
+    _annotate_nodes(gm, flat_to_fqn, names)
+    out_node = gm.graph.find_nodes(op="output")[0]
+    grad_outputs, loss_output = {}, 0
+    for i, desc in enumerate(out_node.meta.get("desc", ())):
+        kind = type(desc).__name__
+        if kind == "GradAOTOutput" and type(desc.grad_of).__name__ == "ParamAOTInput":
+            grad_outputs[_param_name(desc.grad_of.target, flat_to_fqn)] = i
+        elif kind == "PlainAOTOutput" and desc.idx == 0:
+            loss_output = i
+    params = tuple(n.meta[mk.TRACE].fqn for n in gm.graph.find_nodes(op="placeholder")
+                   if n.meta[mk.TRACE].role is mk.Role.PARAM)
+    batch = next((x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0), 1)
+    gm.meta[mk.GRAPH] = mk.GraphTrace(
+        model_name=type(model).__name__, input_names=names, param_fqns=params,
+        grad_outputs=grad_outputs, loss_output=loss_output, n_params=n_params,
+        repeats=repeats, global_batch=int(batch),
+        module_classes={name: type(m).__name__ for name, m in model.named_modules()})
+    log.info("traced %s: %d nodes, %d params, repeats=%s", type(model).__name__,
+             len(gm.graph.nodes), n_params, [(r.container, r.count) for r in repeats])
+    return gm
+
+
+# -- inputs and loss ---------------------------------------------------------
+
+
+def _flatten_inputs(example_inputs: Any) -> tuple[tuple[str, ...], list[Any], tuple[str, ...]]:
+    """Return (names, flat values, keyword names) for the accepted input forms."""
+    if isinstance(example_inputs, torch.Tensor):
+        return ("arg0",), [example_inputs], ()
+    if isinstance(example_inputs, dict):
+        keys = tuple(k for k, v in example_inputs.items() if v is not None)
+        return keys, [example_inputs[k] for k in keys], keys
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(f"arg{i}" for i in range(len(example_inputs))), list(example_inputs), ()
+    raise TypeError(
+        f"example_inputs must be a tuple of positional arguments, a dict of keyword "
+        f"arguments or a single tensor; got {type(example_inputs).__name__}")
+
+
+class _TrainStep(nn.Module):
+    """``loss = loss_fn(model(*args, **kwargs), target)`` as one module to trace."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable | None, *, n_pos: int,
+                 kw_names: tuple[str, ...], has_target: bool) -> None:
+        super().__init__()
+        self.user = model
+        self.loss_fn = loss_fn
+        self.n_pos = n_pos
+        self.kw_names = kw_names
+        self.has_target = has_target
+
+    def forward(self, *flat: Any) -> torch.Tensor:
+        args = flat[: self.n_pos]
+        kwargs = dict(zip(self.kw_names, flat[self.n_pos: self.n_pos + len(self.kw_names)]))
+        out = self.user(*args, **kwargs)
+        if self.loss_fn is not None:
+            return self.loss_fn(out, flat[-1] if self.has_target else None)
+        return _loss_of(out)
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    raise LossError(
+        f"the model returned {shape}, which is not a scalar loss and has no .loss; "
+        f"pass loss_fn=lambda output, target: ... and example_target (or, for Hugging "
+        f"Face models, include labels=... in the inputs)")
+
+
+# -- repeated blocks ---------------------------------------------------------
+
+
+def _block_signature(block: nn.Module) -> tuple:
+    """What must agree for two blocks to be traced as one: classes, configs, shapes."""
+    sig = []
+    for name, mod in block.named_modules():
+        conf = tuple(sorted((k, v) for k, v in vars(mod).items()
+                            if isinstance(v, (int, float, str, bool, type(None)))
+                            and not k.startswith("_") and k != "training"
+                            and "idx" not in k and "index" not in k))
+        sig.append((name, type(mod).__qualname__, mod.extra_repr(), conf))
+    for name, t in list(block.named_parameters()) + list(block.named_buffers()):
+        sig.append((name, tuple(t.shape), str(t.dtype), t.requires_grad))
+    return tuple(sig)
+
+
+def _find_repeats(model: nn.Module) -> tuple[mk.Repeat, ...]:
+    """ModuleLists/Sequentials whose blocks are all alike (and hold parameters)."""
+    found = []
+    for path, mod in model.named_modules():
+        if type(mod) not in (nn.ModuleList, nn.Sequential) or len(mod) < 2:
+            continue
+        if any(path.startswith(r.container + ".") for r in found):
+            continue
+        blocks = list(mod)
+        first = _block_signature(blocks[0])
+        n_each = sum(p.numel() for p in blocks[0].parameters())
+        if n_each == 0 or any(_block_signature(b) != first for b in blocks[1:]):
+            continue
+        found.append(mk.Repeat(container=path, traced=(f"{path}.0",), count=len(blocks),
+                               n_params_each=n_each))
+    return tuple(found)
+
+
+@contextlib.contextmanager
+def _collapsed(model: nn.Module, repeats: tuple[mk.Repeat, ...]) -> Iterator[None]:
+    """Temporarily keep only the first block of each repeated container."""
+    saved = []
+    try:
+        for r in repeats:
+            container = model.get_submodule(r.container)
+            saved.append((container, dict(container._modules)))
+            first_key = next(iter(container._modules))
+            container._modules = {first_key: container._modules[first_key]}
+        yield
+    finally:
+        for container, modules in saved:
+            container._modules = modules
+
+
+# -- fake state --------------------------------------------------------------
+
+
+def _to_fake(x: Any, fake_mode) -> Any:
+    """Meta tensors become fake CPU tensors (meta has no kernels for autograd's needs)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    with fake_mode:
+        device = "cpu" if x.device.type == "meta" else x.device
+        t = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device=device)
+    return t
+
+
+@contextlib.contextmanager
+def _fake_state(model: nn.Module, fake_mode) -> Iterator[None]:
+    """Swap every parameter and buffer for a fake CPU tensor, keeping ties; restore after."""
+    swapped: list[tuple[dict, str, Any]] = []
+    new: dict[int, Any] = {}
+    try:
+        for mod in model.modules():
+            for store, is_param in ((mod._parameters, True), (mod._buffers, False)):
+                for name, t in list(store.items()):
+                    if t is None:
+                        continue
+                    if id(t) not in new:
+                        fake = _to_fake(t, fake_mode)
+                        new[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if is_param else fake
+                    swapped.append((store, name, t))
+                    store[name] = new[id(t)]
+        yield
+    finally:
+        for store, name, t in reversed(swapped):
+            store[name] = t
+
+
+# -- capture ----------------------------------------------------------------
+
+
+def _export(wrapper: nn.Module, fake_inputs: list[Any], model_name: str):
+    from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+    try:
+        captured = _dynamo_graph_capture_for_export(wrapper)(*fake_inputs)
+        flat_to_fqn = dict(captured.meta.get("dynamo_flat_name_to_original_fqn", {}))
+        with contextlib.ExitStack() as stack:
+            joint = aot_export_joint_with_descriptors(stack, captured, tuple(fake_inputs))
+    except Exception as e:  # translate torch's tracing errors into one that says what to do
+        raise _trace_error(e, model_name) from e
+    return joint, flat_to_fqn
+
+
+def _trace_error(e: BaseException, model_name: str) -> Exception:
+    chain, cur = [], e
+    while cur is not None and len(chain) < 20:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    for c in chain:
+        if isinstance(c, LossError):
+            return c
+    text = "\n".join(str(c) for c in chain)
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    frames = [(f, ln) for f, ln in re.findall(r'File "([^"]+)", line (\d+)', text)
+              if "/torch/" not in f and "/autopar/passes/" not in f]
+    where = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
+    op = re.search(r"(aten\.\w+(?:\.\w+)?)", text)
+    what = f" (op {op.group(1)})" if op else ""
+    err = TraceError(
+        f"could not trace {model_name}{where}{what}: {first[:200]}. Try: make the model's "
+        f"forward free of data-dependent Python control flow, return plain tensors "
+        f"(use_cache=False for Hugging Face models), or build it on 'cpu' with small shapes")
+    err.details = text
+    return err
+
+
+# -- node annotation ----------------------------------------------------------
+
+
+_WRAPPER_PREFIX = "user."
+
+
+def _param_name(flat_name: str, flat_to_fqn: dict[str, str]) -> str:
+    fqn = flat_to_fqn.get(flat_name, flat_name)
+    return fqn[len(_WRAPPER_PREFIX):] if fqn.startswith(_WRAPPER_PREFIX) else fqn
+
+
+def _normalize_path(raw: str) -> str:
+    """Dynamo's source names ("L['self'].user.h[0]") -> module paths ("h.0")."""
+    s = raw.replace("L['self']", "")
+    s = re.sub(r"\._modules\['([^']+)'\]", r".\1", s)
+    s = re.sub(r"\['([^']+)'\]", r".\1", s)
+    s = re.sub(r"\[(\d+)\]", r".\1", s)
+    while "getattr(" in s:
+        s2 = re.sub(r"getattr\(([^()]*), '([^']+)'\)", r"\1.\2", s)
+        if s2 == s:
+            break
+        s = s2
+    s = s.lstrip(".")
+    if s == "user":
+        return ""
+    return s[len(_WRAPPER_PREFIX):] if s.startswith(_WRAPPER_PREFIX) else s
+
+
+def _innermost(stack: dict | None) -> tuple[str, str]:
+    if not stack:
+        return "", ""
+    raw, cls = list(stack.values())[-1]
+    name = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+    return _normalize_path(raw), name.rsplit(".", 1)[-1]
+
+
+def _annotate_nodes(gm: fx.GraphModule, flat_to_fqn: dict[str, str], input_names: tuple[str, ...]) -> None:
+    by_seq: dict[int, tuple[str, str]] = {}
+    for node in gm.graph.nodes:
+        seq = node.meta.get("seq_nr", -1)
+        if node.op == "placeholder":
+            desc = node.meta.get("desc")
+            kind = type(desc).__name__
+            if kind == "ParamAOTInput":
+                info = mk.NodeTrace(role=mk.Role.PARAM, module_path="", fqn=_param_name(desc.target, flat_to_fqn))
+            elif kind == "BufferAOTInput":
+                info = mk.NodeTrace(role=mk.Role.BUFFER, module_path="", fqn=_param_name(desc.target, flat_to_fqn))
+            elif kind == "TangentAOTInput":
+                info = mk.NodeTrace(role=mk.Role.TANGENT, module_path="")
+            else:
+                idx = getattr(desc, "idx", 0)
+                name = input_names[idx] if idx < len(input_names) else f"arg{idx}"
+                info = mk.NodeTrace(role=mk.Role.INPUT, module_path="", fqn=name)
+        elif node.op == "output":
+            info = mk.NodeTrace(role=mk.Role.OUTPUT, module_path="")
+        else:
+            backward = node.meta.get("partitioner_tag") == "is_backward" or node.meta.get("autograd_backward", False)
+            if not backward:
+                path, cls = _innermost(node.meta.get("nn_module_stack"))
+                if seq >= 0:
+                    by_seq.setdefault(seq, (path, cls))
+            else:
+                path, cls = _innermost(node.meta.get("fwd_nn_module_stack"))
+                if not path and seq in by_seq:
+                    path, cls = by_seq[seq]
+            info = mk.NodeTrace(role=mk.Role.BACKWARD if backward else mk.Role.FORWARD,
+                                module_path=path, module_class=cls, seq_nr=seq)
+        node.meta[mk.TRACE] = info
+    _place_params(gm)
+
+
+def _place_params(gm: fx.GraphModule) -> None:
+    """A parameter's module path is its name without the last component."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        info = node.meta[mk.TRACE]
+        if info.role in (mk.Role.PARAM, mk.Role.BUFFER):
+            owner = info.fqn.rsplit(".", 1)[0] if "." in info.fqn else ""
+            node.meta[mk.TRACE] = mk.NodeTrace(role=info.role, module_path=owner, fqn=info.fqn)

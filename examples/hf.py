@@ -1,0 +1,188 @@
+"""
+Hugging Face transformers models, built from configs alone (no downloads, random
+init), for autopar to plan: the "unmodified user model" case.
+
+References:
+1) Hugging Face transformers, https://github.com/huggingface/transformers
+   (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+   MixtralForCausalLM, BertForMaskedLM, T5ForConditionalGeneration,
+   ViTForImageClassification)
+2) Shapes of the big sizes: Llama 2 (https://arxiv.org/abs/2307.09288),
+   Llama 3 (https://arxiv.org/abs/2407.21783), Mistral 7B
+   (https://arxiv.org/abs/2310.06825)
+
+    autopar plan examples/hf.py:build --arg model=llama --arg size=70b --cluster 8x8xH100
+
+build(model="gpt2", size="tiny", device=..., batch=..., seq=..., seed=0)
+returns (model, inputs, None, None): inputs is a dict of keyword arguments that
+includes `labels`, so the model computes its own `.loss`. Configs set
+use_cache=False (no cache objects in the output) and attn_implementation="sdpa"
+(every model here, T5 included, runs forward and backward with it). Sizes of 1B parameters and more are
+built on "meta" by default.
+"""
+import torch
+
+try:
+    import transformers
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("examples/hf.py needs Hugging Face transformers: pip install transformers") from e
+
+# The tiny configs share one shape: 2 layers, hidden 64, 4 heads, vocab 256.
+_TINY = dict(layers=2, hidden=64, heads=4, ffn=128, vocab=256, positions=512)
+
+
+def _gpt2(size):
+    assert size == "tiny"
+    t = _TINY
+    return transformers.GPT2Config(
+        n_layer=t["layers"], n_embd=t["hidden"], n_head=t["heads"], n_inner=t["ffn"],
+        vocab_size=t["vocab"], n_positions=t["positions"], bos_token_id=0, eos_token_id=0,
+    ), transformers.GPT2LMHeadModel
+
+
+def _decoder(config_cls, size, **extra):
+    t = _TINY
+    return config_cls(
+        num_hidden_layers=t["layers"], hidden_size=t["hidden"], num_attention_heads=t["heads"],
+        num_key_value_heads=t["heads"] // 2, intermediate_size=t["ffn"], vocab_size=t["vocab"],
+        max_position_embeddings=t["positions"], **extra,
+    )
+
+
+def _llama(size):
+    cls = transformers.LlamaForCausalLM
+    if size == "tiny":
+        return _decoder(transformers.LlamaConfig, size), cls
+    if size == "7b":  # Llama 2 7B
+        return transformers.LlamaConfig(
+            num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
+            intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        ), cls
+    if size == "8b":  # Llama 3 8B
+        return transformers.LlamaConfig(
+            num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+            intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
+            rms_norm_eps=1e-5, rope_theta=500000.0,
+        ), cls
+    if size == "70b":  # Llama 3 70B
+        return transformers.LlamaConfig(
+            num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
+            intermediate_size=28672, vocab_size=128256, max_position_embeddings=8192,
+            rms_norm_eps=1e-5, rope_theta=500000.0,
+        ), cls
+    raise KeyError(size)
+
+
+def _mistral(size):
+    cls = transformers.MistralForCausalLM
+    if size == "tiny":
+        return _decoder(transformers.MistralConfig, size, sliding_window=None), cls
+    if size == "7b":  # Mistral 7B v0.1 (sliding window off: full causal attention)
+        return transformers.MistralConfig(
+            num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+            intermediate_size=14336, vocab_size=32000, max_position_embeddings=32768, sliding_window=None,
+        ), cls
+    raise KeyError(size)
+
+
+def _qwen2(size):
+    assert size == "tiny"
+    return _decoder(transformers.Qwen2Config, size), transformers.Qwen2ForCausalLM
+
+
+def _mixtral(size):
+    assert size == "tiny"
+    config = _decoder(transformers.MixtralConfig, size, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    return config, transformers.MixtralForCausalLM
+
+
+def _bert(size):
+    assert size == "tiny"
+    t = _TINY
+    return transformers.BertConfig(
+        num_hidden_layers=t["layers"], hidden_size=t["hidden"], num_attention_heads=t["heads"],
+        intermediate_size=t["ffn"], vocab_size=t["vocab"], max_position_embeddings=t["positions"],
+    ), transformers.BertForMaskedLM
+
+
+def _t5(size):
+    assert size == "tiny"
+    t = _TINY
+    return transformers.T5Config(
+        num_layers=t["layers"], num_decoder_layers=t["layers"], d_model=t["hidden"], num_heads=t["heads"],
+        d_kv=t["hidden"] // t["heads"], d_ff=t["ffn"], vocab_size=t["vocab"],
+        decoder_start_token_id=0, pad_token_id=0,
+    ), transformers.T5ForConditionalGeneration
+
+
+def _vit(size):
+    assert size == "tiny"
+    t = _TINY
+    return transformers.ViTConfig(
+        num_hidden_layers=t["layers"], hidden_size=t["hidden"], num_attention_heads=t["heads"],
+        intermediate_size=t["ffn"], image_size=32, patch_size=8, num_channels=3, num_labels=10,
+    ), transformers.ViTForImageClassification
+
+
+# model -> (config factory, sizes it offers, kind of inputs)
+MODELS = {
+    "gpt2": (_gpt2, ("tiny",), "causal"),
+    "llama": (_llama, ("tiny", "7b", "8b", "70b"), "causal"),
+    "mistral": (_mistral, ("tiny", "7b"), "causal"),
+    "qwen2": (_qwen2, ("tiny",), "causal"),
+    "mixtral": (_mixtral, ("tiny",), "causal"),
+    "bert": (_bert, ("tiny",), "masked"),
+    "t5": (_t5, ("tiny",), "seq2seq"),
+    "vit": (_vit, ("tiny",), "image"),
+}
+
+
+def _inputs(kind, config, batch, seq, device, seed):
+    """Keyword inputs, labels included; random on cpu, empty on meta."""
+    on_meta = torch.device(device).type == "meta"
+    g = None if on_meta else torch.Generator().manual_seed(seed)
+
+    def ints(high, *shape):
+        if on_meta:
+            return torch.empty(*shape, dtype=torch.long, device=device)
+        return torch.randint(0, high, shape, generator=g).to(device)
+
+    if kind == "causal":
+        # HF shifts labels inside the loss: labels are the input ids themselves
+        input_ids = ints(config.vocab_size, batch, seq)  # (B, T)
+        return {"input_ids": input_ids, "labels": input_ids.clone()}
+    if kind == "masked":
+        input_ids = ints(config.vocab_size, batch, seq)  # (B, T)
+        return {"input_ids": input_ids, "labels": ints(config.vocab_size, batch, seq)}  # (B, T)
+    if kind == "seq2seq":
+        # decoder_input_ids given explicitly, so the model does not shift labels itself
+        labels = ints(config.vocab_size, batch, seq)  # (B, T)
+        decoder_input_ids = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], dim=1)  # (B, T)
+        return {"input_ids": ints(config.vocab_size, batch, seq), "decoder_input_ids": decoder_input_ids, "labels": labels}
+    if kind == "image":
+        shape = (batch, config.num_channels, config.image_size, config.image_size)  # (B, 3, H, W)
+        pixel_values = torch.empty(shape, device=device) if on_meta else torch.randn(shape, generator=g).to(device)
+        return {"pixel_values": pixel_values, "labels": ints(config.num_labels, batch)}  # labels (B,)
+    raise AssertionError(kind)
+
+
+def build(model="gpt2", size="tiny", device=None, batch=None, seq=None, seed=0):
+    """Return (hf_model, inputs_dict, None, None). All arguments may be strings."""
+    if model not in MODELS:
+        raise ValueError(f"unknown hf model {model!r}; choose one of {', '.join(MODELS)}")
+    make_config, sizes, kind = MODELS[model]
+    if size not in sizes:
+        raise ValueError(f"unknown size {size!r} for hf model {model!r}; choose one of {', '.join(sizes)}")
+    config, model_cls = make_config(size)
+    config.use_cache = False
+    big = size != "tiny"
+    device = torch.device(device if device is not None else ("meta" if big else "cpu"))
+    batch = int(batch) if batch is not None else 8
+    seq = int(seq) if seq is not None else (4096 if big else 64)
+    seed = int(seed)
+    on_meta = device.type == "meta"
+    if not on_meta:
+        torch.manual_seed(seed)
+    with torch.device(device):
+        hf_model = model_cls._from_config(config, attn_implementation="sdpa")
+    return hf_model, _inputs(kind, config, batch, seq, device, seed), None, None
