@@ -198,9 +198,9 @@ def zb_h2(n_stages: int, n_micro: int) -> Schedule:
 
     Built by running the unit-time (T_F = T_B = T_W) pipeline greedily: each free
     stage runs a ready B first (the critical path), else its next F while it
-    holds fewer than ``2p - 1`` micro-batches, else its oldest pending W. Stage s
-    is then busy without a gap from slot s to ``s + 3m`` (the paper's
-    parallelogram). One step only: the optimizer post-validation that lets
+    holds fewer than ``2p - 1`` micro-batches, else its oldest pending W. With
+    ``m >= 2p - 1`` stage s is then busy without a gap from slot s to ``s + 3m``
+    (the paper's parallelogram). One step only: the optimizer post-validation that lets
     consecutive steps overlap is out of scope, so with T_F = T_B = T_W the step
     time equals ZB-H1's; ZB-H2 wins when T_W < T_B, where ZB-H1's bubble
     ``(p - 1)(T_F + T_B - T_W)`` grows.
@@ -242,7 +242,9 @@ def make_schedule(kind: str, *, n_stages: int, n_micro: int, n_virtual: int = 1)
     if kind == "interleaved":
         return interleaved_1f1b(n_stages, n_micro, n_virtual)
     if n_virtual != 1:
-        raise ValueError(f"schedule {kind!r} has one chunk per rank; got n_virtual={n_virtual}, use 'interleaved'")
+        raise ValueError(
+            f"schedule {kind!r} has one chunk per rank; got n_virtual={n_virtual}, use 'interleaved'"
+        )
     return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2}[kind](n_stages, n_micro)
 
 

@@ -56,9 +56,13 @@ Contract of `op_candidates`:
     never   mutates the node or the graph; results are cached per (op, tensor
             shapes/strides/dtypes, other arguments, mesh_shape).
 
-Candidates may hold DTensor's ``_MaskPartial`` (a Partial subclass: the output
-of a vocab-sharded embedding) and placements whose shards are uneven (DTensor
-only requires dim size >= number of shards).
+Candidates hold Replicate, Shard and Partial placements, including Partial
+kinds other than "sum" (avg, max, min: a pointwise op passes them through) and
+DTensor's ``_MaskPartial`` (a Partial subclass: a row-sharded embedding's output
+and, on the input side, its indices, which are replicated and masked locally).
+Shards may be uneven (DTensor only requires dim size >= number of shards).
+Candidates that would hold DTensor's private ``_StridedShard`` (e.g. flattening
+(B, T) while T is sharded) are dropped: the rest of autopar does not model it.
 """
 
 from __future__ import annotations
@@ -73,7 +77,13 @@ from typing import Any
 import torch
 import torch.fx
 from torch._ops import OpOverload
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import (
+    _StridedShard,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +323,7 @@ def _expand(rules, ins, outs, mesh_shape, source) -> tuple[Candidate, ...]:
             raise AssertionError(f"rule {rule} has {len(row)} entries, expected {n_out}+{len(ins)}")
         rows.append(row)
     replicate = tuple(None if o is None else Replicate() for o in outs) + (Replicate(),) * len(ins)
-    if not any(all(p is None or isinstance(p, Replicate) for p in r) for r in rows):
+    if not any(all(p is None or p.is_replicate() for p in r) for r in rows):
         rows.insert(0, replicate)
     found: dict[tuple, Candidate] = {}
     for combo in itertools.product(rows, repeat=len(mesh_shape)):
@@ -336,7 +346,9 @@ def _valid(cand: Candidate, ins, outs, mesh_shape) -> bool:
     for placements, t in pairs:
         if t is None or not _fits(t.shape, placements, mesh_shape):
             return False
-        kinds = {(type(p), p.reduce_op) for p in placements if isinstance(p, Partial)}
+        if any(type(p) is _StridedShard for p in placements):
+            return False
+        kinds = {(type(p), p.reduce_op) for p in placements if p.is_partial()}
         if len(kinds) > 1 and not ({k[1] for k in kinds} == {"sum", "avg"} and len({k[0] for k in kinds}) == 1):
             return False
     return True
@@ -362,62 +374,89 @@ def _prod(xs) -> int:
     return out
 
 
-def _input_options(shape, mesh_shape) -> list[Placements]:
-    per_axis = [Replicate(), Partial("sum")] + [Shard(d) for d in range(len(shape))]
+def _exemplars(ins, mesh_shape) -> list[Placements]:
+    """Every placement (Replicate, Partial("sum"), Shard(d) per axis) that fits some input."""
+    per_axis_max = max((len(t.shape) for t in ins), default=0)
+    per_axis = [Replicate(), Partial("sum")] + [Shard(d) for d in range(per_axis_max)]
     return [
-        ps for ps in itertools.product(per_axis, repeat=len(mesh_shape)) if _fits(shape, ps, mesh_shape)
+        ps
+        for ps in itertools.product(per_axis, repeat=len(mesh_shape))
+        if any(_fits(t.shape, ps, mesh_shape) for t in ins)
     ]
 
 
+def _restrict(ps: Placements, t: _TensorSig, mesh_shape) -> Placements:
+    """``ps`` as offered to input ``t``: shards of missing dims become Replicate."""
+    ps = tuple(Replicate() if p.is_shard() and p.dim >= len(t.shape) else p for p in ps)
+    return ps if _fits(t.shape, ps, mesh_shape) else (Replicate(),) * len(ps)
+
+
 def _classic(prop, op, args, kwargs, ins, outs, mesh_shape) -> tuple[Candidate, ...]:
-    """Ask an ``op_strategy_funcs`` entry, offering every placement for every input."""
+    """Ask an ``op_strategy_funcs`` entry, once per exemplar input placement.
+
+    Classic strategy functions derive their strategies from the placements the
+    inputs arrive in (a view maps its input's shards, cat follows one input,
+    nll_loss zips its inputs' options). We offer every tensor input one
+    placement at a time, the same exemplar for all inputs, and collect the
+    union. One option per call also keeps DTensor's redistribute-cost
+    bookkeeping (options x options per input) from dominating the time.
+    """
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 
     mesh = _mesh(mesh_shape)
-
-    def strategy(t: _TensorSig):
-        meta = t.meta()
-        return OpStrategy(
-            [OpSpec(DTensorSpec(mesh, ps, tensor_meta=meta)) for ps in _input_options(t.shape, mesh_shape)]
-        )
-
-    def wrap(sig):
-        if isinstance(sig, _TensorSig):
-            return strategy(sig)
-        if isinstance(sig, tuple):
-            if sig and all(isinstance(x, _TensorSig) for x in sig):
-                return TupleStrategy([strategy(x) for x in sig])
-            return [wrap(x) for x in sig]
-        return sig
-
-    schema = OpSchema(
-        op,
-        tuple(wrap(a) for a in args),
-        {k: wrap(v) for k, v in kwargs},
-        schema_info=prop.op_to_schema_info.get(op),
-    )
-    result = prop.op_strategy_funcs[op](schema)
-    if not isinstance(result, OpStrategy):
-        raise NotImplementedError(f"{type(result).__name__} results are not supported")
+    func = prop.op_strategy_funcs[op]
+    schema_info = prop.op_to_schema_info.get(op)
     found: dict[tuple, Candidate] = {}
-    for spec in result.strategies:
-        out_specs = spec.output_specs
-        if isinstance(out_specs, DTensorSpec) or out_specs is None:
-            out_specs = (out_specs,) * len(outs)
-        outputs = tuple(
-            None if o is None or s is None else tuple(s.placements) for o, s in zip(outs, out_specs)
+    first_error: Exception | None = None
+    for exemplar in _exemplars(ins, mesh_shape) or [(Replicate(),) * len(mesh_shape)]:
+
+        def wrap(sig):
+            if isinstance(sig, _TensorSig):
+                spec = DTensorSpec(mesh, _restrict(exemplar, sig, mesh_shape), tensor_meta=sig.meta())
+                return OpStrategy([OpSpec(spec)])
+            if isinstance(sig, tuple):
+                if sig and all(isinstance(x, _TensorSig) for x in sig):
+                    return TupleStrategy([wrap(x) for x in sig])
+                return [wrap(x) for x in sig]
+            return sig
+
+        schema = OpSchema(
+            op, tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs}, schema_info=schema_info
         )
-        if spec.input_specs is None:
-            inputs = (outputs[0],) * len(ins)
-        else:
-            inputs = tuple(tuple(s.placements) for s in spec.input_specs)
-        if len(inputs) != len(ins) or any(i is None for i in inputs):
-            raise AssertionError(f"strategy has {len(inputs)} input specs for {len(ins)} tensor inputs")
-        cand = Candidate(outputs, inputs, "dtensor")
-        if _valid(cand, ins, outs, mesh_shape):
-            found.setdefault((outputs, inputs), cand)
+        try:
+            result = func(schema)
+        except Exception as e:  # e.g. a view that cannot unflatten this sharding
+            logger.debug("%s rejects exemplar %s: %s", op, exemplar, e)
+            first_error = first_error or e
+            continue
+        if not isinstance(result, OpStrategy):
+            raise NotImplementedError(f"{type(result).__name__} results are not supported")
+        for spec in result.strategies:
+            cand = _from_op_spec(spec, ins, outs)
+            if _valid(cand, ins, outs, mesh_shape):
+                found.setdefault((cand.outputs, cand.inputs), cand)
+    if not found and first_error is not None:
+        raise first_error
     return tuple(found.values())
+
+
+def _from_op_spec(spec, ins, outs) -> Candidate:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    out_specs = spec.output_specs
+    if isinstance(out_specs, DTensorSpec) or out_specs is None:
+        out_specs = (out_specs,) * len(outs)  # DTensor reuses a lone spec for every output
+    outputs = tuple(
+        None if o is None or s is None else tuple(s.placements) for o, s in zip(outs, out_specs)
+    )
+    if spec.input_specs is None:  # DTensor: inputs follow the output
+        inputs = (outputs[0],) * len(ins)
+    else:
+        inputs = tuple(tuple(s.placements) for s in spec.input_specs)
+    if len(inputs) != len(ins) or any(i is None for i in inputs):
+        raise AssertionError(f"strategy has {len(inputs)} input specs for {len(ins)} tensor inputs")
+    return Candidate(outputs, inputs, "dtensor")
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,15 @@
+"""autopar: an auto-parallelism compiler for PyTorch training.
+
+    import autopar
+    report = autopar.analyze(model, example_inputs, cluster="2x8xH100", loss_fn=...)
+    print(report.table())
+"""
+
+from autopar.analysis import analyze
+from autopar.cluster import Cluster, parse_cluster
+from autopar.errors import AutoparError, ClusterSpecError, InfeasibleError, PlanError, TraceError
+
+__version__ = "0.1.0"
+
+__all__ = ["analyze", "Cluster", "parse_cluster", "AutoparError", "ClusterSpecError",
+           "InfeasibleError", "PlanError", "TraceError", "__version__"]

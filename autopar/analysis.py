@@ -1,0 +1,144 @@
+"""Per-layer costs of a model on a cluster: what ``autopar analyze`` prints.
+
+``build_graph`` is the front half every entry point shares (trace -> annotate ->
+group layers); ``analyze`` summarises its result per layer class.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from torch import fx, nn
+
+from autopar.cluster import Cluster, parse_cluster
+from autopar.cost.memory import training_state_bytes
+from autopar.passes import meta_keys as mk
+from autopar.passes.annotate import annotate_cost
+from autopar.passes.layers import graph_hash, group_layers
+from autopar.passes.trace import trace_joint
+from autopar.progress import progress
+
+log = logging.getLogger(__name__)
+
+__all__ = ["build_graph", "analyze", "Analysis", "LayerClassRow"]
+
+
+def build_graph(model: nn.Module, example_inputs: Any, *, cluster: Cluster,
+                loss_fn: Callable | None = None, example_target: Any = None,
+                collapse_repeats: bool = True) -> fx.GraphModule:
+    """Trace, annotate and group: the annotated joint graph the planner reads."""
+    with progress(f"tracing {type(model).__name__}"):
+        gm = trace_joint(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
+                         collapse_repeats=collapse_repeats)
+    with progress("annotating costs"):
+        annotate_cost(gm, device=cluster.device)
+        group_layers(gm)
+    return gm
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerClassRow:
+    class_name: str
+    """Class of the layer's module."""
+    paths: tuple[str, ...]
+    """The layers of this class (the first of a collapsed run stands for all)."""
+    count: int
+    """Instances in the model."""
+    params: int
+    """Parameters of one instance."""
+    flops_fwd: float
+    flops_bwd: float
+    activation_bytes: float
+    """Saved activations of one instance at the traced batch."""
+    time_s: float
+    """Forward + backward roofline time of one instance on one device."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Analysis:
+    model: str
+    cluster: str
+    graph_hash: str
+    global_batch: int
+    n_nodes: int
+    layers: tuple[LayerClassRow, ...]
+    n_params: int
+    model_flops_per_step: float
+    training_state_bytes: float
+    """Mixed-precision AdamW state (16 bytes/param), unsharded."""
+    activation_bytes: float
+    time_one_device_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def table(self) -> str:
+        """The per-layer-class table and totals, for a person."""
+        head = f"{'layer class':<28} {'count':>5} {'params':>10} {'FLOPs fwd':>10} {'FLOPs bwd':>10} {'activations':>11} {'time/dev':>9}"
+        lines = [f"{self.model} on {self.cluster}: global batch {self.global_batch}, "
+                 f"{self.n_nodes} graph nodes, graph {self.graph_hash}", head, "-" * len(head)]
+        for r in self.layers:
+            name = f"{r.class_name} ({r.paths[0]}{'' if len(r.paths) == 1 else '..'})"
+            lines.append(f"{name[:28]:<28} {r.count:>5} {_si(r.params):>10} {_si(r.flops_fwd):>10} "
+                         f"{_si(r.flops_bwd):>10} {_bytes(r.activation_bytes):>11} {_secs(r.time_s):>9}")
+        lines.append("-" * len(head))
+        lines.append(f"parameters {_si(self.n_params)}; model FLOPs per step {_si(self.model_flops_per_step)}; "
+                     f"training state {_bytes(self.training_state_bytes)} (AdamW, mixed precision, unsharded); "
+                     f"activations {_bytes(self.activation_bytes)}; one device: {_secs(self.time_one_device_s)} per step")
+        return "\n".join(lines)
+
+
+def analyze(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster,
+            loss_fn: Callable | None = None, example_target: Any = None) -> Analysis:
+    """Trace ``model`` and report its per-layer-class costs on one device of ``cluster``."""
+    cluster = parse_cluster(cluster)
+    gm = build_graph(model, example_inputs, cluster=cluster, loss_fn=loss_fn, example_target=example_target)
+    return summarize(gm, cluster=cluster)
+
+
+def summarize(gm: fx.GraphModule, *, cluster: Cluster) -> Analysis:
+    info: mk.GraphTrace = gm.meta[mk.GRAPH]
+    layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
+    by_sig: dict[str, list[mk.LayerInfo]] = {}
+    for layer in layers:
+        by_sig.setdefault(layer.signature, []).append(layer)
+    rows = []
+    for group in by_sig.values():
+        first = group[0]
+        rows.append(LayerClassRow(
+            class_name=first.class_name, paths=tuple(x.path for x in group),
+            count=sum(x.count for x in group), params=first.n_params,
+            flops_fwd=first.flops_fwd, flops_bwd=first.flops_bwd,
+            activation_bytes=first.saved_bytes, time_s=first.time_fwd_s + first.time_bwd_s))
+    flops = sum((x.flops_fwd + x.flops_bwd) * x.count for x in layers)
+    return Analysis(
+        model=info.model_name, cluster=cluster.spec, graph_hash=graph_hash(gm),
+        global_batch=info.global_batch, n_nodes=len(gm.graph.nodes), layers=tuple(rows),
+        n_params=info.n_params, model_flops_per_step=flops,
+        training_state_bytes=training_state_bytes(n_params=info.n_params, zero_stage=0, dp=1).total,
+        activation_bytes=sum(x.saved_bytes * x.count for x in layers),
+        time_one_device_s=sum((x.time_fwd_s + x.time_bwd_s) * x.count for x in layers))
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _bytes(x: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.0f} B"
+
+
+def _secs(x: float) -> str:
+    if x >= 1:
+        return f"{x:.3g} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.3g} ms"
+    return f"{x * 1e6:.3g} us"

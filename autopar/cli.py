@@ -1,0 +1,91 @@
+"""The ``autopar`` command line: analyze, plan, diff.
+
+    autopar analyze examples/gpt.py:build --cluster 2x8xH100
+    autopar analyze examples/llama.py:build --arg size=70b --cluster 64x8xH100 --json out.json
+
+User mistakes (a bad cluster spec, a missing model file, an untraceable model)
+print one line, ``autopar: error: ...``, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from autopar import progress
+from autopar.errors import AutoparError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other user error
+        print(f"autopar: error: {message} (see autopar {self.prog.split()[-1]} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _key_values(pairs: Sequence[str], flag: str) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} {pair!r} is not of the form key=value")
+        out[key] = value
+    return out
+
+
+def _load(args):
+    from autopar.modelspec import load_model_spec
+
+    model, inputs, loss_fn, target = load_model_spec(args.model, _key_values(args.arg, "--arg"))
+    return model, inputs, loss_fn, target
+
+
+def cmd_analyze(args) -> int:
+    from autopar.analysis import analyze
+    from autopar.cluster import parse_cluster
+
+    cluster = parse_cluster(args.cluster)
+    model, inputs, loss_fn, target = _load(args)
+    report = analyze(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target)
+    print(report.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_dict(), f, indent=2, sort_keys=True)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="autopar", description="Auto-parallelism compiler for PyTorch training.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what each pass does")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def model_args(p):
+        p.add_argument("model", help="model spec FILE.py:FN; FN returns (model, example_inputs[, loss_fn[, target]])")
+        p.add_argument("--cluster", required=True, help="NODESxDEVICESxDEVICE (e.g. 2x8xH100) or a JSON/YAML file")
+        p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="keyword argument for FN (repeatable)")
+
+    p = sub.add_parser("analyze", help="per-layer costs of a model on one device of a cluster")
+    model_args(p)
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.set_defaults(func=cmd_analyze)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(name)s: %(message)s")
+    progress.enable(sys.stderr)
+    try:
+        return args.func(args)
+    except (AutoparError, ValueError, TypeError, FileNotFoundError, ImportError) as e:
+        message = " ".join(str(e).split())
+        print(f"autopar: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
