@@ -30,8 +30,9 @@ Where the answers come from, in order (checked on torch 2.13):
    group (``DeviceMesh(..., _init_backend=False)``), so no global state.
 3. autopar's own rules, for ops DTensor lacks (``_OWN_RULES``): the CPU flash
    attention pair ``_scaled_dot_product_flash_attention_for_cpu`` (+ backward)
-   shards batch (dim 0) or heads (dim 1) like DTensor's GPU SDPA rule, and the
-   constant-fill factories (full, zeros, ones, empty) may be created sharded.
+   shards batch (dim 0) or heads (dim 1) like DTensor's GPU SDPA rule; the
+   constant-fill factories (full, zeros, ones, empty) and the functional
+   ``fill.Scalar`` may produce any sharding.
 4. The fallback (``fallback=True``, autopar's own, source ``"fallback"``): the
    all-Replicate candidate, plus for ops tagged ``torch.Tag.pointwise`` Shard(d)
    on every output dim, with each input sharded on its broadcast-aligned dim
@@ -70,6 +71,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -152,7 +154,7 @@ def _placeholder_type() -> type:
 def _mesh(mesh_shape: tuple[int, ...]):
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = torch.arange(_prod(mesh_shape), dtype=torch.int).reshape(mesh_shape)
+    ranks = torch.arange(math.prod(mesh_shape), dtype=torch.int).reshape(mesh_shape)
     return DeviceMesh("cpu", ranks, _init_backend=False, _rank=0)
 
 
@@ -182,8 +184,16 @@ def has_rule(op: OpOverload) -> bool:
 
 def tensor_inputs(node: torch.fx.Node) -> tuple[torch.fx.Node, ...]:
     """The tensor-valued argument nodes of ``node``, in `Candidate.inputs` order."""
-    leaves = torch.utils._pytree.tree_leaves((node.args, dict(node.kwargs)))
-    return tuple(a for a in leaves if isinstance(a, torch.fx.Node) and _is_tensor_node(a))
+
+    def leaves(a: Any):
+        if isinstance(a, torch.fx.Node):
+            if _is_tensor_node(a):
+                yield a
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                yield from leaves(x)
+
+    return tuple(leaves((tuple(node.args), tuple(node.kwargs.values()))))
 
 
 def op_candidates(
@@ -210,7 +220,7 @@ def op_candidates(
     else:
         result, error = _compute(*key)
     if result is None:
-        why = f"DTensor's rule failed: {error}" if error else "neither DTensor nor autopar has a rule"
+        why = f"DTensor's rule failed: {error}" if error else "no rule in DTensor or autopar"
         raise UnsupportedOpError(f"{node.target}: {why}; node: {node.format_node()}")
     return list(result)
 
@@ -298,7 +308,8 @@ def _compute(op, args, kwargs, outs, mesh_shape, fallback):
         rules = _OWN_RULES[op](args, dict(kwargs), ins, outs)
         return _expand(rules, ins, outs, mesh_shape, "autopar"), None
     if fallback:
-        return _expand(_fallback_rules(op, args, ins, outs), ins, outs, mesh_shape, "fallback"), None
+        rules = _fallback_rules(op, ins, outs)
+        return _expand(rules, ins, outs, mesh_shape, "fallback"), None
     return None, error
 
 
@@ -342,14 +353,17 @@ def _expand(rules, ins, outs, mesh_shape, source) -> tuple[Candidate, ...]:
 
 
 def _valid(cand: Candidate, ins, outs, mesh_shape) -> bool:
-    pairs = list(zip(cand.inputs, ins)) + [(p, t) for p, t in zip(cand.outputs, outs) if p is not None]
+    pairs = list(zip(cand.inputs, ins))
+    pairs += [(ps, t) for ps, t in zip(cand.outputs, outs) if ps is not None]
     for placements, t in pairs:
         if t is None or not _fits(t.shape, placements, mesh_shape):
             return False
         if any(type(p) is _StridedShard for p in placements):
             return False
+        # Partials of different kinds on one tensor do not commute (sum and avg do)
         kinds = {(type(p), p.reduce_op) for p in placements if p.is_partial()}
-        if len(kinds) > 1 and not ({k[1] for k in kinds} == {"sum", "avg"} and len({k[0] for k in kinds}) == 1):
+        types, ops = {k[0] for k in kinds}, {k[1] for k in kinds}
+        if len(kinds) > 1 and not (len(types) == 1 and ops == {"sum", "avg"}):
             return False
     return True
 
@@ -365,13 +379,6 @@ def _fits(shape, placements, mesh_shape) -> bool:
             if shape[p.dim] < shards[p.dim]:
                 return False
     return True
-
-
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 def _exemplars(ins, mesh_shape) -> list[Placements]:
@@ -413,17 +420,16 @@ def _classic(prop, op, args, kwargs, ins, outs, mesh_shape) -> tuple[Candidate, 
 
         def wrap(sig):
             if isinstance(sig, _TensorSig):
-                spec = DTensorSpec(mesh, _restrict(exemplar, sig, mesh_shape), tensor_meta=sig.meta())
-                return OpStrategy([OpSpec(spec)])
+                placements = _restrict(exemplar, sig, mesh_shape)
+                return OpStrategy([OpSpec(DTensorSpec(mesh, placements, tensor_meta=sig.meta()))])
             if isinstance(sig, tuple):
                 if sig and all(isinstance(x, _TensorSig) for x in sig):
                     return TupleStrategy([wrap(x) for x in sig])
                 return [wrap(x) for x in sig]
             return sig
 
-        schema = OpSchema(
-            op, tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs}, schema_info=schema_info
-        )
+        wrapped = tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs}
+        schema = OpSchema(op, *wrapped, schema_info=schema_info)
         try:
             result = func(schema)
         except Exception as e:  # e.g. a view that cannot unflatten this sharding
@@ -488,6 +494,11 @@ def _fill_factory_rule(args, kwargs, ins, outs):
     return [[Shard(d)] for d in range(len(outs[0].shape))]
 
 
+def _fill_rule(args, kwargs, ins, outs):
+    # fill(self, value): the output is constant, so it may take any sharding of self.
+    return [[Shard(d), Shard(d)] for d in range(len(outs[0].shape))]
+
+
 _OWN_RULES = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_cpu_rule,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_cpu_rule,
@@ -495,10 +506,11 @@ _OWN_RULES = {
     aten.zeros.default: _fill_factory_rule,
     aten.ones.default: _fill_factory_rule,
     aten.empty.memory_format: _fill_factory_rule,
+    aten.fill.Scalar: _fill_rule,
 }
 
 
-def _fallback_rules(op, args, ins, outs):
+def _fallback_rules(op, ins, outs):
     """All-Replicate, plus Shard(d) on every output dim of a pointwise op."""
     tensors = [o for o in outs if o is not None]
     if torch.Tag.pointwise not in op.tags or not tensors:

@@ -7,7 +7,8 @@ whole module path when there is none ("lm_head", "transformer.wte"). Code
 written in a container's own forward (the model's, or "model" in a Hugging Face
 ``...ForCausalLM``) joins the layer before it in forward order, or the first
 layer if it comes before all of them. Backward nodes join the layer of the
-forward op they differentiate (same autograd ``seq_nr``).
+forward op they differentiate (same autograd ``seq_nr``); the adds that
+accumulate a tensor's gradients join the layer of the last gradient they sum.
 
 The structural signature hashes each node's op, its output shapes and dtypes and
 how it connects inside the layer; two layers with the same signature are the
@@ -47,6 +48,7 @@ def group_layers(gm: fx.GraphModule) -> fx.GraphModule:
     """
     graph_info: mk.GraphTrace = gm.meta[mk.GRAPH]
     nodes = list(gm.graph.nodes)
+    order_of = {n: i for i, n in enumerate(nodes)}
     compute = [n for n in nodes if n.op == "call_function"]
     fwd = [n for n in compute if n.meta[mk.TRACE].role is mk.Role.FORWARD]
     raw = {n: layer_of_path(n.meta[mk.TRACE].module_path) for n in fwd}
@@ -77,7 +79,9 @@ def group_layers(gm: fx.GraphModule) -> fx.GraphModule:
         info = n.meta[mk.TRACE]
         if n in layer:
             continue
-        if info.role is mk.Role.BACKWARD:
+        if info.role is mk.Role.BACKWARD and n.meta.get("is_gradient_acc"):
+            layer[n] = _layer_from_inputs(n, layer, order_of) or by_seq.get(info.seq_nr) or last
+        elif info.role is mk.Role.BACKWARD:
             layer[n] = by_seq.get(info.seq_nr) or _layer_from_users(n, layer) or last
         elif info.role in (mk.Role.PARAM, mk.Role.BUFFER):
             layer[n] = _layer_from_users(n, layer, forward_only=True) or first
@@ -91,6 +95,18 @@ def group_layers(gm: fx.GraphModule) -> fx.GraphModule:
         n.meta[mk.LAYER] = layer[n]
     gm.meta[mk.LAYERS] = tuple(_layer_infos(gm, order, layer, graph_info))
     return gm
+
+
+def _layer_from_inputs(n: fx.Node, layer: dict[fx.Node, str], order_of: dict[fx.Node, int]) -> str:
+    """A gradient accumulation joins the layer of its last-computed input.
+
+    AOTAutograd tags the adds that sum a tensor's gradients (a residual stream
+    read twice, a tied weight) with ``is_gradient_acc`` and the loss's seq_nr,
+    which would put every one of them in the last layer; the add belongs where
+    the last of the gradients it sums is computed (the block that read the tensor).
+    """
+    placed = [arg for arg in n.all_input_nodes if layer.get(arg)]
+    return layer[max(placed, key=order_of.__getitem__)] if placed else ""
 
 
 def _layer_from_users(n: fx.Node, layer: dict[fx.Node, str], *, forward_only: bool = False) -> str:
@@ -124,7 +140,7 @@ def _layer_infos(gm: fx.GraphModule, order: list[str], layer: dict[fx.Node, str]
         infos.append(mk.LayerInfo(
             path=path, index=i,
             class_name=graph_info.module_classes.get(path, path.rsplit(".", 1)[-1]),
-            signature=_signature(ns),
+            signature=_signature(ns, path),
             count=counts.get(path, 1),
             param_fqns=tuple(n.meta[mk.TRACE].fqn for n in params),
             n_params=sum(n.meta["val"].numel() for n in params),
@@ -148,7 +164,9 @@ def _val_sig(val) -> str:
     return type(val).__name__
 
 
-def _signature(ns: list[fx.Node]) -> str:
+def _signature(ns: list[fx.Node], path: str) -> str:
+    """Hash of the layer's nodes; placeholders by their name relative to the layer
+    ("attn.c_attn.weight"), not by their graph name, which differs from block to block."""
     local = {n: i for i, n in enumerate(ns)}
 
     def arg_sig(a):
@@ -161,7 +179,10 @@ def _signature(ns: list[fx.Node]) -> str:
     h = hashlib.sha256()
     for n in ns:
         info = n.meta[mk.TRACE]
-        h.update(f"{n.op}|{n.target}|{info.role.value}|{arg_sig(n.args)}|{arg_sig(tuple(n.kwargs.items()))}"
+        target = n.target
+        if n.op == "placeholder":
+            target = info.fqn[len(path) + 1:] if info.fqn.startswith(path + ".") else info.fqn
+        h.update(f"{n.op}|{target}|{info.role.value}|{arg_sig(n.args)}|{arg_sig(tuple(n.kwargs.items()))}"
                  f"|{_val_sig(n.meta.get('val'))}\n".encode())
     return h.hexdigest()[:16]
 

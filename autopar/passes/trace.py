@@ -21,6 +21,7 @@ torch/_dynamo/functional_export.py.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import logging
 import re
@@ -264,8 +265,17 @@ def _trace_error(e: BaseException, model_name: str) -> Exception:
     for c in chain:
         if isinstance(c, LossError):
             return c
+    # An exception raised in traced code reaches us as dynamo's "Observed<Name>Error"
+    # whose message is "raised exception Name('...')": recover the user's message.
+    observed = next(((m.group(1), m.group(2)) for c in chain
+                     if type(c).__name__.startswith("Observed")
+                     and (m := re.match(r"raised exception (\w+)\((.*)\)\s*$", str(c), re.S))), None)
+    if observed and observed[0] == LossError.__name__:
+        return LossError(_literal_message(observed[1]))
     text = "\n".join(str(c) for c in chain)
     first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    if observed:
+        first = f"{observed[0]}: {_literal_message(observed[1])}"
     frames = [(f, ln) for f, ln in re.findall(r'File "([^"]+)", line (\d+)', text)
               if "/torch/" not in f and "/autopar/passes/" not in f]
     where = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
@@ -277,6 +287,15 @@ def _trace_error(e: BaseException, model_name: str) -> Exception:
         f"(use_cache=False for Hugging Face models), or build it on 'cpu' with small shapes")
     err.details = text
     return err
+
+
+def _literal_message(args_repr: str) -> str:
+    """The first argument of an exception's repr ("'msg'" -> "msg"), or the text itself."""
+    try:
+        args = ast.literal_eval(f"({args_repr},)")
+    except (ValueError, SyntaxError):
+        return args_repr
+    return str(args[0]) if args else ""
 
 
 # -- node annotation ----------------------------------------------------------

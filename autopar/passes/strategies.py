@@ -1,0 +1,351 @@
+"""From an annotated joint graph to the planner's compact strategy problem.
+
+``build_strategy_graph`` turns the graph into plain data (:class:`StrategyGraph`):
+one :class:`SNode` per op (``getitem`` nodes fold into their producer), with its
+candidate placements on the tensor-parallel mesh axis read from DTensor's rules
+(:mod:`autopar.passes.dtensor_rules`), its costs as affine functions of the
+micro-batch size, and one :class:`SEdge` per tensor that flows between ops.
+The planner never sees fx or tensors.
+
+Batch scaling: the model is traced at two batch sizes (``gm`` and ``gm_double``
+at twice the batch); every node's FLOPs and bytes are then exactly affine in the
+batch, ``a + b * batch`` (attention's ``b * s^2`` terms included), so costs at
+any micro-batch size come from two traces rather than one per size. (sympy
+symbolic shapes would do the same; two concrete traces are simpler and cannot
+hit a guard on a symbolic size.)
+
+Placements are strings on the single axis: "R" (replicate), "P" (partial sum;
+DTensor's masked partial of a row-sharded embedding included), "S<d>" (shard
+tensor dim d). Only even shards are kept (dim size divisible by the axis size).
+
+Repeated layers: a layer that stands for ``count`` identical blocks weighs
+``count`` in the objective, and "virtual" edges of weight ``count - 1`` join its
+outputs to its own inputs (block i's output feeds block i+1), so tied blocks
+pay for the resharding between consecutive copies.
+
+Phases: forward ops are "F"; backward ops that lead to the gradient sent to the
+previous layer are "B" (input gradient, on the pipeline's critical path); the
+rest of the backward is "W" (weight gradients, deferrable by zero-bubble
+schedules).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.distributed.tensor.placement_types import Partial, Shard
+
+from autopar.passes import meta_keys as mk
+from autopar.passes.annotate import tensor_bytes
+from autopar.passes.dtensor_rules import op_candidates, tensor_inputs
+
+__all__ = ["Affine", "SNode", "SEdge", "Strategy", "StrategyGraph", "build_strategy_graph"]
+
+
+@dataclass(frozen=True)
+class Affine:
+    """``at_zero + per_sample * batch``."""
+
+    at_zero: float
+    per_sample: float
+
+    def __call__(self, batch: float) -> float:
+        return max(0.0, self.at_zero + self.per_sample * batch)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    outs: tuple[str | None, ...]
+    """Placement of each output (None for non-tensor outputs)."""
+    ins: tuple[str, ...]
+    """Placement required of each tensor input, in edge ``dst_in`` order."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SNode:
+    name: str
+    layer: str
+    weight: int
+    """How many instances the node stands for (the layer's repeat count)."""
+    kind: str
+    """"op", "param", "input", "tangent" or "sink" (the loss leaves the graph)."""
+    phase: str
+    """"F", "B", "W" for ops; "" otherwise."""
+    flops: Affine
+    bytes_moved: Affine
+    out_bytes: tuple[Affine, ...]
+    """Global (unsharded) bytes of each output."""
+    saved: tuple[bool, ...]
+    """Per output: does the backward keep it (an activation)?"""
+    dtype: str
+    candidates: tuple[Strategy, ...]
+    fqn: str = ""
+    """Parameter name for "param" nodes, input name for "input" nodes."""
+
+
+@dataclass(frozen=True)
+class SEdge:
+    src: int
+    src_out: int
+    dst: int
+    dst_in: int
+    weight: int
+    virtual: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyGraph:
+    nodes: tuple[SNode, ...]
+    edges: tuple[SEdge, ...]
+    axis_size: int
+    global_batch: int
+
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _pstr(p) -> str:
+    if isinstance(p, Shard):
+        return f"S{p.dim}"
+    if isinstance(p, Partial):
+        return "P"
+    return "R"
+
+
+def _vals(val) -> tuple:
+    return tuple(val) if isinstance(val, (tuple, list)) else (val,)
+
+
+def _even(placement: str, val, n: int) -> bool:
+    if not placement or placement[0] != "S" or not isinstance(val, torch.Tensor):
+        return True
+    d = int(placement[1:])
+    return d < val.dim() and int(val.shape[d]) % n == 0
+
+
+def _tensor_candidates(val, n: int) -> tuple[Strategy, ...]:
+    """A placeholder may start replicated or evenly sharded on any dim."""
+    outs = ["R"] + [f"S{d}" for d in range(val.dim()) if int(val.shape[d]) % n == 0 and val.shape[d] > 0]
+    return tuple(Strategy(outs=(p,), ins=()) for p in outs)
+
+
+def _affine(a: float, b: float, batch: int) -> Affine:
+    """From values at ``batch`` and ``2 * batch``."""
+    slope = (b - a) / batch
+    return Affine(a - slope * batch, slope)
+
+
+def build_strategy_graph(gm: fx.GraphModule, *, axis_size: int,
+                         gm_double: fx.GraphModule | None = None,
+                         shard_batch: bool = True) -> StrategyGraph:
+    """The strategy problem of ``gm`` on a mesh axis of ``axis_size`` devices.
+
+    Contract:
+      needs: ``meta[TRACE]``, ``meta[COST]``, ``meta[LAYER]`` and ``gm.meta[LAYERS]``
+        (trace_joint, annotate_cost, group_layers); ``gm_double``, when given,
+        is the same model traced and annotated at twice the batch, node for node.
+      ``shard_batch=False`` drops every candidate that shards a batch-derived dim
+        (a dim whose size differs between the two traces): on a tensor-parallel
+        axis the batch belongs to the data-parallel axis.
+      produces: a :class:`StrategyGraph`; ``gm`` is not modified.
+      raises: ValueError if ``gm_double`` does not match ``gm`` node for node.
+    """
+    info: mk.GraphTrace = gm.meta[mk.GRAPH]
+    batch = info.global_batch
+    counts = {layer.path: layer.count for layer in gm.meta[mk.LAYERS]}
+    twin = _twin_nodes(gm, gm_double)
+    phases = _phases(gm)
+    index: dict[fx.Node, int] = {}
+    nodes: list[SNode] = []
+    n = axis_size
+
+    def cost_pair(node, field):
+        a = getattr(node.meta[mk.COST], field)
+        b = getattr(twin[node].meta[mk.COST], field) if twin else 2 * a
+        return _affine(a, b, batch)
+
+    for node in gm.graph.nodes:
+        role = node.meta[mk.TRACE].role
+        if node.op == "output" or node.target is operator.getitem:
+            continue
+        vals = _vals(node.meta.get("val"))
+        twin_vals = _vals(twin[node].meta.get("val")) if twin else tuple(None for _ in vals)
+        out_bytes = tuple(_affine(tensor_bytes(v), tensor_bytes(w) if twin else 2 * tensor_bytes(v), batch)
+                          for v, w in zip(vals, twin_vals))
+        if node.op == "placeholder":
+            kind = {mk.Role.PARAM: "param", mk.Role.BUFFER: "param", mk.Role.TANGENT: "tangent"}.get(role, "input")
+            if kind == "param":  # parameter sizes do not depend on the batch
+                out_bytes = tuple(Affine(tensor_bytes(v), 0.0) for v in vals)
+            val = vals[0]
+            cands = (Strategy(outs=("R",), ins=()),) if n == 1 or not isinstance(val, torch.Tensor) or val.dim() == 0 \
+                else _tensor_candidates(val, n)
+            if not shard_batch and twin:
+                bd = _batch_dims(val, twin_vals[0])
+                cands = tuple(c for c in cands if not _shards_any(c.outs[0], bd))
+            if kind == "param":  # the gradient must come back in the parameter's own layout
+                cands = tuple(Strategy(outs=c.outs, ins=c.outs) for c in cands)
+            flops = bytes_moved = Affine(0.0, 0.0)
+        else:
+            kind = "op"
+            cands = _op_strategies(node, n)
+            if not shard_batch and twin:
+                cands = _without_batch_shards(node, twin[node], cands)
+            flops = cost_pair(node, "flops")
+            bytes_moved = _affine(node.meta[mk.COST].bytes_read + node.meta[mk.COST].bytes_written,
+                                  (twin[node].meta[mk.COST].bytes_read + twin[node].meta[mk.COST].bytes_written)
+                                  if twin else 2 * (node.meta[mk.COST].bytes_read + node.meta[mk.COST].bytes_written),
+                                  batch)
+        saved = _saved_outputs(node)
+        layer = node.meta[mk.LAYER]
+        index[node] = len(nodes)
+        nodes.append(SNode(
+            name=node.name, layer=layer, weight=counts.get(layer, 1), kind=kind, phase=phases.get(node, ""),
+            flops=flops, bytes_moved=bytes_moved, out_bytes=out_bytes, saved=saved,
+            dtype=_DTYPES.get(getattr(vals[0], "dtype", None), "fp32"), candidates=cands,
+            fqn=node.meta[mk.TRACE].fqn))
+    edges = _edges(gm, index, nodes)
+    return StrategyGraph(nodes=tuple(nodes), edges=tuple(edges), axis_size=n, global_batch=batch)
+
+
+def _op_strategies(node: fx.Node, n: int) -> tuple[Strategy, ...]:
+    ins = tensor_inputs(node)
+    if n == 1:
+        outs = tuple("R" if isinstance(v, torch.Tensor) else None for v in _vals(node.meta.get("val")))
+        return (Strategy(outs=outs, ins=tuple("R" for _ in ins)),)
+    out_vals = _vals(node.meta.get("val"))
+    found = {}
+    for cand in op_candidates(node, (n,)):
+        outs = tuple(None if o is None else _pstr(o[0]) for o in cand.outputs)
+        req = tuple(_pstr(p[0]) for p in cand.inputs)
+        if not all(_even(p, v, n) for p, v in zip(outs, out_vals)):
+            continue
+        if not all(_even(p, a.meta.get("val"), n) for p, a in zip(req, ins)):
+            continue
+        found.setdefault((outs, req), Strategy(outs=outs, ins=req))
+    if not found:  # replicated execution is always valid
+        outs = tuple("R" if isinstance(v, torch.Tensor) else None for v in out_vals)
+        found[(outs, ())] = Strategy(outs=outs, ins=tuple("R" for _ in ins))
+    return tuple(found.values())
+
+
+def _batch_dims(a, b) -> frozenset[int]:
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != b.dim():
+        return frozenset()
+    return frozenset(d for d in range(a.dim()) if int(a.shape[d]) != int(b.shape[d]))
+
+
+def _shards_any(p: str | None, dims: frozenset[int]) -> bool:
+    return p is not None and p.startswith("S") and int(p[1:]) in dims
+
+
+def _without_batch_shards(node: fx.Node, twin: fx.Node, cands: tuple[Strategy, ...]) -> tuple[Strategy, ...]:
+    out_dims = [_batch_dims(a, b) for a, b in zip(_vals(node.meta.get("val")), _vals(twin.meta.get("val")))]
+    in_dims = [_batch_dims(a.meta.get("val"), b.meta.get("val"))
+               for a, b in zip(tensor_inputs(node), tensor_inputs(twin))]
+    kept = tuple(c for c in cands
+                 if not any(_shards_any(p, d) for p, d in zip(c.outs, out_dims))
+                 and not any(_shards_any(p, d) for p, d in zip(c.ins, in_dims)))
+    return kept or (Strategy(outs=tuple(None if o is None else "R" for o in cands[0].outs),
+                             ins=tuple("R" for _ in cands[0].ins)),)
+
+
+def _saved_outputs(node: fx.Node) -> tuple[bool, ...]:
+    vals = _vals(node.meta.get("val"))
+    if node.op == "call_function" and len(vals) > 1:
+        flags = [False] * len(vals)
+        for user in node.users:
+            if user.target is operator.getitem and user.meta[mk.COST].saved_bytes > 0:
+                flags[user.args[1]] = True
+        return tuple(flags)
+    return (node.meta[mk.COST].saved_bytes > 0,) + (False,) * (len(vals) - 1)
+
+
+def _source(arg: fx.Node) -> tuple[fx.Node, int]:
+    if arg.target is operator.getitem:
+        return arg.args[0], arg.args[1]
+    return arg, 0
+
+
+def _edges(gm: fx.GraphModule, index: dict[fx.Node, int], nodes: list[SNode]) -> list[SEdge]:
+    edges: list[SEdge] = []
+    for node in gm.graph.nodes:
+        if node not in index or node.op != "call_function":
+            continue
+        dst = index[node]
+        for k, arg in enumerate(tensor_inputs(node)):
+            src, out = _source(arg)
+            weight = nodes[dst].weight if nodes[index[src]].layer == nodes[dst].layer else 1
+            edges.append(SEdge(src=index[src], src_out=out, dst=dst, dst_in=k, weight=weight))
+    info: mk.GraphTrace = gm.meta[mk.GRAPH]
+    out_node = gm.graph.find_nodes(op="output")[0]
+    outputs = list(out_node.args[0])
+    params = {nodes[i].fqn: i for i in range(len(nodes)) if nodes[i].kind == "param"}
+    for fqn, pos in info.grad_outputs.items():  # gradient -> its parameter's layout
+        if fqn in params and isinstance(outputs[pos], fx.Node):
+            src, out = _source(outputs[pos])
+            edges.append(SEdge(src=index[src], src_out=out, dst=params[fqn], dst_in=0,
+                               weight=nodes[params[fqn]].weight))
+    loss = outputs[info.loss_output]
+    if isinstance(loss, fx.Node):  # the loss leaves replicated (a scalar all-reduce at most)
+        src, out = _source(loss)
+        nodes.append(SNode(name="loss", layer=nodes[index[src]].layer, weight=1, kind="sink", phase="",
+                           flops=Affine(0, 0), bytes_moved=Affine(0, 0), out_bytes=(), saved=(),
+                           dtype="fp32", candidates=(Strategy(outs=(), ins=("R",)),)))
+        edges.append(SEdge(src=index[src], src_out=out, dst=len(nodes) - 1, dst_in=0, weight=1))
+    edges.extend(_chain_edges(edges, nodes))
+    return edges
+
+
+def _chain_edges(edges: list[SEdge], nodes: list[SNode]) -> list[SEdge]:
+    """Virtual edges from a repeated layer's outputs to its own inputs (copy i -> copy i+1)."""
+    extra = []
+    for layer in sorted({n.layer for n in nodes if n.weight > 1}):
+        weight = next(n.weight for n in nodes if n.layer == layer)
+        incoming = [e for e in edges if nodes[e.dst].layer == layer and nodes[e.src].layer != layer
+                    and nodes[e.src].kind == "op"]
+        outgoing = [e for e in edges if nodes[e.src].layer == layer and nodes[e.dst].layer != layer
+                    and nodes[e.dst].kind == "op"]
+        for e_in in incoming:
+            for e_out in outgoing:
+                same_phase = (nodes[e_in.src].phase == "F") == (nodes[e_out.src].phase == "F")
+                a, b = nodes[e_in.src].out_bytes[e_in.src_out], nodes[e_out.src].out_bytes[e_out.src_out]
+                if same_phase and a == b:
+                    extra.append(SEdge(src=e_out.src, src_out=e_out.src_out, dst=e_in.dst, dst_in=e_in.dst_in,
+                                       weight=weight - 1, virtual=True))
+    return list(dict.fromkeys(extra))
+
+
+def _twin_nodes(gm: fx.GraphModule, gm_double: fx.GraphModule | None) -> dict[fx.Node, fx.Node] | None:
+    if gm_double is None:
+        return None
+    a, b = list(gm.graph.nodes), list(gm_double.graph.nodes)
+    if len(a) != len(b) or any(x.target != y.target for x, y in zip(a, b)):
+        raise ValueError(f"the two traces differ ({len(a)} vs {len(b)} nodes): the model's graph depends "
+                         f"on the batch size, so costs cannot be scaled between micro-batch sizes")
+    return dict(zip(a, b))
+
+
+def _phases(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """F for forward ops; B for backward ops the previous layer's gradient depends on; W for the rest."""
+    phase: dict[fx.Node, str] = {}
+    crit: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        role = node.meta[mk.TRACE].role
+        phase[node] = "F" if role is mk.Role.FORWARD else "W"
+        if role is mk.Role.BACKWARD:
+            for arg in node.all_input_nodes:
+                if arg.meta[mk.TRACE].role is mk.Role.BACKWARD and arg.meta[mk.LAYER] != node.meta[mk.LAYER]:
+                    crit.add(arg)
+    stack = list(crit)
+    while stack:  # everything the cross-layer gradients depend on, within backward
+        node = stack.pop()
+        if phase.get(node) != "W":
+            continue
+        phase[node] = "B"
+        stack.extend(a for a in node.all_input_nodes if a.meta[mk.TRACE].role is mk.Role.BACKWARD)
+    return phase

@@ -1,0 +1,44 @@
+"""The planner's front end: trace a model twice (batch G and 2G) and annotate both.
+
+Two traces make every cost affine in the batch size (see
+:mod:`autopar.passes.strategies`) and reveal which tensor dims are batch dims.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+
+from autopar.analysis import build_graph
+from autopar.cluster import Cluster
+
+__all__ = ["trace_pair", "double_batch"]
+
+
+def double_batch(x: Any, batch: int) -> Any:
+    """The same inputs at twice the batch: tensors whose dim 0 is ``batch`` are repeated."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0 or x.shape[0] != batch:
+            return x
+        if x.device.type == "meta":
+            return x.new_empty((2 * batch,) + tuple(x.shape[1:]))
+        return torch.cat([x, x])
+    if isinstance(x, dict):
+        return {k: double_batch(v, batch) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(double_batch(v, batch) for v in x)
+    return x
+
+
+def trace_pair(model: nn.Module, example_inputs: Any, *, cluster: Cluster, loss_fn: Callable | None,
+               example_target: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """(graph at the example batch, graph at twice that batch), both annotated and grouped."""
+    gm = build_graph(model, example_inputs, cluster=cluster, loss_fn=loss_fn, example_target=example_target)
+    from autopar.passes import meta_keys as mk
+
+    batch = gm.meta[mk.GRAPH].global_batch
+    gm2 = build_graph(model, double_batch(example_inputs, batch), cluster=cluster, loss_fn=loss_fn,
+                      example_target=double_batch(example_target, batch))
+    return gm, gm2

@@ -1,0 +1,258 @@
+r"""The intra-layer sharding ILP: one placement strategy per op on the tensor-parallel axis.
+
+Given the strategy graph (ops V, tensor edges E, candidates S_v per op) of the
+model's distinct layers and a mesh axis of n devices:
+
+    variables   x[v,s] in {0,1}                  op v runs strategy s
+                y[e,p,q] in {0,1}                edge e = (u -> v) carries a tensor that
+                                                 u produces in placement p and v needs in q
+    minimise    sum_v w_v sum_s C_v(s) x[v,s]  +  sum_e w_e sum_{p,q} R_e(p,q) y[e,p,q]
+    subject to  sum_s x[v,s] = 1                                   (one_strategy[v])
+                y[e,p,q] >= sum_{s: out_u(s)=p} x[u,s]
+                          + sum_{t: in_v(t)=q} x[v,t] - 1          (reshard[e,p,q])
+                sum_{v param} w_v sum_s M_v(s) x[v,s] <= budget    (param_memory, optional)
+
+C_v(s) is the roofline time of v with its work split n ways when s shards any
+operand (:func:`node_cost_s`); R_e(p, q) the alpha-beta time of turning p into
+q (:func:`reshard_s`: Partial->Replicate is an all-reduce, Partial->Shard a
+reduce-scatter, Shard->Replicate an all-gather, Shard->Shard an all-to-all,
+Replicate->anything free); w is how many identical layers a node stands for.
+Gradients return to their parameter's layout through ordinary edges (a
+replicated weight with partial gradients pays an all-reduce), and the loss
+must leave replicated. The y linearisation is Alpa's (Zheng et al. 2022, sec.
+4.2), over placement classes rather than strategy pairs, which keeps at most
+|P_u| x |Q_v| <= 25 variables per edge.
+
+Solver: OR-tools CP-SAT. Every variable is boolean and the objective is a sum
+of scaled integer costs, which is CP-SAT's home ground (clause learning plus
+LP relaxation); with one worker and a fixed seed it is deterministic, so the
+same model gives the same plan. Costs are scaled to integer units of 0.1 us.
+
+``build_problem`` makes the plain-data :class:`Problem` (functions of the
+micro-batch size), ``solve`` returns a :class:`Solution`, and ``evaluate``
+recomputes its cost split from scratch, independently of the solver.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ortools.linear_solver import pywraplp
+
+from autopar.cost import comm
+from autopar.cost.comm import Link
+from autopar.cost.compute import compute_time_s
+from autopar.cost.devices import DeviceSpec
+from autopar.errors import InfeasibleError
+from autopar.passes.strategies import StrategyGraph, Strategy
+
+__all__ = ["Problem", "Solution", "CostBreakdown", "LayerCost", "build_problem", "solve", "evaluate",
+           "reshard_s", "node_cost_s"]
+
+_UNIT_S = 1e-6  # objective unit: 1 us (keeps the MIP well scaled)
+SOLVER_BACKEND = "SCIP"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    graph: StrategyGraph
+    batch: float
+    """Micro-batch size the costs are evaluated at."""
+    device: DeviceSpec
+    link: Link
+    compute_dtype: str | None = None
+    param_budget_bytes: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Solution:
+    choice: tuple[int, ...]
+    """Chosen candidate index per node."""
+    status: str
+    objective_s: float
+    bound_s: float
+    wall_s: float
+
+    @property
+    def gap(self) -> float:
+        return 0.0 if self.objective_s <= 0 else max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """One instance of a layer under a solution, at the problem's micro-batch size."""
+
+    compute_s: dict[str, float] = field(default_factory=dict)
+    """By phase: "F", "B", "W"."""
+    comm_s: dict[str, float] = field(default_factory=dict)
+    """Resharding time by phase of the consuming op ("W" holds tensor-parallel gradient reductions)."""
+    param_bytes: float = 0.0
+    """Parameter bytes held per device."""
+    n_params_local: float = 0.0
+    activation_bytes: float = 0.0
+    """Saved activation bytes per device for one micro-batch."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostBreakdown:
+    total_s: float
+    compute_s: float
+    comm_s: float
+    layers: dict[str, LayerCost]
+    collectives: dict[str, dict[str, float]]
+    """Collective kind -> {"count": per step, "bytes": per step, "time_s": ...} (all layer copies)."""
+
+
+def reshard_s(p: str, q: str, nbytes: float, n: int, link: Link) -> tuple[float, str]:
+    """Time and collective that turn placement ``p`` into ``q`` for a tensor of ``nbytes``."""
+    if p == q or n == 1 or p is None:
+        return 0.0, ""
+    if p == "R":
+        return 0.0, ""  # take the local slice (R -> P keeps one copy and zeroes the rest)
+    if p == "P":
+        if q == "R":
+            return comm.all_reduce_s(nbytes, n, link), "all_reduce"
+        return comm.reduce_scatter_s(nbytes, n, link), "reduce_scatter"
+    if q[0] == "S":  # shard -> shard on another dim
+        return comm.all_to_all_s(nbytes / n, n, link), "all_to_all"
+    return comm.all_gather_s(nbytes, n, link), "all_gather"  # shard -> replicate or partial
+
+
+def _splits(s: Strategy) -> bool:
+    return any(p is not None and p.startswith("S") for p in s.outs + s.ins)
+
+
+def node_cost_s(problem: Problem, v: int, s: Strategy) -> float:
+    node = problem.graph.nodes[v]
+    if node.kind != "op":
+        return 0.0
+    n = problem.graph.axis_size if _splits(s) else 1
+    b = problem.batch
+    return compute_time_s(flops=node.flops(b) / n, bytes_moved=node.bytes_moved(b) / n, device=problem.device,
+                          dtype=problem.compute_dtype or node.dtype)
+
+
+def _param_bytes(problem: Problem, v: int, s: Strategy) -> float:
+    node = problem.graph.nodes[v]
+    full = node.out_bytes[0](0)
+    return full / problem.graph.axis_size if s.outs[0].startswith("S") else full
+
+
+def build_problem(graph: StrategyGraph, *, batch: float, device: DeviceSpec, link: Link,
+                  compute_dtype: str | None = None, param_budget_bytes: float | None = None) -> Problem:
+    """The ILP of ``graph`` with costs at micro-batch ``batch`` (plain data; nothing solved)."""
+    return Problem(graph=graph, batch=batch, device=device, link=link, compute_dtype=compute_dtype,
+                   param_budget_bytes=param_budget_bytes)
+
+
+def solve(problem: Problem, *, time_limit_s: float = 20.0, backend: str = SOLVER_BACKEND) -> Solution:
+    """Solve the ILP (deterministic: same problem, same answer)."""
+    start = time.perf_counter()
+    g = problem.graph
+    solver = pywraplp.Solver.CreateSolver(backend)
+    if solver is None:
+        raise RuntimeError(f"OR-tools has no {backend} backend here; try backend='CBC'")
+    solver.SetTimeLimit(int(time_limit_s * 1000))
+    x = []
+    obj = []
+    fixed_cost = 0.0
+    for v, node in enumerate(g.nodes):
+        lits = [solver.BoolVar(f"x[{node.name},{i}]") for i in range(len(node.candidates))]
+        solver.Add(sum(lits) == 1, f"one_strategy[{node.name}]")
+        x.append(lits)
+        for i, s in enumerate(node.candidates):
+            c = node.weight * node_cost_s(problem, v, s) / _UNIT_S
+            if c:
+                obj.append(c * lits[i])
+    for k, e in enumerate(g.edges):
+        src, dst = g.nodes[e.src], g.nodes[e.dst]
+        nbytes = src.out_bytes[e.src_out](problem.batch)
+        by_p, by_q = defaultdict(list), defaultdict(list)
+        for i, s in enumerate(src.candidates):
+            by_p[s.outs[e.src_out]].append(x[e.src][i])
+        for j, s in enumerate(dst.candidates):
+            by_q[s.ins[e.dst_in]].append(x[e.dst][j])
+        if len(by_p) == 1 and len(by_q) == 1:  # nothing to choose on this edge
+            p, q = next(iter(by_p)), next(iter(by_q))
+            fixed_cost += e.weight * reshard_s(p, q, nbytes, g.axis_size, problem.link)[0] / _UNIT_S
+            continue
+        pair = {}
+        for p in by_p:
+            for q in by_q:
+                pair[p, q] = y = solver.NumVar(0.0, 1.0, f"y[{k},{p},{q}]")
+                c = e.weight * reshard_s(p, q, nbytes, g.axis_size, problem.link)[0] / _UNIT_S
+                if c:
+                    obj.append(c * y)
+        # Marginal (transportation) form: y is integral once x is, so y stays continuous.
+        for p, lp in by_p.items():
+            solver.Add(sum(pair[p, q] for q in by_q) == sum(lp), f"reshard_out[{k}:{src.name}->{dst.name},{p}]")
+        for q, lq in by_q.items():
+            solver.Add(sum(pair[p, q] for p in by_p) == sum(lq), f"reshard_in[{k}:{src.name}->{dst.name},{q}]")
+    if problem.param_budget_bytes is not None:
+        terms = [g.nodes[v].weight * _param_bytes(problem, v, s) * x[v][i]
+                 for v, node in enumerate(g.nodes) if node.kind == "param"
+                 for i, s in enumerate(node.candidates)]
+        solver.Add(sum(terms) <= problem.param_budget_bytes, "param_memory")
+    solver.Minimize(sum(obj))
+    status = solver.Solve()
+    names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
+             pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.UNBOUNDED: "UNBOUNDED"}
+    name = names.get(status, "NOT_SOLVED")
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        budget = problem.param_budget_bytes
+        raise InfeasibleError(
+            f"sharding ILP on an axis of {g.axis_size} is {name}"
+            + (f": the parameters cannot fit param_memory <= {budget:.3g} bytes" if budget else "")
+            + "; try a larger tensor-parallel degree, ZeRO-3 or more pipeline stages")
+    choice = tuple(max(range(len(lits)), key=lambda i: lits[i].solution_value()) for lits in x)
+    objective = solver.Objective().Value() + fixed_cost
+    bound = solver.Objective().BestBound() + fixed_cost if name != "OPTIMAL" else objective
+    return Solution(choice=choice, status=name, objective_s=objective * _UNIT_S,
+                    bound_s=bound * _UNIT_S, wall_s=time.perf_counter() - start)
+
+
+def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
+    """Recompute a solution's costs from scratch: per layer instance, and totals over all copies."""
+    g = problem.graph
+    comp: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    com: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    params = defaultdict(float)
+    nparams = defaultdict(float)
+    acts = defaultdict(float)
+    collectives: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    total_comp = total_comm = 0.0
+    for v, node in enumerate(g.nodes):
+        s = node.candidates[solution.choice[v]]
+        t = node_cost_s(problem, v, s)
+        comp[node.layer][node.phase or "F"] += t
+        total_comp += node.weight * t
+        if node.kind == "param":
+            pb = _param_bytes(problem, v, s)
+            params[node.layer] += pb
+            elem = max(1, {"fp32": 4, "bf16": 2, "fp16": 2}.get(node.dtype, 4))
+            nparams[node.layer] += pb / elem
+        for o, is_saved in enumerate(node.saved):
+            if is_saved and s.outs[o] is not None:
+                full = node.out_bytes[o](problem.batch)
+                acts[node.layer] += full / g.axis_size if s.outs[o].startswith("S") else full
+    for e in g.edges:
+        src, dst = g.nodes[e.src], g.nodes[e.dst]
+        p = src.candidates[solution.choice[e.src]].outs[e.src_out]
+        q = dst.candidates[solution.choice[e.dst]].ins[e.dst_in]
+        nbytes = src.out_bytes[e.src_out](problem.batch)
+        t, kind = reshard_s(p, q, nbytes, g.axis_size, problem.link)
+        if not t:
+            continue
+        phase = "W" if dst.kind == "param" else (dst.phase or src.phase or "F")
+        com[dst.layer][phase] += t * e.weight / dst.weight  # per instance, chain edges amortised
+        total_comm += e.weight * t
+        collectives[kind]["count"] += e.weight
+        collectives[kind]["bytes"] += e.weight * nbytes
+        collectives[kind]["time_s"] += e.weight * t
+    layers = {name: LayerCost(compute_s=dict(comp[name]), comm_s=dict(com[name]), param_bytes=params[name],
+                              n_params_local=nparams[name], activation_bytes=acts[name])
+              for name in dict.fromkeys(n.layer for n in g.nodes)}
+    return CostBreakdown(total_s=total_comp + total_comm, compute_s=total_comp, comm_s=total_comm,
+                         layers=layers, collectives={k: dict(v) for k, v in collectives.items()})

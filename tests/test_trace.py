@@ -1,0 +1,251 @@
+"""passes/trace.py: joint forward+backward graphs of the examples and of Hugging Face models.
+
+Every test traces on FakeTensors (nothing is computed); the 70B model is built on
+"meta" and traced with its 80 identical layers collapsed into one.
+"""
+import inspect
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from torch import fx
+
+from autopar.errors import TraceError
+from autopar.modelspec import load_model_spec
+from autopar.passes import meta_keys as mk
+from autopar.passes.trace import LossError, trace_joint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build(example, **args):
+    """(model, example_inputs, loss_fn, example_target) of examples/EXAMPLE.py:build."""
+    return load_model_spec(str(ROOT / "examples" / f"{example}.py") + ":build", args)
+
+
+def trace(built, **kw):
+    model, inputs, loss_fn, target = built
+    return trace_joint(model, inputs, loss_fn=loss_fn, example_target=target, **kw)
+
+
+def placeholders(gm, role):
+    return [n for n in gm.graph.find_nodes(op="placeholder") if n.meta[mk.TRACE].role is role]
+
+
+def input_names(inputs, target):
+    if isinstance(inputs, dict):
+        names = tuple(k for k, v in inputs.items() if v is not None)
+    else:
+        names = tuple(f"arg{i}" for i in range(len(inputs)))
+    return names + (("target",) if target is not None else ())
+
+
+CASES = {
+    "mlp": ("mlp", {}),
+    "gpt-tied": ("gpt", {}),
+    "gpt-untied": ("gpt", {"tie_weights": "false"}),
+    "llama": ("llama", {}),
+    **{f"hf-{m}": ("hf", {"model": m, "batch": "2", "seq": "16"})
+       for m in ("gpt2", "llama", "mistral", "qwen2", "mixtral", "bert", "t5", "vit")},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_roles_params_grads_and_inputs(case):
+    example, args = CASES[case]
+    if example == "hf":
+        pytest.importorskip("transformers")
+    model, inputs, loss_fn, target = built = build(example, size="tiny", **args)
+    gm = trace(built, collapse_repeats=False)
+    info: mk.GraphTrace = gm.meta[mk.GRAPH]
+
+    # every parameter once (named_parameters() drops the second name of a tied weight)
+    params = dict(model.named_parameters())
+    got = [n.meta[mk.TRACE].fqn for n in placeholders(gm, mk.Role.PARAM)]
+    assert len(got) == len(set(got)), got
+    assert set(got) == set(params)
+    assert info.param_fqns == tuple(got)
+    assert info.n_params == sum(p.numel() for p in params.values())
+    for n in placeholders(gm, mk.Role.PARAM):
+        assert tuple(n.meta["val"].shape) == tuple(params[n.meta[mk.TRACE].fqn].shape), n.format_node()
+        assert n.meta[mk.TRACE].module_path == n.meta[mk.TRACE].fqn.rpartition(".")[0]
+
+    # a gradient output for every trainable parameter, shaped like it; the loss is a scalar
+    outputs = gm.graph.find_nodes(op="output")[0].args[0]
+    trainable = {name for name, p in params.items() if p.requires_grad}
+    assert set(info.grad_outputs) == trainable
+    for name, index in info.grad_outputs.items():
+        grad = outputs[index]
+        assert isinstance(grad, fx.Node), f"no gradient node for {name}"
+        assert tuple(grad.meta["val"].shape) == tuple(params[name].shape), name
+    assert outputs[info.loss_output].meta["val"].dim() == 0
+
+    # forward and backward ops, one tangent (the loss seed), one output node
+    roles = [n.meta[mk.TRACE].role for n in gm.graph.nodes]
+    assert mk.Role.FORWARD in roles and mk.Role.BACKWARD in roles
+    assert roles.count(mk.Role.TANGENT) == 1 and roles.count(mk.Role.OUTPUT) == 1
+    assert all(n.meta[mk.TRACE].role in (mk.Role.FORWARD, mk.Role.BACKWARD)
+               for n in gm.graph.nodes if n.op == "call_function")
+    assert all("val" in n.meta for n in gm.graph.nodes if n.op != "output")
+
+    # user inputs (then the target) as placeholders named as the user named them
+    names = input_names(inputs, target)
+    assert info.input_names == names
+    assert tuple(n.meta[mk.TRACE].fqn for n in placeholders(gm, mk.Role.INPUT)) == names
+    first = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs[0]
+    assert info.global_batch == first.shape[0]
+    assert info.model_name == type(model).__name__
+    assert info.module_classes[""] == type(model).__name__
+
+
+def test_tied_head_is_one_parameter():
+    tied = trace(build("gpt", size="tiny"), collapse_repeats=False)
+    untied = trace(build("gpt", size="tiny", tie_weights="false"), collapse_repeats=False)
+    tied_params = tied.meta[mk.GRAPH].param_fqns
+    assert "lm_head.weight" not in tied_params and "transformer.wte.weight" in tied_params
+    assert "lm_head.weight" in untied.meta[mk.GRAPH].param_fqns
+    assert len(untied.meta[mk.GRAPH].param_fqns) == len(tied_params) + 1
+
+
+def test_collapsed_repeats_trace_block_zero_only():
+    model, *_ = built = build("gpt", size="tiny")
+    assert len(model.transformer.h) == 2
+    collapsed = trace(built)
+    full = trace(built, collapse_repeats=False)
+
+    info = collapsed.meta[mk.GRAPH]
+    assert info.repeats == (mk.Repeat(container="transformer.h", traced=("transformer.h.0",), count=2,
+                                      n_params_each=sum(p.numel() for p in model.transformer.h[0].parameters())),)
+    assert any(p.startswith("transformer.h.0.") for p in info.param_fqns)
+    assert not any(p.startswith("transformer.h.1.") for p in info.param_fqns)
+    assert info.n_params == sum(p.numel() for p in model.parameters())  # counts the collapsed block
+    assert not any(n.meta[mk.TRACE].module_path.startswith("transformer.h.1") for n in collapsed.graph.nodes)
+
+    full_info = full.meta[mk.GRAPH]
+    assert full_info.repeats == ()
+    assert set(full_info.param_fqns) == set(dict(model.named_parameters()))
+    assert any(n.meta[mk.TRACE].module_path.startswith("transformer.h.1.") for n in full.graph.nodes)
+    assert len(full.graph.nodes) > len(collapsed.graph.nodes)
+    assert len(model.transformer.h) == 2  # the collapse is undone
+
+
+def test_llama_70b_on_meta_traces_fast_and_leaves_the_model_alone():
+    model, *_ = built = build("llama", size="70b")
+    params = [(name, p) for name, p in model.named_parameters()]
+    buffers = [(name, b) for name, b in model.named_buffers()]
+    start = time.perf_counter()
+    gm = trace(built)
+    wall_s = time.perf_counter() - start
+    assert wall_s < 20, f"tracing llama 70b took {wall_s:.1f} s"  # ~1 s on 2 cores; generous
+
+    info = gm.meta[mk.GRAPH]
+    assert info.n_params == pytest.approx(70.55e9, rel=1e-3)
+    assert [(r.container, r.count) for r in info.repeats] == [("layers", 80)]
+    assert len(model.layers) == 80
+    assert [(name, p) for name, p in model.named_parameters()] == params  # the very same objects
+    assert all(a is b for (_, a), (_, b) in zip(model.named_parameters(), params))
+    assert all(p.device.type == "meta" and p.dtype is torch.bfloat16 for _, p in params)
+    assert all(a is b for (_, a), (_, b) in zip(model.named_buffers(), buffers))
+
+
+class _Logits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x)  # (B, 3): not a loss
+
+
+def test_output_that_is_not_a_loss_needs_loss_fn():
+    with pytest.raises(LossError, match="loss_fn") as excinfo:
+        trace_joint(_Logits(), (torch.randn(2, 4),))
+    assert isinstance(excinfo.value, ValueError)
+    assert "(2, 3)" in str(excinfo.value)  # says what the model returned
+
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:
+            return y.sum()
+        return -y.sum()
+
+
+def test_data_dependent_control_flow_is_a_trace_error_naming_the_line():
+    lines, first = inspect.getsourcelines(_DataDependent.forward)
+    branch = first + next(i for i, line in enumerate(lines) if "if y.sum()" in line)
+    with pytest.raises(TraceError) as excinfo:
+        trace_joint(_DataDependent(), (torch.randn(2, 4),))
+    message = str(excinfo.value)
+    assert f"{__file__}:{branch}" in message
+    assert "Try" in message and "_DataDependent" in message
+    assert "\n" not in message  # one line, as the CLI prints it
+
+
+def test_error_raised_by_the_model_keeps_its_message():
+    built = build("gpt", size="tiny")
+    model, _, loss_fn, _ = built
+    too_long = torch.zeros(2, 100, dtype=torch.long)  # block_size is 64
+    with pytest.raises(TraceError, match="longer than block_size 64") as excinfo:
+        trace_joint(model, (too_long,), loss_fn=loss_fn, example_target=too_long)
+    assert "examples/gpt.py" in str(excinfo.value)
+
+
+def test_forward_module_paths_are_real_submodules():
+    model, *_ = built = build("gpt", size="tiny")
+    gm = trace(built, collapse_repeats=False)
+    modules = dict(model.named_modules())
+    info = gm.meta[mk.GRAPH]
+    forward = [n for n in gm.graph.nodes
+               if n.op == "call_function" and n.meta[mk.TRACE].role is mk.Role.FORWARD]
+    for n in forward:
+        path = n.meta[mk.TRACE].module_path
+        assert path in modules, f"{n.format_node()}: {path!r} is not a submodule"
+        if path:
+            assert n.meta[mk.TRACE].module_class == type(modules[path]).__name__
+    seen = {n.meta[mk.TRACE].module_path for n in forward}
+    assert {"transformer.h.1.mlp.c_fc", "transformer.h.0.attn", "lm_head", ""} <= seen
+    assert info.module_classes == {name: type(m).__name__ for name, m in modules.items()}
+
+
+def _producer(node):
+    """Follow views and getitems back to the op that computed ``node``."""
+    while node.op == "call_function" and (node.target.__name__ == "getitem" or
+                                           getattr(node.target, "is_view", False)):
+        node = node.args[0]
+    return node
+
+
+@pytest.mark.parametrize("example", ["gpt", "mlp"])
+def test_gradient_of_a_parameter_comes_from_its_module(example):
+    model, *_ = built = build(example, size="tiny", tie_weights="false") if example == "gpt" else build(example, size="tiny")
+    gm = trace(built, collapse_repeats=False)
+    outputs = gm.graph.find_nodes(op="output")[0].args[0]
+    for name, index in gm.meta[mk.GRAPH].grad_outputs.items():
+        op = _producer(outputs[index])
+        owner = name.rpartition(".")[0]
+        assert op.meta[mk.TRACE].role is mk.Role.BACKWARD, op.format_node()
+        assert op.meta[mk.TRACE].module_path == owner, f"{name}: {op.format_node()} at {op.meta[mk.TRACE].module_path!r}"
+
+
+def test_backward_of_a_linear_carries_its_path():
+    gm = trace(build("gpt", size="tiny"), collapse_repeats=False)
+    path = "transformer.h.0.mlp.c_fc"
+    fwd = [n for n in gm.graph.nodes if n.meta[mk.TRACE].role is mk.Role.FORWARD
+           and n.target is torch.ops.aten.addmm.default and n.meta[mk.TRACE].module_path == path]
+    assert len(fwd) == 1
+    bwd = [n for n in gm.graph.nodes if n.meta[mk.TRACE].role is mk.Role.BACKWARD
+           and n.meta[mk.TRACE].seq_nr == fwd[0].meta[mk.TRACE].seq_nr]
+    # input gradient and weight gradient matmuls, and the bias gradient's sum
+    assert sorted(str(n.target) for n in bwd if n.target in (torch.ops.aten.mm.default, torch.ops.aten.sum.dim_IntList)) == [
+        "aten.mm.default", "aten.mm.default", "aten.sum.dim_IntList"]
+    assert all(n.meta[mk.TRACE].module_path == path and n.meta[mk.TRACE].module_class == "Linear" for n in bwd)
+    weight_grad = [n for n in bwd if n.target is torch.ops.aten.mm.default and tuple(n.meta["val"].shape) == (256, 64)]
+    assert weight_grad, "the c_fc weight gradient (4C, C) is missing"
