@@ -250,11 +250,25 @@ def _export(wrapper: nn.Module, fake_inputs: list[Any], model_name: str):
     try:
         captured = _dynamo_graph_capture_for_export(wrapper)(*fake_inputs)
         flat_to_fqn = dict(captured.meta.get("dynamo_flat_name_to_original_fqn", {}))
+        flat_to_fqn.update(_canonical_names(captured, wrapper))
         with contextlib.ExitStack() as stack:
             joint = aot_export_joint_with_descriptors(stack, captured, tuple(fake_inputs))
     except Exception as e:  # translate torch's tracing errors into one that says what to do
         raise _trace_error(e, model_name) from e
     return joint, flat_to_fqn
+
+
+def _canonical_names(captured: nn.Module, wrapper: nn.Module) -> dict[str, str]:
+    """Dynamo's flat names -> the name ``named_parameters()`` gives the same tensor.
+
+    Dynamo names a tied parameter after the module it was read through (BERT's
+    ``cls.predictions.decoder.bias``) and leaves such aliases out of its own
+    name map; matching by identity gives every tensor the one name the user sees
+    (``cls.predictions.bias``), as for an untied one.
+    """
+    canonical = {id(t): name for name, t in [*wrapper.named_parameters(), *wrapper.named_buffers()]}
+    flat = [*captured.named_parameters(remove_duplicate=False), *captured.named_buffers(remove_duplicate=False)]
+    return {name: canonical[id(t)] for name, t in flat if id(t) in canonical}
 
 
 def _trace_error(e: BaseException, model_name: str) -> Exception:

@@ -93,6 +93,10 @@ class LayerCost:
     n_params_local: float = 0.0
     activation_bytes: float = 0.0
     """Saved activation bytes per device for one micro-batch."""
+    cheap_activation_bytes: float = 0.0
+    """The part of ``activation_bytes`` made by FLOP-free ops (what selective recompute drops)."""
+    cheap_forward_s: float = 0.0
+    """Forward time of the FLOP-free ops (what selective recompute re-runs)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,12 +225,17 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
     params = defaultdict(float)
     nparams = defaultdict(float)
     acts = defaultdict(float)
+    cheap_acts = defaultdict(float)
+    cheap_f = defaultdict(float)
     collectives: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     total_comp = total_comm = 0.0
     for v, node in enumerate(g.nodes):
         s = node.candidates[solution.choice[v]]
         t = node_cost_s(problem, v, s)
         comp[node.layer][node.phase or "F"] += t
+        cheap = node.kind == "op" and node.flops(problem.batch) == 0
+        if cheap and node.phase == "F":
+            cheap_f[node.layer] += t
         total_comp += node.weight * t
         if node.kind == "param":
             pb = _param_bytes(problem, v, s)
@@ -236,7 +245,10 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
         for o, is_saved in enumerate(node.saved):
             if is_saved and s.outs[o] is not None:
                 full = node.out_bytes[o](problem.batch)
-                acts[node.layer] += full / g.axis_size if s.outs[o].startswith("S") else full
+                local = full / g.axis_size if s.outs[o].startswith("S") else full
+                acts[node.layer] += local
+                if cheap:
+                    cheap_acts[node.layer] += local
     for e in g.edges:
         src, dst = g.nodes[e.src], g.nodes[e.dst]
         p = src.candidates[solution.choice[e.src]].outs[e.src_out]
@@ -252,7 +264,8 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
         collectives[kind]["bytes"] += e.weight * nbytes
         collectives[kind]["time_s"] += e.weight * t
     layers = {name: LayerCost(compute_s=dict(comp[name]), comm_s=dict(com[name]), param_bytes=params[name],
-                              n_params_local=nparams[name], activation_bytes=acts[name])
+                              n_params_local=nparams[name], activation_bytes=acts[name],
+                              cheap_activation_bytes=cheap_acts[name], cheap_forward_s=cheap_f[name])
               for name in dict.fromkeys(n.layer for n in g.nodes)}
     return CostBreakdown(total_s=total_comp + total_comm, compute_s=total_comp, comm_s=total_comm,
                          layers=layers, collectives={k: dict(v) for k, v in collectives.items()})
