@@ -57,6 +57,21 @@ def cmd_analyze(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from autopar.api import plan
+    from autopar.cluster import parse_cluster
+
+    cluster = parse_cluster(args.cluster)
+    fixed = _key_values(args.fix, "--fix")
+    model, inputs, loss_fn, target = _load(args)
+    result = plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed)
+    print(result.summary())
+    if args.out:
+        result.save(args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autopar", description="Auto-parallelism compiler for PyTorch training.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what each pass does")
@@ -71,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     p.set_defaults(func=cmd_analyze)
+
+    p = sub.add_parser("plan", help="choose mesh, sharding, pipeline cuts and schedule; print and save the plan")
+    model_args(p)
+    p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
+                   help="pin a decision: tp, pp, dp, zero, schedule, microbatch_size, microbatches, recompute")
+    p.add_argument("--out", metavar="FILE", help="write the plan file (JSON)")
+    p.set_defaults(func=cmd_plan)
     return parser
 
 

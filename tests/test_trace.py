@@ -3,6 +3,7 @@
 Every test traces on FakeTensors (nothing is computed); the 70B model is built on
 "meta" and traced with its 80 identical layers collapsed into one.
 """
+import functools
 import inspect
 import time
 from pathlib import Path
@@ -28,6 +29,13 @@ def build(example, **args):
 def trace(built, **kw):
     model, inputs, loss_fn, target = built
     return trace_joint(model, inputs, loss_fn=loss_fn, example_target=target, **kw)
+
+
+@functools.cache
+def traced(example, *, collapse_repeats=True, **args):
+    """(built, gm) of a tiny example, traced once per test session (no test mutates either)."""
+    built = build(example, size="tiny", **args)
+    return built, trace(built, collapse_repeats=collapse_repeats)
 
 
 def placeholders(gm, role):
@@ -57,8 +65,7 @@ def test_roles_params_grads_and_inputs(case):
     example, args = CASES[case]
     if example == "hf":
         pytest.importorskip("transformers")
-    model, inputs, loss_fn, target = built = build(example, size="tiny", **args)
-    gm = trace(built, collapse_repeats=False)
+    (model, inputs, loss_fn, target), gm = traced(example, collapse_repeats=False, **args)
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
 
     # every parameter once (named_parameters() drops the second name of a tied weight)
@@ -101,8 +108,8 @@ def test_roles_params_grads_and_inputs(case):
 
 
 def test_tied_head_is_one_parameter():
-    tied = trace(build("gpt", size="tiny"), collapse_repeats=False)
-    untied = trace(build("gpt", size="tiny", tie_weights="false"), collapse_repeats=False)
+    _, tied = traced("gpt", collapse_repeats=False)
+    _, untied = traced("gpt", collapse_repeats=False, tie_weights="false")
     tied_params = tied.meta[mk.GRAPH].param_fqns
     assert "lm_head.weight" not in tied_params and "transformer.wte.weight" in tied_params
     assert "lm_head.weight" in untied.meta[mk.GRAPH].param_fqns
@@ -110,10 +117,9 @@ def test_tied_head_is_one_parameter():
 
 
 def test_collapsed_repeats_trace_block_zero_only():
-    model, *_ = built = build("gpt", size="tiny")
+    (model, *_), collapsed = traced("gpt")
     assert len(model.transformer.h) == 2
-    collapsed = trace(built)
-    full = trace(built, collapse_repeats=False)
+    _, full = traced("gpt", collapse_repeats=False)
 
     info = collapsed.meta[mk.GRAPH]
     assert info.repeats == (mk.Repeat(container="transformer.h", traced=("transformer.h.0",), count=2,
@@ -190,8 +196,7 @@ def test_data_dependent_control_flow_is_a_trace_error_naming_the_line():
 
 
 def test_error_raised_by_the_model_keeps_its_message():
-    built = build("gpt", size="tiny")
-    model, _, loss_fn, _ = built
+    model, _, loss_fn, _ = build("gpt", size="tiny")
     too_long = torch.zeros(2, 100, dtype=torch.long)  # block_size is 64
     with pytest.raises(TraceError, match="longer than block_size 64") as excinfo:
         trace_joint(model, (too_long,), loss_fn=loss_fn, example_target=too_long)
@@ -199,8 +204,7 @@ def test_error_raised_by_the_model_keeps_its_message():
 
 
 def test_forward_module_paths_are_real_submodules():
-    model, *_ = built = build("gpt", size="tiny")
-    gm = trace(built, collapse_repeats=False)
+    (model, *_), gm = traced("gpt", collapse_repeats=False)
     modules = dict(model.named_modules())
     info = gm.meta[mk.GRAPH]
     forward = [n for n in gm.graph.nodes
@@ -225,8 +229,8 @@ def _producer(node):
 
 @pytest.mark.parametrize("example", ["gpt", "mlp"])
 def test_gradient_of_a_parameter_comes_from_its_module(example):
-    model, *_ = built = build(example, size="tiny", tie_weights="false") if example == "gpt" else build(example, size="tiny")
-    gm = trace(built, collapse_repeats=False)
+    args = {"tie_weights": "false"} if example == "gpt" else {}
+    _, gm = traced(example, collapse_repeats=False, **args)
     outputs = gm.graph.find_nodes(op="output")[0].args[0]
     for name, index in gm.meta[mk.GRAPH].grad_outputs.items():
         op = _producer(outputs[index])
@@ -236,7 +240,7 @@ def test_gradient_of_a_parameter_comes_from_its_module(example):
 
 
 def test_backward_of_a_linear_carries_its_path():
-    gm = trace(build("gpt", size="tiny"), collapse_repeats=False)
+    _, gm = traced("gpt", collapse_repeats=False)
     path = "transformer.h.0.mlp.c_fc"
     fwd = [n for n in gm.graph.nodes if n.meta[mk.TRACE].role is mk.Role.FORWARD
            and n.target is torch.ops.aten.addmm.default and n.meta[mk.TRACE].module_path == path]

@@ -1,0 +1,29 @@
+"""autopar's user-facing functions (re-exported from ``autopar``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+from autopar.cluster import Cluster
+from autopar.plan import Plan
+
+__all__ = ["plan"]
+
+
+def plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, loss_fn: Callable | None = None,
+         example_target: Any = None, fixed: dict | None = None) -> Plan:
+    """Choose how to train ``model`` on ``cluster``: mesh, sharding, pipeline cuts, schedule.
+
+    ``example_inputs`` is one global batch (a tuple of positional args, a dict of
+    keyword args, or a tensor); the model and inputs may live on "meta". The
+    loss is ``loss_fn(output, example_target)``, else the model's scalar output
+    or its ``.loss``. ``fixed`` pins decisions: tp, pp, dp, zero (0-3),
+    schedule ("gpipe", "1f1b", "zb-h1"), microbatch_size, microbatches,
+    recompute ("none", "selective", "full"). No devices are touched.
+    """
+    from autopar.planner.make import make_plan
+
+    return make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn, example_target=example_target,
+                     fixed=fixed)

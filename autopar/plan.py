@@ -1,0 +1,158 @@
+"""The Plan: the single contract between planning and execution.
+
+A plan records the mesh, the schedule, the pipeline stages with their predicted
+time and memory, the placement of every parameter and op, the predicted step
+time and MFU, how the solver did, and the cluster and model it was made for.
+It is a frozen dataclass that round-trips through versioned JSON with sorted
+keys, so the same model, inputs and cluster give a byte-identical file.
+Wall-clock timings of the planner itself (trace, solve) vary from run to run;
+they live in ``plan.timings`` and in the summary, never in the file.
+
+Plan file keys (``"schema": 1``): ``mesh``, ``schedule``, ``zero``,
+``recompute``, ``stages``, ``layers``, ``ops``, ``predicted``, ``solver``,
+``communication``, ``cluster``, ``model``, ``fixed``, ``autopar_version``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from autopar.errors import PlanError
+
+__all__ = ["Plan", "SCHEMA_VERSION"]
+
+SCHEMA_VERSION = 1
+
+
+def _round(x: Any) -> Any:
+    """Floats to 6 significant digits so files are stable and readable."""
+    if isinstance(x, float):
+        if not math.isfinite(x) or x == 0:
+            return x
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {str(k): _round(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_round(v) for v in x]
+    return x
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    mesh: dict[str, int]
+    """Axis name -> size, outermost first: {"pp": .., "dp": .., "tp": ..}."""
+    schedule: dict[str, Any]
+    """{"kind": "1f1b", "microbatches": m, "microbatch_size": b}."""
+    zero: int
+    """ZeRO stage on the dp axis (0-3)."""
+    recompute: str
+    """Activation recompute: "none", "selective" (FLOP-free ops) or "full"."""
+    stages: tuple[dict[str, Any], ...]
+    """Per pipeline stage: layers, devices (ranks), predicted compute/comm/memory."""
+    layers: dict[str, dict[str, Any]]
+    """Layer path -> class, count, signature, parameter placements on tp."""
+    ops: dict[str, dict[str, Any]]
+    """Op node name -> layer, target, phase, output/input placements on tp."""
+    predicted: dict[str, Any]
+    """step_time_s, bubble_fraction, model/hardware FLOPs per step, mfu, peak_memory_bytes, tokens_per_s."""
+    solver: dict[str, Any]
+    """Sharding MIP status, objective, gap; search statistics; runners-up."""
+    communication: dict[str, Any]
+    """Collective kind -> per-step count, bytes and time, by mesh axis."""
+    cluster: dict[str, Any]
+    model: dict[str, Any]
+    """name, n_params, graph_hash, global_batch."""
+    fixed: dict[str, Any] = field(default_factory=dict)
+    autopar_version: str = ""
+    schema: int = SCHEMA_VERSION
+    timings: dict[str, float] = field(default_factory=dict, compare=False)
+    """Planner wall times (not saved: they differ between runs)."""
+
+    # -- files -------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _round(getattr(self, f.name)) for f in fields(self) if f.name != "timings"}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=1) + "\n"
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        if not isinstance(data, dict):
+            raise PlanError(f"a plan is a JSON object, got {type(data).__name__}")
+        schema = data.get("schema")
+        if schema != SCHEMA_VERSION:
+            raise PlanError(f"plan schema {schema!r} is not supported (this autopar reads schema {SCHEMA_VERSION})")
+        names = {f.name for f in fields(cls)} - {"timings"}
+        missing = sorted(n for n in names if n not in data and n not in ("fixed", "autopar_version"))
+        if missing:
+            raise PlanError(f"plan is missing keys: {', '.join(missing)}")
+        kwargs = {k: v for k, v in data.items() if k in names}
+        kwargs["stages"] = tuple(kwargs["stages"])
+        plan = cls(**kwargs)
+        plan.validate()
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan is not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+    # -- checks ------------------------------------------------------------
+
+    def validate(self, *, world_size: int | None = None) -> None:
+        """Raise one PlanError listing every inconsistency found."""
+        problems = []
+        sizes = [self.mesh.get(a) for a in ("pp", "dp", "tp")]
+        if any(not isinstance(s, int) or s < 1 for s in sizes):
+            problems.append(f"mesh {self.mesh} needs positive integer pp, dp and tp")
+        else:
+            world = math.prod(self.mesh.values())
+            if world_size is not None and world != world_size:
+                problems.append(f"mesh {self.mesh} has {world} devices but the world size is {world_size}")
+            if len(self.stages) != self.mesh["pp"]:
+                problems.append(f"{len(self.stages)} stages for pp={self.mesh['pp']}")
+            ranks = sorted(r for s in self.stages for r in s.get("devices", []))
+            if ranks != list(range(world)):
+                problems.append(f"stage devices do not cover ranks 0..{world - 1} exactly once")
+        m, b = self.schedule.get("microbatches"), self.schedule.get("microbatch_size")
+        batch = self.model.get("global_batch")
+        if isinstance(m, int) and isinstance(b, int) and isinstance(batch, int) and isinstance(self.mesh.get("dp"), int):
+            if m * b * self.mesh["dp"] != batch:
+                problems.append(f"microbatches {m} x microbatch_size {b} x dp {self.mesh['dp']} != global batch {batch}")
+        if self.zero not in (0, 1, 2, 3):
+            problems.append(f"zero={self.zero!r} is not 0-3")
+        layer_paths = [p for s in self.stages for p in s.get("layers", [])]
+        if len(layer_paths) != len(set(layer_paths)):
+            problems.append("a layer appears in more than one stage")
+        if problems:
+            raise PlanError("invalid plan: " + "; ".join(problems))
+
+    def check_model(self, graph_hash: str) -> None:
+        """A plan drives only the model it was made for."""
+        if self.model.get("graph_hash") != graph_hash:
+            raise PlanError(
+                f"this plan was made for {self.model.get('name')} (graph {self.model.get('graph_hash')}), "
+                f"but the model traces to graph {graph_hash}; re-plan with autopar.plan(...) or "
+                f"`autopar plan` for this model")
+
+    def summary(self) -> str:
+        from autopar.plan_summary import render_summary
+
+        return render_summary(self)

@@ -1,0 +1,229 @@
+"""Plan a model: trace twice, solve the sharding MIP per tp degree, search, write the Plan.
+
+The steps, in order (each one only reads what the previous produced):
+
+1. ``trace_pair``: the joint graph at the example batch and at twice it,
+   annotated and grouped into layers (repeated blocks traced once).
+2. For each tensor-parallel degree: the strategy graph (DTensor's rules, batch
+   dims left to the dp axis) and its MIP solution at a reference micro-batch.
+3. ``search``: mesh, cuts, micro-batching, ZeRO, recompute, schedule.
+4. The Plan: the chosen configuration, its per-stage and per-op details, the
+   runners-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+from torch import fx, nn
+
+import autopar
+from autopar.cluster import Cluster, parse_cluster
+from autopar.passes import meta_keys as mk
+from autopar.passes.layers import graph_hash
+from autopar.passes.strategies import StrategyGraph, build_strategy_graph
+from autopar.plan import Plan
+from autopar.planner.frontend import trace_pair
+from autopar.planner.ilp import Solution, build_problem, evaluate, solve
+from autopar.planner.search import Candidate, Fixed, Unit, search
+from autopar.progress import progress
+
+log = logging.getLogger(__name__)
+
+__all__ = ["make_plan", "plan_graphs"]
+
+RUNNERS_UP = 5
+
+
+def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, loss_fn: Callable | None = None,
+              example_target: Any = None, fixed: dict | None = None) -> Plan:
+    """Plan ``model`` for ``cluster``; see :func:`autopar.plan`."""
+    cluster = parse_cluster(cluster)
+    fixed_ = Fixed.from_dict(fixed)
+    t0 = time.perf_counter()
+    gm, gm2 = trace_pair(model, example_inputs, cluster=cluster, loss_fn=loss_fn, example_target=example_target)
+    t1 = time.perf_counter()
+    plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_)
+    timings = {"trace_s": t1 - t0, **plan.timings}
+    return Plan(**{k: getattr(plan, k) for k in plan.__dataclass_fields__ if k != "timings"}, timings=timings)
+
+
+def _tp_options(cluster: Cluster, fixed: Fixed) -> list[int]:
+    if fixed.tp is not None:
+        if cluster.devices_per_node % fixed.tp or cluster.world_size % fixed.tp:
+            raise autopar.PlanError(
+                f"tp={fixed.tp} must divide the {cluster.devices_per_node} devices of a node (tensor "
+                f"parallelism stays inside a node) and the world size {cluster.world_size}")
+        return [fixed.tp]
+    return [t for t in range(1, cluster.devices_per_node + 1)
+            if cluster.devices_per_node % t == 0 and cluster.world_size % t == 0]
+
+
+def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fixed: Fixed) -> Plan:
+    info: mk.GraphTrace = gm.meta[mk.GRAPH]
+    layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
+    batch = info.global_batch
+    precision = "fp32" if _param_dtype(gm) == "fp32" else "mixed"
+    t0 = time.perf_counter()
+    solved: dict[int, tuple[StrategyGraph, Solution]] = {}
+    with progress("solving the sharding MIP"):
+        for tp in _tp_options(cluster, fixed):
+            sg = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False)
+            ref = max(1, batch // max(1, cluster.world_size // tp))
+            link = cluster.link_for_group(tp, stride=1)
+            solved[tp] = (sg, solve(build_problem(sg, batch=ref, device=cluster.device, link=link)))
+    t1 = time.perf_counter()
+    names = _expanded_names(layers, info)
+    cache: dict[tuple[int, int], list[Unit]] = {}
+
+    def units_for(tp: int, mbs: int) -> list[Unit]:
+        if (tp, mbs) not in cache:
+            sg, sol = solved[tp]
+            ev = evaluate(build_problem(sg, batch=mbs, device=cluster.device,
+                                        link=cluster.link_for_group(tp, stride=1)), sol)
+            units = []
+            for layer in layers:
+                lc = ev.layers.get(layer.path)
+                scale = mbs / batch
+                for i in range(layer.count):
+                    c = lc.compute_s if lc else {}
+                    k = lc.comm_s if lc else {}
+                    units.append(Unit(
+                        path=names[layer.path][i],
+                        f_s=c.get("F", 0.0) + k.get("F", 0.0), b_s=c.get("B", 0.0) + k.get("B", 0.0),
+                        w_s=c.get("W", 0.0) + k.get("W", 0.0), comm_s=sum(k.values()),
+                        cheap_f_s=lc.cheap_forward_s if lc else 0.0,
+                        act_bytes=lc.activation_bytes if lc else 0.0,
+                        cheap_act_bytes=lc.cheap_activation_bytes if lc else 0.0,
+                        boundary_bytes=layer.boundary_bytes * scale,
+                        n_params=lc.n_params_local if lc else 0.0,
+                        flops=(layer.flops_fwd + layer.flops_bwd) * scale))
+            cache[tp, mbs] = units
+        return cache[tp, mbs]
+
+    with progress("searching meshes, cuts and schedules"):
+        ranked, stats = search(units_for=units_for, n_units=sum(x.count for x in layers), global_batch=batch,
+                               cluster=cluster, fixed=fixed, precision=precision, tp_options=sorted(solved))
+    t2 = time.perf_counter()
+    best = ranked[0]
+    sg, sol = solved[best.config.tp]
+    return _to_plan(gm, best, ranked[1:RUNNERS_UP + 1], sg, sol, cluster, fixed, stats, precision,
+                    timings={"solve_s": t1 - t0, "search_s": t2 - t1})
+
+
+def _param_dtype(gm: fx.GraphModule) -> str:
+    for n in gm.graph.find_nodes(op="placeholder"):
+        if n.meta[mk.TRACE].role is mk.Role.PARAM:
+            return {"torch.float32": "fp32"}.get(str(n.meta["val"].dtype), "bf16")
+    return "fp32"
+
+
+def _expanded_names(layers, info: mk.GraphTrace) -> dict[str, list[str]]:
+    """Layer path -> the names of the instances it stands for ("layers.0" -> layers.0..layers.79)."""
+    out = {}
+    traced = {r.traced[0]: r for r in info.repeats}
+    for layer in layers:
+        r = traced.get(layer.path)
+        out[layer.path] = [f"{r.container}.{i}" for i in range(r.count)] if r else [layer.path]
+    return out
+
+
+def _tokens(gm: fx.GraphModule) -> int:
+    for n in gm.graph.find_nodes(op="placeholder"):
+        v = n.meta.get("val")
+        if n.meta[mk.TRACE].role is mk.Role.INPUT and v is not None and v.dim() == 2 and not v.dtype.is_floating_point:
+            return int(v.shape[0] * v.shape[1])
+    return 0
+
+
+def _config_dict(c: Candidate) -> dict[str, Any]:
+    cfg = c.config
+    return {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "zero": cfg.zero, "recompute": cfg.recompute,
+            "schedule": cfg.schedule, "microbatch_size": cfg.microbatch_size, "microbatches": cfg.microbatches}
+
+
+def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, sol: Solution, cluster: Cluster,
+             fixed: Fixed, stats: dict, precision: str, timings: dict) -> Plan:
+    info: mk.GraphTrace = gm.meta[mk.GRAPH]
+    layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
+    cfg = best.config
+    per_stage = cfg.dp * cfg.tp
+    stages = []
+    for s, st in enumerate(best.stages):
+        stages.append({
+            "layers": list(st.layers),
+            "devices": list(range(s * per_stage, (s + 1) * per_stage)),
+            "predicted": {
+                "compute_s": (st.f_s + st.b_s + st.w_s - st.comm_s) * cfg.microbatches,
+                "comm_s": st.comm_s * cfg.microbatches + st.grad_sync_s,
+                "f_s": st.f_s, "b_s": st.b_s, "w_s": st.w_s,
+                "inflight_microbatches": st.inflight,
+                "send_bytes": st.send_bytes,
+                "memory_bytes": {"params": st.params_bytes, "grads": st.grads_bytes,
+                                 "optimizer": st.optimizer_bytes, "activations": st.activations_bytes,
+                                 "total": st.memory_bytes},
+            }})
+    chosen = {sg.nodes[v].name: sg.nodes[v].candidates[sol.choice[v]] for v in range(len(sg.nodes))}
+    layer_dict = {}
+    for layer in layers:
+        params = {}
+        for n in sg.nodes:
+            if n.kind == "param" and n.layer == layer.path:
+                params[n.fqn] = chosen[n.name].outs[0]
+        layer_dict[layer.path] = {"class": layer.class_name, "count": layer.count, "signature": layer.signature,
+                                  "params": params, "n_params": layer.n_params}
+    ops = {}
+    for n in sg.nodes:
+        if n.kind != "op":
+            continue
+        s = chosen[n.name]
+        ops[n.name] = {"layer": n.layer, "phase": n.phase, "out": list(s.outs), "in": list(s.ins)}
+    ev = evaluate(build_problem(sg, batch=cfg.microbatch_size, device=cluster.device,
+                                link=cluster.link_for_group(cfg.tp, stride=1)), sol)
+    communication: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
+    for kind, c in ev.collectives.items():
+        communication[kind]["tp"] = {"count": c["count"] * cfg.microbatches, "bytes": c["bytes"] * cfg.microbatches,
+                                     "time_s": c["time_s"] * cfg.microbatches}
+    if cfg.dp > 1:
+        grad_bytes = sum(st.grads_bytes * (cfg.dp if cfg.zero >= 2 else 1) for st in best.stages)
+        kinds = ["all_reduce"] if cfg.zero == 0 else ["reduce_scatter", "all_gather"]
+        for kind in kinds:
+            communication[kind]["dp"] = {"count": len(best.stages), "bytes": grad_bytes,
+                                         "time_s": max(st.grad_sync_s for st in best.stages) / len(kinds)}
+    if cfg.pp > 1:
+        communication["p2p"]["pp"] = {"count": 2 * cfg.microbatches * (cfg.pp - 1),
+                                      "bytes": 2 * cfg.microbatches * sum(st.send_bytes for st in best.stages),
+                                      "time_s": 0.0}
+    model_flops = sum((x.flops_fwd + x.flops_bwd) * x.count for x in layers)
+    recompute_flops = 0.0
+    if cfg.recompute == "full":
+        recompute_flops = sum(x.flops_fwd * x.count for x in layers)
+    peak = cluster.device.peak("fp32" if precision == "fp32" else "bf16")
+    step = best.step_time_s
+    tokens = _tokens(gm)
+    predicted = {
+        "step_time_s": step, "bubble_fraction": best.bubble_fraction,
+        "model_flops_per_step": model_flops, "hardware_flops_per_step": model_flops + recompute_flops,
+        "mfu": model_flops / (step * cluster.world_size * peak) if step > 0 else 0.0,
+        "peak_memory_bytes": best.peak_memory_bytes,
+        "tokens_per_s": tokens / step if tokens and step > 0 else None,
+    }
+    solver = {
+        "backend": "SCIP (OR-tools pywraplp)", "status": sol.status, "objective": sol.objective_s,
+        "bound": sol.bound_s, "gap": sol.gap,
+        "search": {k: v for k, v in stats.items() if k != "wall_s"},
+        "candidates": [{"config": _config_dict(c), "step_time_s": c.step_time_s} for c in runners],
+    }
+    return Plan(
+        mesh={"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp},
+        schedule={"kind": cfg.schedule, "microbatches": cfg.microbatches, "microbatch_size": cfg.microbatch_size},
+        zero=cfg.zero, recompute=cfg.recompute, stages=tuple(stages), layers=layer_dict, ops=ops,
+        predicted=predicted, solver=solver, communication=dict(communication),
+        cluster={"spec": cluster.spec, **cluster.to_dict()},
+        model={"name": info.model_name, "n_params": info.n_params, "graph_hash": graph_hash(gm),
+               "global_batch": info.global_batch, "precision": precision},
+        fixed=fixed.to_dict(), autopar_version=autopar.__version__,
+        timings={**timings, "sharding_mip_s": sol.wall_s, "search_wall_s": stats["wall_s"]})
