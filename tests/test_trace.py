@@ -1,7 +1,8 @@
 """passes/trace.py: joint forward+backward graphs of the examples and of Hugging Face models.
 
 Every test traces on FakeTensors (nothing is computed); the 70B model is built on
-"meta" and traced with its 80 identical layers collapsed into one.
+"meta" and traced with its 80 identical layers collapsed into two (the first
+block, and the second standing for the 79 others).
 """
 import functools
 import inspect
@@ -116,25 +117,33 @@ def test_tied_head_is_one_parameter():
     assert len(untied.meta[mk.GRAPH].param_fqns) == len(tied_params) + 1
 
 
-def test_collapsed_repeats_trace_block_zero_only():
-    (model, *_), collapsed = traced("gpt")
-    assert len(model.transformer.h) == 2
-    _, full = traced("gpt", collapse_repeats=False)
+def test_collapsed_repeats_trace_the_first_two_blocks():
+    (model, *_), collapsed = traced("gpt", n_layer="4")
+    assert len(model.transformer.h) == 4
+    _, full = traced("gpt", collapse_repeats=False, n_layer="4")
 
     info = collapsed.meta[mk.GRAPH]
-    assert info.repeats == (mk.Repeat(container="transformer.h", traced=("transformer.h.0",), count=2,
-                                      n_params_each=sum(p.numel() for p in model.transformer.h[0].parameters())),)
-    assert any(p.startswith("transformer.h.0.") for p in info.param_fqns)
-    assert not any(p.startswith("transformer.h.1.") for p in info.param_fqns)
-    assert info.n_params == sum(p.numel() for p in model.parameters())  # counts the collapsed block
-    assert not any(n.meta[mk.TRACE].module_path.startswith("transformer.h.1") for n in collapsed.graph.nodes)
+    n_each = sum(p.numel() for p in model.transformer.h[0].parameters())
+    assert info.repeats == (mk.Repeat(container="transformer.h", traced=("transformer.h.0", "transformer.h.1"),
+                                      count=4, n_params_each=n_each),)
+    blocks = {p.split(".")[2] for p in info.param_fqns if p.startswith("transformer.h.")}
+    assert blocks == {"0", "1"}
+    assert info.n_params == sum(p.numel() for p in model.parameters())  # counts the collapsed blocks
+    paths = {n.meta[mk.TRACE].module_path for n in collapsed.graph.nodes}
+    assert not any(p.startswith(("transformer.h.2", "transformer.h.3")) for p in paths)
 
     full_info = full.meta[mk.GRAPH]
     assert full_info.repeats == ()
     assert set(full_info.param_fqns) == set(dict(model.named_parameters()))
-    assert any(n.meta[mk.TRACE].module_path.startswith("transformer.h.1.") for n in full.graph.nodes)
+    assert any(n.meta[mk.TRACE].module_path.startswith("transformer.h.3.") for n in full.graph.nodes)
     assert len(full.graph.nodes) > len(collapsed.graph.nodes)
-    assert len(model.transformer.h) == 2  # the collapse is undone
+    assert len(model.transformer.h) == 4  # the collapse is undone
+
+
+def test_two_blocks_are_traced_whole():
+    (model, *_), gm = traced("gpt")  # tiny: 2 blocks, nothing to gain from collapsing
+    assert gm.meta[mk.GRAPH].repeats == ()
+    assert set(gm.meta[mk.GRAPH].param_fqns) == set(dict(model.named_parameters()))
 
 
 def test_llama_70b_on_meta_traces_fast_and_leaves_the_model_alone():
@@ -148,7 +157,7 @@ def test_llama_70b_on_meta_traces_fast_and_leaves_the_model_alone():
 
     info = gm.meta[mk.GRAPH]
     assert info.n_params == pytest.approx(70.55e9, rel=1e-3)
-    assert [(r.container, r.count) for r in info.repeats] == [("layers", 80)]
+    assert [(r.container, r.traced, r.count) for r in info.repeats] == [("layers", ("layers.0", "layers.1"), 80)]
     assert len(model.layers) == 80
     assert [(name, p) for name, p in model.named_parameters()] == params  # the very same objects
     assert all(a is b for (_, a), (_, b) in zip(model.named_parameters(), params))

@@ -25,7 +25,10 @@ from torch import fx
 
 from autopar.passes import meta_keys as mk
 
-__all__ = ["group_layers", "graph_hash", "layer_of_path"]
+__all__ = ["group_layers", "graph_hash", "layer_of_path", "LOSS_LAYER"]
+
+LOSS_LAYER = "<loss>"
+"""The layer of the ops after the model's last module: the loss (runs on the last stage)."""
 
 
 def layer_of_path(path: str) -> str:
@@ -56,7 +59,12 @@ def group_layers(gm: fx.GraphModule) -> fx.GraphModule:
     layer: dict[fx.Node, str] = {}
     prev = ""
     pending = []
-    for n in fwd:  # ops with no layer of their own join the previous layer (or the first)
+    real = [i for i, n in enumerate(fwd) if raw[n] and raw[n] not in containers]
+    for n in fwd[real[-1] + 1:] if real else ():  # the loss, computed after the last layer
+        layer[n] = LOSS_LAYER
+    for n in fwd:
+        if n in layer:
+            continue  # ops with no layer of their own join the previous layer (or the next)
         lp = raw[n]
         if not lp or lp in containers:
             if prev:
@@ -69,9 +77,9 @@ def group_layers(gm: fx.GraphModule) -> fx.GraphModule:
             layer[p] = lp
         pending = []
     for p in pending:
-        layer[p] = "<model>"
+        layer[p] = LOSS_LAYER
     order = list(dict.fromkeys(layer[n] for n in fwd))
-    first, last = (order[0], order[-1]) if order else ("<model>", "<model>")
+    first, last = (order[0], order[-1]) if order else (LOSS_LAYER, LOSS_LAYER)
     by_seq = {}
     for n in fwd:
         by_seq.setdefault(n.meta[mk.TRACE].seq_nr, layer[n])
@@ -123,7 +131,7 @@ def _layer_infos(gm: fx.GraphModule, order: list[str], layer: dict[fx.Node, str]
     for n in gm.graph.nodes:
         if layer[n]:
             members[layer[n]].append(n)
-    counts = {t: r.count for r in graph_info.repeats for t in r.traced}
+    counts = {r.traced[1]: r.count - 1 for r in graph_info.repeats}
     position = {name: i for i, name in enumerate(order)}
     infos = []
     for i, path in enumerate(order):
@@ -139,7 +147,7 @@ def _layer_infos(gm: fx.GraphModule, order: list[str], layer: dict[fx.Node, str]
         cost = [n.meta[mk.COST] for n in ns]
         infos.append(mk.LayerInfo(
             path=path, index=i,
-            class_name=graph_info.module_classes.get(path, path.rsplit(".", 1)[-1]),
+            class_name="loss" if path == LOSS_LAYER else graph_info.module_classes.get(path, path.rsplit(".", 1)[-1]),
             signature=_signature(ns, path),
             count=counts.get(path, 1),
             param_fqns=tuple(n.meta[mk.TRACE].fqn for n in params),

@@ -81,7 +81,8 @@ class Repeat:
     container: str
     """Path of the ModuleList/Sequential whose blocks repeat, e.g. "model.layers"."""
     traced: tuple[str, ...]
-    """Paths of the blocks that were traced, e.g. ("model.layers.0",)."""
+    """Paths of the two blocks that were traced, e.g. ("model.layers.0", "model.layers.1");
+    the first stands for itself, the second for the ``count - 1`` others."""
     count: int
     """How many identical blocks the container holds."""
     n_params_each: int

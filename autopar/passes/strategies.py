@@ -305,7 +305,7 @@ def _chain_edges(edges: list[SEdge], nodes: list[SNode]) -> list[SEdge]:
     for layer in sorted({n.layer for n in nodes if n.weight > 1}):
         weight = next(n.weight for n in nodes if n.layer == layer)
         incoming = [e for e in edges if nodes[e.dst].layer == layer and nodes[e.src].layer != layer
-                    and nodes[e.src].kind == "op"]
+                    and nodes[e.src].kind in ("op", "input")]
         outgoing = [e for e in edges if nodes[e.src].layer == layer and nodes[e.dst].layer != layer
                     and nodes[e.dst].kind == "op"]
         for e_in in incoming:

@@ -8,11 +8,13 @@ placeholder is which parameter and which output is which gradient. Everything
 runs on FakeTensors: parameters on the ``meta`` device are swapped for fake CPU
 tensors for the duration of the trace, so a 70B-shaped model allocates nothing.
 
-Repeated blocks: a ModuleList/Sequential of structurally identical blocks (same
-class, same parameter shapes, same configuration) is traced with its first block
-only, and the graph records how many blocks that one stands for
-(:class:`~autopar.passes.meta_keys.Repeat`). That keeps a 80-layer model's trace
-as cheap as a 1-layer one. Pass ``collapse_repeats=False`` for the full graph
+Repeated blocks: a ModuleList/Sequential of three or more structurally identical
+blocks (same class, same parameter shapes, same configuration) is traced with
+its first two blocks only, and the graph records that the second stands for all
+the others (:class:`~autopar.passes.meta_keys.Repeat`). The first block is kept
+apart because it often differs (its input may not need a gradient); the second
+is a faithful copy of every later one. That keeps a 80-layer model's trace as
+cheap as a 2-layer one. Pass ``collapse_repeats=False`` for the full graph
 (codegen needs it; planning does not).
 
 References: torch/_functorch/aot_autograd.py (aot_export_joint_with_descriptors),
@@ -175,7 +177,7 @@ def _find_repeats(model: nn.Module) -> tuple[mk.Repeat, ...]:
     """ModuleLists/Sequentials whose blocks are all alike (and hold parameters)."""
     found = []
     for path, mod in model.named_modules():
-        if type(mod) not in (nn.ModuleList, nn.Sequential) or len(mod) < 2:
+        if type(mod) not in (nn.ModuleList, nn.Sequential) or len(mod) < 3:
             continue
         if any(path.startswith(r.container + ".") for r in found):
             continue
@@ -184,21 +186,22 @@ def _find_repeats(model: nn.Module) -> tuple[mk.Repeat, ...]:
         n_each = sum(p.numel() for p in blocks[0].parameters())
         if n_each == 0 or any(_block_signature(b) != first for b in blocks[1:]):
             continue
-        found.append(mk.Repeat(container=path, traced=(f"{path}.0",), count=len(blocks),
-                               n_params_each=n_each))
+        keys = list(mod._modules)
+        found.append(mk.Repeat(container=path, traced=(f"{path}.{keys[0]}", f"{path}.{keys[1]}"),
+                               count=len(blocks), n_params_each=n_each))
     return tuple(found)
 
 
 @contextlib.contextmanager
 def _collapsed(model: nn.Module, repeats: tuple[mk.Repeat, ...]) -> Iterator[None]:
-    """Temporarily keep only the first block of each repeated container."""
+    """Temporarily keep only the first two blocks of each repeated container."""
     saved = []
     try:
         for r in repeats:
             container = model.get_submodule(r.container)
             saved.append((container, dict(container._modules)))
-            first_key = next(iter(container._modules))
-            container._modules = {first_key: container._modules[first_key]}
+            keys = list(container._modules)[:2]
+            container._modules = {k: container._modules[k] for k in keys}
         yield
     finally:
         for container, modules in saved:

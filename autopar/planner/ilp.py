@@ -124,6 +124,14 @@ def reshard_s(p: str, q: str, nbytes: float, n: int, link: Link) -> tuple[float,
     return comm.all_gather_s(nbytes, n, link), "all_gather"  # shard -> replicate or partial
 
 
+def _edge_link(problem: Problem, dst_kind: str) -> Link:
+    """Gradients return to their parameters in buckets (as DDP/FSDP do), so a
+    parameter's gradient reduction pays bandwidth but not a collective latency of its own."""
+    if dst_kind == "param":
+        return Link(bytes_per_s=problem.link.bytes_per_s, latency_s=0.0)
+    return problem.link
+
+
 def _splits(s: Strategy) -> bool:
     return any(p is not None and p.startswith("S") for p in s.outs + s.ins)
 
@@ -151,6 +159,72 @@ def build_problem(graph: StrategyGraph, *, batch: float, device: DeviceSpec, lin
                    param_budget_bytes=param_budget_bytes)
 
 
+def _tensor_groups(g: StrategyGraph) -> list[list]:
+    """Edges grouped by the tensor they carry: a tensor resharded to a placement once
+    serves every consumer that needs that placement. Chain edges (copy i -> copy i+1)
+    and gradient -> parameter edges carry different tensors and stay apart."""
+    groups: dict[tuple, list] = {}
+    for e in g.edges:
+        key = (e.src, e.src_out, e.virtual, g.nodes[e.dst].kind == "param")
+        groups.setdefault(key, []).append(e)
+    return list(groups.values())
+
+
+def _single_consumer(solver, k, e, g, x, by_p, nbytes, link):
+    """Marginal (transportation) form: y is integral once x is, so y stays continuous."""
+    src, dst = g.nodes[e.src], g.nodes[e.dst]
+    by_q = defaultdict(list)
+    for j, s in enumerate(dst.candidates):
+        by_q[s.ins[e.dst_in]].append(x[e.dst][j])
+    if len(by_p) == 1 and len(by_q) == 1:  # nothing to choose on this edge
+        p, q = next(iter(by_p)), next(iter(by_q))
+        return [], e.weight * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S
+    pair, terms = {}, []
+    for p in by_p:
+        for q in by_q:
+            pair[p, q] = y = solver.NumVar(0.0, 1.0, f"y[{k},{p},{q}]")
+            c = e.weight * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S
+            if c:
+                terms.append(c * y)
+    for p, lp in by_p.items():
+        solver.Add(sum(pair[p, q] for q in by_q) == sum(lp), f"reshard_out[{k}:{src.name}->{dst.name},{p}]")
+    for q, lq in by_q.items():
+        solver.Add(sum(pair[p, q] for p in by_p) == sum(lq), f"reshard_in[{k}:{src.name}->{dst.name},{q}]")
+    return terms, 0.0
+
+
+def _many_consumers(solver, k, group, g, x, by_p, nbytes, link):
+    """Coverage form: r[p,q] reshards the tensor from p (only if p is chosen) to q, paid once;
+    every consumer that needs q is covered by the producer emitting q or by some r[., q]."""
+    src = g.nodes[group[0].src]
+    wants: dict[str, list] = defaultdict(list)  # q -> one linear expression per consumer
+    weight = defaultdict(int)
+    for e in group:
+        dst = g.nodes[e.dst]
+        by_q = defaultdict(list)
+        for j, s in enumerate(dst.candidates):
+            by_q[s.ins[e.dst_in]].append(x[e.dst][j])
+        for q, lq in by_q.items():
+            wants[q].append((dst.name, lq))
+            weight[q] = max(weight[q], e.weight)
+    terms, r = [], defaultdict(list)
+    for p, lp in by_p.items():
+        for q in wants:
+            if p == q:
+                continue
+            y = solver.NumVar(0.0, 1.0, f"r[{k},{p},{q}]")
+            solver.Add(y <= sum(lp), f"reshard_from[{k}:{src.name},{p}->{q}]")
+            r[q].append(y)
+            c = weight[q] * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S
+            if c:
+                terms.append(c * y)
+    for q, consumers in wants.items():
+        direct = sum(by_p.get(q, []))
+        for name, lq in consumers:
+            solver.Add(sum(lq) <= direct + sum(r[q]), f"covered[{k}:{src.name}->{name},{q}]")
+    return terms, 0.0
+
+
 def solve(problem: Problem, *, time_limit_s: float = 20.0, backend: str = SOLVER_BACKEND) -> Solution:
     """Solve the ILP (deterministic: same problem, same answer)."""
     start = time.perf_counter()
@@ -170,30 +244,20 @@ def solve(problem: Problem, *, time_limit_s: float = 20.0, backend: str = SOLVER
             c = node.weight * node_cost_s(problem, v, s) / _UNIT_S
             if c:
                 obj.append(c * lits[i])
-    for k, e in enumerate(g.edges):
-        src, dst = g.nodes[e.src], g.nodes[e.dst]
-        nbytes = src.out_bytes[e.src_out](problem.batch)
-        by_p, by_q = defaultdict(list), defaultdict(list)
+    for k, group in enumerate(_tensor_groups(g)):
+        e0 = group[0]
+        src = g.nodes[e0.src]
+        nbytes = src.out_bytes[e0.src_out](problem.batch)
+        link = _edge_link(problem, g.nodes[e0.dst].kind)
+        by_p = defaultdict(list)
         for i, s in enumerate(src.candidates):
-            by_p[s.outs[e.src_out]].append(x[e.src][i])
-        for j, s in enumerate(dst.candidates):
-            by_q[s.ins[e.dst_in]].append(x[e.dst][j])
-        if len(by_p) == 1 and len(by_q) == 1:  # nothing to choose on this edge
-            p, q = next(iter(by_p)), next(iter(by_q))
-            fixed_cost += e.weight * reshard_s(p, q, nbytes, g.axis_size, problem.link)[0] / _UNIT_S
-            continue
-        pair = {}
-        for p in by_p:
-            for q in by_q:
-                pair[p, q] = y = solver.NumVar(0.0, 1.0, f"y[{k},{p},{q}]")
-                c = e.weight * reshard_s(p, q, nbytes, g.axis_size, problem.link)[0] / _UNIT_S
-                if c:
-                    obj.append(c * y)
-        # Marginal (transportation) form: y is integral once x is, so y stays continuous.
-        for p, lp in by_p.items():
-            solver.Add(sum(pair[p, q] for q in by_q) == sum(lp), f"reshard_out[{k}:{src.name}->{dst.name},{p}]")
-        for q, lq in by_q.items():
-            solver.Add(sum(pair[p, q] for p in by_p) == sum(lq), f"reshard_in[{k}:{src.name}->{dst.name},{q}]")
+            by_p[s.outs[e0.src_out]].append(x[e0.src][i])
+        if len(group) == 1:
+            obj_terms, const = _single_consumer(solver, k, e0, g, x, by_p, nbytes, link)
+        else:
+            obj_terms, const = _many_consumers(solver, k, group, g, x, by_p, nbytes, link)
+        obj.extend(obj_terms)
+        fixed_cost += const
     if problem.param_budget_bytes is not None:
         terms = [g.nodes[v].weight * _param_bytes(problem, v, s) * x[v][i]
                  for v, node in enumerate(g.nodes) if node.kind == "param"
@@ -249,20 +313,26 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
                 acts[node.layer] += local
                 if cheap:
                     cheap_acts[node.layer] += local
-    for e in g.edges:
-        src, dst = g.nodes[e.src], g.nodes[e.dst]
-        p = src.candidates[solution.choice[e.src]].outs[e.src_out]
-        q = dst.candidates[solution.choice[e.dst]].ins[e.dst_in]
-        nbytes = src.out_bytes[e.src_out](problem.batch)
-        t, kind = reshard_s(p, q, nbytes, g.axis_size, problem.link)
-        if not t:
-            continue
-        phase = "W" if dst.kind == "param" else (dst.phase or src.phase or "F")
-        com[dst.layer][phase] += t * e.weight / dst.weight  # per instance, chain edges amortised
-        total_comm += e.weight * t
-        collectives[kind]["count"] += e.weight
-        collectives[kind]["bytes"] += e.weight * nbytes
-        collectives[kind]["time_s"] += e.weight * t
+    for group in _tensor_groups(g):
+        src = g.nodes[group[0].src]
+        p = src.candidates[solution.choice[group[0].src]].outs[group[0].src_out]
+        nbytes = src.out_bytes[group[0].src_out](problem.batch)
+        needed: dict[str, tuple[int, object]] = {}
+        for e in group:  # each placement is made once, for the heaviest consumer that needs it
+            q = g.nodes[e.dst].candidates[solution.choice[e.dst]].ins[e.dst_in]
+            if q not in needed or e.weight > needed[q][0]:
+                needed[q] = (e.weight, e)
+        for q, (weight, e) in needed.items():
+            dst = g.nodes[e.dst]
+            t, kind = reshard_s(p, q, nbytes, g.axis_size, _edge_link(problem, dst.kind))
+            if not t:
+                continue
+            phase = "W" if dst.kind == "param" else (dst.phase or src.phase or "F")
+            com[dst.layer][phase] += t * weight / dst.weight  # per instance, chain edges amortised
+            total_comm += weight * t
+            collectives[kind]["count"] += weight
+            collectives[kind]["bytes"] += weight * nbytes
+            collectives[kind]["time_s"] += weight * t
     layers = {name: LayerCost(compute_s=dict(comp[name]), comm_s=dict(com[name]), param_bytes=params[name],
                               n_params_local=nparams[name], activation_bytes=acts[name],
                               cheap_activation_bytes=cheap_acts[name], cheap_forward_s=cheap_f[name])

@@ -124,10 +124,10 @@ def _param_dtype(gm: fx.GraphModule) -> str:
 def _expanded_names(layers, info: mk.GraphTrace) -> dict[str, list[str]]:
     """Layer path -> the names of the instances it stands for ("layers.0" -> layers.0..layers.79)."""
     out = {}
-    traced = {r.traced[0]: r for r in info.repeats}
+    stand_ins = {r.traced[1]: r for r in info.repeats}
     for layer in layers:
-        r = traced.get(layer.path)
-        out[layer.path] = [f"{r.container}.{i}" for i in range(r.count)] if r else [layer.path]
+        r = stand_ins.get(layer.path)
+        out[layer.path] = [f"{r.container}.{i}" for i in range(1, r.count)] if r else [layer.path]
     return out
 
 

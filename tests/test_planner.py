@@ -1,0 +1,180 @@
+"""The planner's textbook answers: Megatron from the ILP, DP on a 1-D mesh, ZeRO and
+pipeline stages when memory forces them, tp inside a node, determinism, clear failures."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.cluster import parse_cluster
+from autopar.cost import comm
+from autopar.errors import InfeasibleError, PlanError
+from autopar.passes.strategies import build_strategy_graph
+from autopar.planner.frontend import trace_pair
+from autopar.planner.ilp import build_problem, evaluate, solve
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+import gpt  # noqa: E402
+import llama  # noqa: E402
+import mlp  # noqa: E402
+
+H100 = parse_cluster("1x8xH100")
+
+
+def _solve(built, *, axis: int, shard_batch: bool, cluster=H100):
+    model, inputs, loss_fn, target = built
+    gm, gm2 = trace_pair(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target)
+    sg = build_strategy_graph(gm, axis_size=axis, gm_double=gm2, shard_batch=shard_batch)
+    problem = build_problem(sg, batch=sg.global_batch, device=cluster.device,
+                            link=cluster.link_for_group(axis, stride=1))
+    solution = solve(problem)
+    placements = {n.fqn: n.candidates[solution.choice[i]].outs[0]
+                  for i, n in enumerate(sg.nodes) if n.kind in ("param", "input")}
+    return sg, problem, solution, placements
+
+
+@pytest.fixture(scope="module")
+def mlp_tp4():
+    return _solve(mlp.build(size="medium", batch=512, device="meta", residual=False), axis=4, shard_batch=False)
+
+
+def test_mlp_on_tp_axis_is_column_then_row(mlp_tp4):
+    _, _, solution, placed = mlp_tp4
+    assert solution.status == "OPTIMAL"
+    for block in ("blocks.0", "blocks.1"):
+        assert placed[f"{block}.fc1.weight"] == "S0"  # (hidden, d): output features sharded -> column-parallel
+        assert placed[f"{block}.fc2.weight"] == "S1"  # (d, hidden): input features sharded -> row-parallel
+
+
+def test_mlp_forward_pays_exactly_one_all_reduce_per_block(mlp_tp4):
+    _, problem, solution, _ = mlp_tp4
+    ev = evaluate(problem, solution)
+    # Closed form: the (batch, d) fp32 block output is all-reduced once over tp=4 (Megatron, eq. in sec. 3).
+    expected = comm.all_reduce_s(512 * 1024 * 4, 4, problem.link)
+    assert ev.layers["blocks.1"].comm_s["F"] == pytest.approx(expected, rel=1e-9)
+    assert set(ev.collectives) == {"all_reduce"}
+
+
+def test_objective_equals_independent_evaluation(mlp_tp4):
+    _, problem, solution, _ = mlp_tp4
+    assert evaluate(problem, solution).total_s == pytest.approx(solution.objective_s, rel=1e-6)
+
+
+def test_gpt_block_on_tp_axis_is_megatron():
+    _, _, _, placed = _solve(gpt.build(size="1.3b", batch=4, seq=1024, n_layer=3), axis=4, shard_batch=False)
+    block = "transformer.h.1"
+    assert placed[f"{block}.attn.c_attn.weight"] == "S0"  # fused QKV: column-parallel (heads split)
+    assert placed[f"{block}.attn.c_proj.weight"] == "S1"  # attention output: row-parallel
+    assert placed[f"{block}.mlp.c_fc.weight"] == "S0"
+    assert placed[f"{block}.mlp.c_proj.weight"] == "S1"
+
+
+def test_one_axis_mesh_mlp_is_data_parallel():
+    sg, problem, solution, placed = _solve(mlp.build(size="small", batch=4096, device="meta", residual=False),
+                                           axis=8, shard_batch=True)
+    weights = {k: v for k, v in placed.items() if k.startswith("blocks.")}
+    assert set(weights.values()) == {"R"}  # every parameter replicated ...
+    matmuls = [n.candidates[solution.choice[i]].outs[0] for i, n in enumerate(sg.nodes)
+               if n.kind == "op" and n.phase == "F" and n.name.startswith("addmm")]
+    assert matmuls and set(matmuls) == {"S0"}  # ... and every forward matmul on its slice of the batch
+    assert "all_reduce" in evaluate(problem, solution).collectives  # gradients reduced
+
+
+@pytest.fixture(scope="module")
+def gpt_small_build():
+    return gpt.build(size="1.3b", batch=16, seq=1024, n_layer=4)
+
+
+def test_tp_never_crosses_a_node(gpt_small_build):
+    model, inputs, loss_fn, target = gpt_small_build
+    plan = autopar.plan(model, inputs, cluster="2x4xH100", loss_fn=loss_fn, example_target=target)
+    assert plan.mesh["tp"] <= 4
+    assert all(c["config"]["tp"] <= 4 for c in plan.solver["candidates"])
+    with pytest.raises(PlanError, match="inside a node"):
+        autopar.plan(model, inputs, cluster="2x4xH100", loss_fn=loss_fn, example_target=target, fixed={"tp": 8})
+
+
+def test_zero_only_when_memory_forces_it(gpt_small_build):
+    model, inputs, loss_fn, target = gpt_small_build
+    fixed = {"tp": 1, "pp": 1}
+    roomy = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target, fixed=fixed)
+    assert roomy.zero == 0
+    need = roomy.predicted["peak_memory_bytes"]
+    tight = parse_cluster("1x8xH100").with_overrides(hbm_bytes=int(need * 0.8))
+    forced = autopar.plan(model, inputs, cluster=tight, loss_fn=loss_fn, example_target=target, fixed=fixed)
+    assert forced.zero >= 1 or forced.recompute != "none"
+    assert forced.predicted["peak_memory_bytes"] <= tight.device.hbm_bytes
+
+
+def test_more_pipeline_stages_as_the_model_outgrows_a_node():
+    cluster = "4x8xH100"
+    small = gpt.build(size="1.3b", batch=32, seq=2048, n_layer=8)
+    big = llama.build(size="70b", batch=32, seq=2048)
+    one_stage = autopar.plan(small[0], small[1], cluster=cluster, loss_fn=small[2], example_target=small[3],
+                             fixed={"pp": 1})
+    assert one_stage.mesh["pp"] == 1  # a small model fits without a pipeline
+    # Without ZeRO, 70B's training state (16 B/param / tp=8 = 141 GB) cannot fit one stage of H100s ...
+    with pytest.raises(InfeasibleError):
+        autopar.plan(big[0], big[1], cluster=cluster, loss_fn=big[2], example_target=big[3],
+                     fixed={"pp": 1, "zero": 0})
+    # ... so the planner cuts it into pipeline stages.
+    p_big = autopar.plan(big[0], big[1], cluster=cluster, loss_fn=big[2], example_target=big[3],
+                         fixed={"zero": 0})
+    assert p_big.mesh["pp"] > 1
+    assert p_big.predicted["peak_memory_bytes"] <= parse_cluster(cluster).device.hbm_bytes
+
+
+def test_same_inputs_give_byte_identical_plans(gpt_small_build):
+    model, inputs, loss_fn, target = gpt_small_build
+    a = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target)
+    b = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target)
+    assert a.to_json() == b.to_json()
+    assert autopar.Plan.from_json(a.to_json()).to_json() == a.to_json()
+
+
+def test_plan_json_has_the_documented_keys(gpt_small_build):
+    model, inputs, loss_fn, target = gpt_small_build
+    plan = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target)
+    d = plan.to_dict()
+    for key in ("mesh", "schedule", "stages", "layers", "ops", "predicted", "solver", "cluster", "model",
+                "autopar_version", "schema"):
+        assert key in d
+    for key in ("step_time_s", "bubble_fraction", "model_flops_per_step", "hardware_flops_per_step", "mfu",
+                "peak_memory_bytes", "tokens_per_s"):
+        assert key in d["predicted"]
+    for key in ("status", "objective", "gap", "candidates"):
+        assert key in d["solver"]
+    stage = d["stages"][0]["predicted"]
+    assert set(stage["memory_bytes"]) >= {"params", "grads", "optimizer", "activations"}
+    assert plan.mesh["pp"] * plan.mesh["dp"] * plan.mesh["tp"] == 8
+    assert "predicted step" in plan.summary()
+
+
+def test_model_too_big_for_the_cluster_says_what_it_needs():
+    model, inputs, loss_fn, target = llama.build(size="70b", batch=8, seq=4096)
+    with pytest.raises(InfeasibleError, match=r"smallest need is [\d.]+ GB per device"):
+        autopar.plan(model, inputs, cluster="1x8xA100-40GB", loss_fn=loss_fn, example_target=target)
+
+
+def test_batch_too_small_for_data_parallel_degree():
+    model, inputs, loss_fn, target = gpt.build(size="tiny", batch=3)
+    with pytest.raises(PlanError, match="global batch 3"):
+        autopar.plan(model, inputs, cluster="1x4xcpu", loss_fn=loss_fn, example_target=target, fixed={"dp": 4})
+
+
+def test_bad_fixed_decisions_are_listed():
+    model, inputs, loss_fn, target = gpt.build(size="tiny")
+    with pytest.raises(PlanError, match="unknown key 'tpp'.*zero=7"):
+        autopar.plan(model, inputs, cluster="1x4xcpu", loss_fn=loss_fn, example_target=target,
+                     fixed={"tpp": 2, "zero": 7})
+
+
+def test_pinned_configuration_is_priced(gpt_small_build):
+    model, inputs, loss_fn, target = gpt_small_build
+    fixed = {"tp": 2, "pp": 2, "schedule": "1f1b", "recompute": "full", "microbatch_size": 1}
+    plan = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target, fixed=fixed)
+    assert (plan.mesh["tp"], plan.mesh["pp"], plan.schedule["kind"], plan.recompute,
+            plan.schedule["microbatch_size"]) == (2, 2, "1f1b", "full", 1)
+    assert plan.predicted["hardware_flops_per_step"] > plan.predicted["model_flops_per_step"]
