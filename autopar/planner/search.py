@@ -264,9 +264,34 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
             return None
         mid = min(range(i + 1, j), key=lambda c: abs((pre_t[c] - pre_t[i]) - (pre_t[j] - pre_t[c])))
         best[k:k + 1] = [(i, mid), (mid, j)]
+    best = _smooth(best, pre_t, fits)
     if not all(fits(i, j, s) for s, (i, j) in enumerate(best)):
         return None
     return best
+
+
+def _smooth(cuts: list[tuple[int, int]], pre_t: list[float], fits) -> list[tuple[int, int]]:
+    """Even out the stages without raising the slowest one: the greedy packs the front
+    stages full, so re-cut aiming each stage at an equal share of the remaining time,
+    within the optimal bound; keep the greedy's cuts if that does not fit."""
+    n, pp = len(pre_t) - 1, len(cuts)
+    bound = max(pre_t[j] - pre_t[i] for i, j in cuts) * (1 + 1e-9)
+    out, i = [], 0
+    for s in range(pp):
+        left = pp - s
+        if left == 1:
+            j = n
+        else:
+            target = pre_t[i] + (pre_t[n] - pre_t[i]) / left
+            j = i + 1
+            while j < n - (left - 1) and pre_t[j + 1] - pre_t[i] <= bound and fits(i, j + 1, s) \
+                    and abs(pre_t[j + 1] - target) <= abs(pre_t[j] - target):
+                j += 1
+        out.append((i, j))
+        i = j
+    if all(pre_t[j] - pre_t[i] <= bound and fits(i, j, s) for s, (i, j) in enumerate(out)):
+        return out
+    return cuts
 
 
 def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixed: Fixed,

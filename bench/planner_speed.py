@@ -1,0 +1,82 @@
+"""Planner speed: trace, sharding MIP and search time for GPT/Llama shapes on clusters of 8 to 3072 GPUs.
+
+    python bench/planner_speed.py                 # the full table (several minutes on 2 cores)
+    python bench/planner_speed.py --quick         # 70B Llama on 64x8xH100 only
+    python bench/planner_speed.py --repeat 3      # medians of 3 runs
+
+Each row plans one model for one cluster end to end (autopar.plan) in this process
+and reports the planner's own timings (Plan.timings): trace_s (two traces, at the
+global batch and twice it), solve_s (strategy graphs + one sharding MIP per tp
+degree), search_s (mesh x cuts x micro-batching x ZeRO x recompute x schedule, with
+schedule simulation), and the wall time; plus the plan it chose. The global batch
+is one sequence per GPU (at least 8) so that every cluster can use data parallelism.
+Peak RSS of the process is printed at the end.
+"""
+
+import argparse
+import importlib.util
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import autopar  # noqa: E402
+
+
+def _example(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+CASES = [  # (label, example, kwargs, clusters)
+    ("GPT 1.3B", "gpt", {"size": "1.3b", "seq": 2048}, ["1x8xH100", "2x8xH100", "8x8xH100"]),
+    ("Llama 7B", "llama", {"size": "7b", "seq": 4096}, ["1x8xH100", "8x8xH100", "32x8xH100"]),
+    ("Llama 70B", "llama", {"size": "70b", "seq": 4096}, ["8x8xH100", "64x8xH100", "384x8xH100"]),
+    ("GPT 1T (128 layers)", "gpt", {"size": "1t", "seq": 2048}, ["64x8xH100", "384x8xH100"]),
+]
+QUICK = [("Llama 70B", "llama", {"size": "70b", "seq": 4096}, ["64x8xH100"])]
+
+
+def run(label, example, kwargs, cluster, repeat):
+    nodes, per_node, _ = cluster.split("x")
+    world = int(nodes) * int(per_node)
+    rows = []
+    for _ in range(repeat):
+        model, inputs, loss_fn, target = _example(example).build(batch=max(8, world), **kwargs)
+        start = time.perf_counter()
+        plan = autopar.plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target)
+        wall = time.perf_counter() - start
+        rows.append((wall, plan))
+    wall = statistics.median(r[0] for r in rows)
+    plan = rows[0][1]
+    t = {k: statistics.median(r[1].timings.get(k, 0.0) for r in rows) for k in ("trace_s", "solve_s", "search_s")}
+    mesh = "x".join(f"{k}{v}" for k, v in plan.mesh.items())
+    print(f"| {label:<20} | {cluster:<11} | {max(8, world):>5} | {t['trace_s']:6.1f} | {t['solve_s']:6.1f} | "
+          f"{t['search_s']:6.1f} | {wall:6.1f} | {mesh:<15} | z{plan.zero} {plan.schedule['kind']:<6} "
+          f"m={plan.schedule['microbatches']:<3} | {plan.predicted['mfu']:5.1%} |", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1)
+    args = parser.parse_args()
+    print("| model                | cluster     | batch | trace  | solve  | search | wall s | mesh            | "
+          "zero/sched/micro | MFU   |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for label, example, kwargs, clusters in (QUICK if args.quick else CASES):
+        for cluster in clusters:
+            run(label, example, kwargs, cluster, args.repeat)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    print(f"peak RSS {rss:.2f} GB")
+
+
+if __name__ == "__main__":
+    main()
