@@ -33,15 +33,15 @@ def _bar(parts: list[float], total: float, width: int = 24) -> str:
     return (out + "." * width)[:width]
 
 
-def _describe(placement: str, fqn: str) -> str:
-    """Words for a weight's placement on the tp axis (nn.Linear weights are (out, in))."""
+def _describe(placement: str, ndim: int) -> str:
+    """Words for a parameter's placement on the tp axis (nn.Linear weights are (out, in))."""
     if placement == "R":
         return "replicated"
-    if placement == "S0":
-        return "column-parallel (out dim sharded)" if fqn.endswith("weight") else "sharded dim 0"
-    if placement == "S1":
-        return "row-parallel (in dim sharded)" if fqn.endswith("weight") else "sharded dim 1"
-    return placement
+    if ndim == 2 and placement == "S0":
+        return "column-parallel"
+    if ndim == 2 and placement == "S1":
+        return "row-parallel"
+    return f"sharded on dim {placement[1:]}" if placement.startswith("S") else placement
 
 
 def render_summary(plan: Plan) -> str:
@@ -62,7 +62,7 @@ def render_summary(plan: Plan) -> str:
     ]
     for i, st in enumerate(plan.stages):
         layers = st["layers"]
-        names = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
+        names = layers[0] if len(layers) == 1 else f"({len(layers)}) {layers[0]} .. {layers[-1]}"
         devs = st["devices"]
         dev = f"{devs[0]}-{devs[-1]}" if len(devs) > 1 else str(devs[0])
         mem = st["predicted"]["memory_bytes"]
@@ -71,15 +71,21 @@ def render_summary(plan: Plan) -> str:
                      f"{fmt_s(st['predicted']['comm_s']):>9} {fmt_bytes(mem['total']):>9}  "
                      f"[{_bar(parts, cap or mem['total'])}]")
     lines += ["", f"  layer strategies on tp={plan.mesh.get('tp', 1)}:"]
-    seen = set()
+    classes: dict[str, list[str]] = {}
     for path, layer in plan.layers.items():
-        if layer["signature"] in seen:
-            continue
-        seen.add(layer["signature"])
+        classes.setdefault(layer["signature"], []).append(path)
+    for paths in classes.values():
+        layer = plan.layers[paths[0]]
+        count = sum(plan.layers[p]["count"] for p in paths)
+        shapes = layer.get("param_shapes", {})
         params = layer.get("params", {})
-        desc = ", ".join(f"{fqn.rsplit('.', 2)[-2] if fqn.count('.') else fqn}: {_describe(pl, fqn)}"
-                         for fqn, pl in params.items() if pl != "R" or len(params) <= 2)
-        lines.append(f"    {layer['class']} x{layer['count']} ({path}): {desc or 'all parameters replicated'}")
+        if params and set(params.values()) == {"R"}:
+            desc = "all parameters replicated"
+        else:
+            desc = ", ".join(f"{'.'.join(fqn.split('.')[-2:])}: {_describe(pl, len(shapes.get(fqn, ())))}"
+                             for fqn, pl in params.items())
+        where = paths[0] if len(paths) == 1 else f"{paths[0]}, ..."
+        lines.append(f"    {layer['class']} x{count} ({where}): {desc or 'no parameters'}")
     if plan.communication:
         lines += ["", "  communication per step:"]
         for kind, axes in sorted(plan.communication.items()):

@@ -84,6 +84,8 @@ class SNode:
     candidates: tuple[Strategy, ...]
     fqn: str = ""
     """Parameter name for "param" nodes, input name for "input" nodes."""
+    shape: tuple[int, ...] = ()
+    """Global shape of the (first) output."""
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,8 @@ def build_strategy_graph(gm: fx.GraphModule, *, axis_size: int,
             name=node.name, layer=layer, weight=counts.get(layer, 1), kind=kind, phase=phases.get(node, ""),
             flops=flops, bytes_moved=bytes_moved, out_bytes=out_bytes, saved=saved,
             dtype=_DTYPES.get(getattr(vals[0], "dtype", None), "fp32"), candidates=cands,
-            fqn=node.meta[mk.TRACE].fqn))
+            fqn=node.meta[mk.TRACE].fqn,
+            shape=tuple(int(d) for d in vals[0].shape) if isinstance(vals[0], torch.Tensor) else ()))
     edges = _edges(gm, index, nodes)
     return StrategyGraph(nodes=tuple(nodes), edges=tuple(edges), axis_size=n, global_batch=batch)
 

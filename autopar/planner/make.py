@@ -22,6 +22,7 @@ from torch import fx, nn
 
 import autopar
 from autopar.cluster import Cluster, parse_cluster
+from autopar.cost import comm
 from autopar.passes import meta_keys as mk
 from autopar.passes.layers import graph_hash
 from autopar.passes.strategies import StrategyGraph, build_strategy_graph
@@ -169,12 +170,13 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
     chosen = {sg.nodes[v].name: sg.nodes[v].candidates[sol.choice[v]] for v in range(len(sg.nodes))}
     layer_dict = {}
     for layer in layers:
-        params = {}
+        params, shapes = {}, {}
         for n in sg.nodes:
             if n.kind == "param" and n.layer == layer.path:
                 params[n.fqn] = chosen[n.name].outs[0]
+                shapes[n.fqn] = list(n.shape)
         layer_dict[layer.path] = {"class": layer.class_name, "count": layer.count, "signature": layer.signature,
-                                  "params": params, "n_params": layer.n_params}
+                                  "params": params, "param_shapes": shapes, "n_params": layer.n_params}
     ops = {}
     for n in sg.nodes:
         if n.kind != "op":
@@ -193,10 +195,12 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         for kind in kinds:
             communication[kind]["dp"] = {"count": len(best.stages), "bytes": grad_bytes,
                                          "time_s": max(st.grad_sync_s for st in best.stages) / len(kinds)}
-    if cfg.pp > 1:
-        communication["p2p"]["pp"] = {"count": 2 * cfg.microbatches * (cfg.pp - 1),
-                                      "bytes": 2 * cfg.microbatches * sum(st.send_bytes for st in best.stages),
-                                      "time_s": 0.0}
+    if cfg.pp > 1:  # activations forward and their gradients back, every micro-batch, every cut
+        link = cluster.link_for_group(2, stride=cfg.dp * cfg.tp)
+        communication["p2p"]["pp"] = {
+            "count": 2 * cfg.microbatches * (cfg.pp - 1),
+            "bytes": 2 * cfg.microbatches * sum(st.send_bytes for st in best.stages),
+            "time_s": 2 * cfg.microbatches * sum(comm.p2p_s(st.send_bytes, link) for st in best.stages[:-1])}
     model_flops = sum((x.flops_fwd + x.flops_bwd) * x.count for x in layers)
     recompute_flops = 0.0
     if cfg.recompute == "full":
