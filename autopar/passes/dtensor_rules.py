@@ -178,6 +178,12 @@ def has_rule(op: OpOverload) -> bool:
     )
 
 
+def dtensor_dispatches(op: OpOverload) -> bool:
+    """Whether DTensor itself can run ``op`` on DTensors (autopar's own rules aside)."""
+    prop = _propagator()
+    return op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs
+
+
 # ---------------------------------------------------------------------------
 # Public entry points.
 

@@ -196,10 +196,17 @@ def _signature(ns: list[fx.Node], path: str) -> str:
 
 
 def graph_hash(gm: fx.GraphModule) -> str:
-    """Hash of the model as planned: layer signatures in order, repeat counts, inputs."""
+    """Hash of the model: its layer signatures in order (runs of equal layers merged, so a
+    trace with repeats collapsed and a full trace agree) and its input shapes."""
     h = hashlib.sha256()
+    runs: list[list] = []
     for info in gm.meta[mk.LAYERS]:
-        h.update(f"{info.path}|{info.signature}|{info.count}\n".encode())
+        if runs and runs[-1][0] == info.signature:
+            runs[-1][1] += info.count
+        else:
+            runs.append([info.signature, info.count])
+    for signature, count in runs:
+        h.update(f"{signature}|{count}\n".encode())
     for n in gm.graph.find_nodes(op="placeholder"):
         if n.meta[mk.TRACE].role is mk.Role.INPUT:
             h.update(f"{n.meta[mk.TRACE].fqn}|{_val_sig(n.meta.get('val'))}\n".encode())

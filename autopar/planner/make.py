@@ -178,11 +178,14 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         layer_dict[layer.path] = {"class": layer.class_name, "count": layer.count, "signature": layer.signature,
                                   "params": params, "param_shapes": shapes, "n_params": layer.n_params}
     ops = {}
+    position: dict[str, int] = defaultdict(int)
     for n in sg.nodes:
         if n.kind != "op":
             continue
         s = chosen[n.name]
-        ops[n.name] = {"layer": n.layer, "phase": n.phase, "out": list(s.outs), "in": list(s.ins)}
+        ops[n.name] = {"layer": n.layer, "index": position[n.layer], "phase": n.phase,
+                       "out": list(s.outs), "in": list(s.ins)}
+        position[n.layer] += 1
     ev = evaluate(build_problem(sg, batch=cfg.microbatch_size, device=cluster.device,
                                 link=cluster.link_for_group(cfg.tp, stride=1)), sol)
     communication: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
