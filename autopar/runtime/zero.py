@@ -1,0 +1,197 @@
+"""Parameters, gradients and optimizer state of one rank, sharded by ZeRO stage.
+
+Every parameter first gets its tensor-parallel shard (the plan's placement on tp);
+on the dp axis:
+
+    stage   parameters held        gradients held         optimizer state held
+    0       full (tp shard)        full                   full
+    1       full                   full                   1/dp slice
+    2       full                   1/dp slice             1/dp slice
+    3       1/dp slice             1/dp slice             1/dp slice
+
+(Rajbhandari et al. 2020, "ZeRO", sec. 5.) A slice is one of ``dp`` equal chunks of
+the flattened tp shard, padded at the end to a multiple of ``dp`` so the collectives
+see equal chunks (at most ``dp - 1`` extra elements per parameter). The optimizer
+the user's factory builds sees, per parameter, the tensor this rank updates: the
+whole tp shard at stage 0, its slice otherwise; slices are views into the full
+parameter storage at stages 1-2, so no second copy exists, and after the step the
+slices are all-gathered back into it. Gradients are reduced over dp once per step
+(after micro-batch accumulation): all-reduce at stages 0-1, reduce-scatter at 2-3.
+Stage 3 all-gathers each parameter for every micro-batch.
+
+Weights come from rank 0's copy of the model (``distribute_tensor`` with source rank
+0), so every rank starts from exactly the single-device model's values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+
+from autopar.runtime.executor import placement
+
+__all__ = ["ShardedParams", "StateBytes"]
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: int
+    grads: int
+    optimizer: int
+
+
+class _Entry:
+    """One parameter's storage on this rank."""
+
+    def __init__(self, fqn: str, shape: torch.Size, tp_placement: str, local_shape: torch.Size,
+                 stride: tuple[int, ...], dtype: torch.dtype, dp: int, rank: int, zero: int):
+        self.fqn, self.shape, self.tp_placement = fqn, shape, tp_placement
+        self.local_shape, self.stride, self.dtype = local_shape, stride, dtype
+        self.numel = math.prod(local_shape)
+        self.chunk = math.ceil(self.numel / dp) if self.numel else 0
+        self.padded = self.chunk * dp if zero else self.numel
+        self.rank, self.zero = rank, zero
+        self.flat: torch.Tensor | None = None  # padded full tp shard (stages 0-2)
+        self.slice: torch.Tensor | None = None  # this rank's chunk (stages 1-3)
+        self.grad: torch.Tensor | None = None  # accumulated gradient: full (0-1) or chunk (2-3)
+        self.opt_param: nn.Parameter | None = None
+
+    def full_local(self) -> torch.Tensor:
+        return self.flat[: self.numel].view(self.local_shape)
+
+
+class ShardedParams:
+    """The rank's parameters under a plan's tp placements and ZeRO stage."""
+
+    def __init__(self, model: nn.Module, *, mesh: DeviceMesh, tp_placements: dict[str, str], zero: int,
+                 trainable: list[str], dp_dim: int = 0, tp_dim: int = 1):
+        self.mesh, self.zero, self.dp_dim, self.tp_dim = mesh, zero, dp_dim, tp_dim
+        self.dp_group = mesh.get_group(dp_dim)
+        self.dp = mesh.size(dp_dim)
+        self.dp_rank = mesh.get_local_rank(dp_dim)
+        named = dict(model.named_parameters())
+        self.entries: dict[str, _Entry] = {}
+        for fqn in trainable:
+            full = named[fqn].detach()
+            pls = [Replicate()] * mesh.ndim
+            pls[tp_dim] = placement(tp_placements.get(fqn, "R"))
+            local = distribute_tensor(full, mesh, pls, src_data_rank=0).to_local()
+            e = _Entry(fqn, full.shape, tp_placements.get(fqn, "R"), local.shape, local.stride(), local.dtype,
+                       self.dp, self.dp_rank, zero)
+            flat = torch.zeros(e.padded, dtype=local.dtype)
+            flat[: e.numel] = local.reshape(-1)
+            if zero == 3:
+                e.slice = flat[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk].clone()
+            else:
+                e.flat = flat
+                if zero >= 1:
+                    e.slice = flat[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk]
+            e.opt_param = nn.Parameter(e.full_local() if zero == 0 else e.slice)
+            self.entries[fqn] = e
+
+    # -- compute view -------------------------------------------------------
+
+    def _placements(self, e: _Entry):
+        pls = [Replicate()] * self.mesh.ndim
+        pls[self.tp_dim] = placement(e.tp_placement)
+        return pls
+
+    def compute_params(self) -> dict[str, DTensor]:
+        """Every parameter as a DTensor, replicated on dp (ZeRO-3 gathers its slices first)."""
+        out = {}
+        for fqn, e in self.entries.items():
+            if self.zero == 3:
+                flat = torch.empty(e.padded, dtype=e.dtype)
+                dist.all_gather_into_tensor(flat, e.slice, group=self.dp_group)
+                local = flat[: e.numel].view(e.local_shape)
+            else:
+                local = e.full_local()
+            out[fqn] = DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
+                                          shape=e.shape, stride=_contiguous_stride(e.shape))
+        return out
+
+    # -- gradients ------------------------------------------------------------
+
+    def reduce_gradients(self, grads: dict[str, DTensor]) -> None:
+        """Sum over dp of the accumulated gradients, into each parameter's gradient buffer."""
+        for fqn, e in self.entries.items():
+            g = grads[fqn]
+            want = self._placements(e)
+            if self.zero <= 1:  # all-reduce over dp: the full tp-shard gradient
+                local = g.redistribute(self.mesh, want).to_local()
+                buf = torch.zeros(e.padded, dtype=e.dtype)
+                buf[: e.numel] = local.reshape(-1)
+                e.grad = buf if self.zero == 1 else buf[: e.numel].view(e.local_shape)
+            else:  # reduce-scatter over dp: only this rank's chunk
+                want[self.dp_dim] = Partial()
+                local = g.redistribute(self.mesh, want).to_local()
+                flat = torch.zeros(e.padded, dtype=e.dtype)
+                flat[: e.numel] = local.reshape(-1)
+                e.grad = torch.empty(e.chunk, dtype=e.dtype)
+                dist.reduce_scatter_tensor(e.grad, flat, group=self.dp_group)
+            if self.zero == 1:
+                e.opt_param.grad = e.grad[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk]
+            else:
+                e.opt_param.grad = e.grad
+
+    def after_step(self) -> None:
+        """Stages 1-2: all-gather the updated slices back into the full parameters."""
+        if self.zero in (1, 2):
+            for e in self.entries.values():
+                dist.all_gather_into_tensor(e.flat, e.slice.clone(), group=self.dp_group)
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return [e.opt_param for e in self.entries.values()]
+
+    # -- inspection -------------------------------------------------------------
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> StateBytes:
+        """Bytes held on this rank, measured on the live tensors (padding included)."""
+        params = grads = opt = 0
+        for e in self.entries.values():
+            held = e.slice if self.zero == 3 else e.flat
+            params += held.numel() * held.element_size()
+            if e.grad is not None:
+                grads += e.grad.numel() * e.grad.element_size()
+            for value in optimizer.state.get(e.opt_param, {}).values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:  # "step" counters aside
+                    opt += value.numel() * value.element_size()
+        return StateBytes(params=params, grads=grads, optimizer=opt)
+
+    def full_tensor(self, fqn: str) -> torch.Tensor:
+        """The whole parameter, gathered over dp and tp (a collective: call on every rank)."""
+        e = self.entries[fqn]
+        if self.zero == 3:
+            flat = torch.empty(e.padded, dtype=e.dtype)
+            dist.all_gather_into_tensor(flat, e.slice, group=self.dp_group)
+            local = flat[: e.numel].view(e.local_shape)
+        else:
+            local = e.full_local()
+        return DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
+                                  shape=e.shape, stride=_contiguous_stride(e.shape)).full_tensor()
+
+    def full_grad(self, fqn: str) -> torch.Tensor:
+        """The whole reduced gradient (a collective: call on every rank)."""
+        e = self.entries[fqn]
+        if self.zero >= 2:
+            flat = torch.empty(e.padded, dtype=e.dtype)
+            dist.all_gather_into_tensor(flat, e.grad, group=self.dp_group)
+            local = flat[: e.numel].view(e.local_shape)
+        else:
+            local = e.grad.reshape(-1)[: e.numel].view(e.local_shape)
+        return DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
+                                  shape=e.shape, stride=_contiguous_stride(e.shape)).full_tensor()
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= d
+    return tuple(reversed(stride))
