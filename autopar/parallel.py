@@ -95,7 +95,10 @@ class ParallelModule:
         self.cluster = parse_cluster(cluster)
         self.loss_fn = loss_fn
         self.optimizer_factory = optimizer or (lambda params: torch.optim.AdamW(params))
-        self.fixed = fixed
+        self.fixed = dict(fixed or {})
+        if "pp" not in self.fixed:  # said in the plan's "fixed" and in the log, never silently
+            log.warning("pipeline execution is not available yet: planning with pp=1")
+            self.fixed["pp"] = 1
         self._given_plan = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
         self.world = _check_world(self.cluster)
         self.plan: Plan | None = None

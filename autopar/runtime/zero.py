@@ -38,6 +38,10 @@ from autopar.runtime.executor import placement
 
 __all__ = ["ShardedParams", "StateBytes"]
 
+# torch 2.13 renamed these (the old names warn); 2.11 has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(frozen=True)
 class StateBytes:
@@ -108,7 +112,7 @@ class ShardedParams:
         for fqn, e in self.entries.items():
             if self.zero == 3:
                 flat = torch.empty(e.padded, dtype=e.dtype)
-                dist.all_gather_into_tensor(flat, e.slice, group=self.dp_group)
+                _all_gather(flat, e.slice, group=self.dp_group)
                 local = flat[: e.numel].view(e.local_shape)
             else:
                 local = e.full_local()
@@ -134,7 +138,7 @@ class ShardedParams:
                 flat = torch.zeros(e.padded, dtype=e.dtype)
                 flat[: e.numel] = local.reshape(-1)
                 e.grad = torch.empty(e.chunk, dtype=e.dtype)
-                dist.reduce_scatter_tensor(e.grad, flat, group=self.dp_group)
+                _reduce_scatter(e.grad, flat, group=self.dp_group)
             if self.zero == 1:
                 e.opt_param.grad = e.grad[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk]
             else:
@@ -144,7 +148,7 @@ class ShardedParams:
         """Stages 1-2: all-gather the updated slices back into the full parameters."""
         if self.zero in (1, 2):
             for e in self.entries.values():
-                dist.all_gather_into_tensor(e.flat, e.slice.clone(), group=self.dp_group)
+                _all_gather(e.flat, e.slice.clone(), group=self.dp_group)
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return [e.opt_param for e in self.entries.values()]
@@ -169,7 +173,7 @@ class ShardedParams:
         e = self.entries[fqn]
         if self.zero == 3:
             flat = torch.empty(e.padded, dtype=e.dtype)
-            dist.all_gather_into_tensor(flat, e.slice, group=self.dp_group)
+            _all_gather(flat, e.slice, group=self.dp_group)
             local = flat[: e.numel].view(e.local_shape)
         else:
             local = e.full_local()
@@ -181,7 +185,7 @@ class ShardedParams:
         e = self.entries[fqn]
         if self.zero >= 2:
             flat = torch.empty(e.padded, dtype=e.dtype)
-            dist.all_gather_into_tensor(flat, e.grad, group=self.dp_group)
+            _all_gather(flat, e.grad, group=self.dp_group)
             local = flat[: e.numel].view(e.local_shape)
         else:
             local = e.grad.reshape(-1)[: e.numel].view(e.local_shape)
