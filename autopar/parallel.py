@@ -49,9 +49,14 @@ __all__ = ["parallelize", "ParallelModule"]
 def parallelize(model: nn.Module, *, cluster: str | Cluster, plan: Plan | str | os.PathLike | None = None,
                 loss_fn: Callable | None = None,
                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
-                fixed: dict | None = None) -> ParallelModule:
-    """Wrap ``model`` for sharded training on ``cluster`` (see the module docstring)."""
-    return ParallelModule(model, cluster=cluster, plan=plan, loss_fn=loss_fn, optimizer=optimizer, fixed=fixed)
+                fixed: dict | None = None, compile: bool = True) -> ParallelModule:
+    """Wrap ``model`` for sharded training on ``cluster`` (see the module docstring).
+
+    ``compile=True`` runs the per-rank program traced once (:mod:`autopar.runtime.codegen`);
+    ``False`` interprets the joint graph over DTensors every step (slower, same numbers).
+    """
+    return ParallelModule(model, cluster=cluster, plan=plan, loss_fn=loss_fn, optimizer=optimizer, fixed=fixed,
+                          compile=compile)
 
 
 def _check_world(cluster: Cluster) -> int:
@@ -90,8 +95,9 @@ class ParallelModule:
     """A model sharded by a plan: ``train_step``, ``plan``, ``state_dict``, ``named_parameters``."""
 
     def __init__(self, model: nn.Module, *, cluster: str | Cluster, plan=None, loss_fn=None, optimizer=None,
-                 fixed=None):
+                 fixed=None, compile: bool = True):
         self.model = model
+        self.compile = compile
         self.cluster = parse_cluster(cluster)
         self.loss_fn = loss_fn
         self.optimizer_factory = optimizer or (lambda params: torch.optim.AdamW(params))
@@ -171,6 +177,18 @@ class ParallelModule:
         self.params = ShardedParams(self.model, mesh=self.mesh, tp_placements=tp_params, zero=self.plan.zero,
                                     trainable=trainable)
         self.frozen = self._frozen_state(set(trainable))
+        self.trainable = trainable
+        self.tp_params = tp_params
+        self.step_program = None
+        if self.compile:
+            from autopar.runtime.codegen import compile_rank_step
+
+            micro_inputs = dict(first)
+            self.input_names = list(micro_inputs)
+            self.step_program = compile_rank_step(
+                self.gm, mesh=self.mesh, ops=self.ops, params=self.params.compute_params(), frozen=self.frozen,
+                trainable=trainable, tp_placements=tp_params, inputs=micro_inputs,
+                loss_scale=1.0 / self.plan.schedule["microbatches"])
         self.optimizer = self.optimizer_factory(self.params.optimizer_params())
         self._compiled = True
 
@@ -189,6 +207,7 @@ class ParallelModule:
 
     def train_step(self, inputs: Any, target: Any = None) -> float:
         """Forward, backward and one optimizer step on one global batch; the global mean loss."""
+        from autopar.runtime.codegen import grad_partial
         from autopar.runtime.executor import run_joint
 
         names, flat, _ = _flatten_inputs(inputs)
@@ -204,14 +223,22 @@ class ParallelModule:
                              f"pass the global batch (every rank the same), or re-plan for this batch size")
         m = self.plan.schedule["microbatches"]
         total_loss = 0.0
-        acc: dict[str, Any] = {}
+        acc: dict[str, torch.Tensor] = {}
         for micro in _split_batch(values, m, batch):
-            params = {**self.params.compute_params(), **self.frozen}
-            loss, grads = run_joint(self.gm, mesh=self.mesh, ops=self.ops, params=params, inputs=micro,
-                                    loss_scale=1.0 / m)
-            total_loss += float(loss.full_tensor()) / m
-            for fqn in self.params.entries:
-                acc[fqn] = grads[fqn] if fqn not in acc else acc[fqn] + grads[fqn]
+            params = self.params.compute_params()
+            if self.step_program is not None:
+                out = self.step_program(*[params[n].to_local() for n in self.trainable],
+                                        *[micro[n] for n in self.input_names])
+                loss, partials = out[0], dict(zip(self.trainable, out[1:]))
+            else:
+                dloss, grads = run_joint(self.gm, mesh=self.mesh, ops=self.ops, params={**params, **self.frozen},
+                                         inputs=micro, loss_scale=1.0 / m)
+                loss = dloss.full_tensor()
+                partials = {n: grad_partial(grads[n], mesh=self.mesh, tp_placement=self.tp_params.get(n, "R"))
+                            for n in self.trainable}
+            total_loss += float(loss) / m
+            for fqn, g in partials.items():
+                acc[fqn] = g if fqn not in acc else acc[fqn] + g
         self.params.reduce_gradients(acc)
         self.optimizer.step()
         self.params.after_step()

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from autopar.runtime.executor import placement
 
@@ -122,19 +122,21 @@ class ShardedParams:
 
     # -- gradients ------------------------------------------------------------
 
-    def reduce_gradients(self, grads: dict[str, DTensor]) -> None:
-        """Sum over dp of the accumulated gradients, into each parameter's gradient buffer."""
+    def reduce_gradients(self, partials: dict[str, torch.Tensor]) -> None:
+        """Sum each gradient's per-rank addends over dp, into the parameter's gradient buffer.
+
+        ``partials[fqn]`` is this rank's addend on the parameter's tp shard (see
+        :func:`autopar.runtime.codegen.grad_partial`), accumulated over micro-batches.
+        """
         for fqn, e in self.entries.items():
-            g = grads[fqn]
-            want = self._placements(e)
+            local = partials[fqn]
             if self.zero <= 1:  # all-reduce over dp: the full tp-shard gradient
-                local = g.redistribute(self.mesh, want).to_local()
                 buf = torch.zeros(e.padded, dtype=e.dtype)
                 buf[: e.numel] = local.reshape(-1)
+                if self.dp > 1:
+                    dist.all_reduce(buf, group=self.dp_group)
                 e.grad = buf if self.zero == 1 else buf[: e.numel].view(e.local_shape)
             else:  # reduce-scatter over dp: only this rank's chunk
-                want[self.dp_dim] = Partial()
-                local = g.redistribute(self.mesh, want).to_local()
                 flat = torch.zeros(e.padded, dtype=e.dtype)
                 flat[: e.numel] = local.reshape(-1)
                 e.grad = torch.empty(e.chunk, dtype=e.dtype)
