@@ -109,13 +109,9 @@ class ShardedParams:
     def compute_params(self) -> dict[str, DTensor]:
         """Every parameter as a DTensor, replicated on dp (ZeRO-3 gathers its slices first)."""
         out = {}
+        gathered = self._gather({fqn: e.slice for fqn, e in self.entries.items()}) if self.zero == 3 else {}
         for fqn, e in self.entries.items():
-            if self.zero == 3:
-                flat = torch.empty(e.padded, dtype=e.dtype)
-                _all_gather(flat, e.slice, group=self.dp_group)
-                local = flat[: e.numel].view(e.local_shape)
-            else:
-                local = e.full_local()
+            local = gathered[fqn] if self.zero == 3 else e.full_local()
             out[fqn] = DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
                                           shape=e.shape, stride=_contiguous_stride(e.shape))
         return out
@@ -127,20 +123,38 @@ class ShardedParams:
 
         ``partials[fqn]`` is this rank's addend on the parameter's tp shard (see
         :func:`autopar.runtime.codegen.grad_partial`), accumulated over micro-batches.
+        All parameters of a dtype travel in one bucket: one collective per step, as
+        DDP's and FSDP's buckets do, instead of one per parameter.
         """
-        for fqn, e in self.entries.items():
-            local = partials[fqn]
-            if self.zero <= 1:  # all-reduce over dp: the full tp-shard gradient
-                buf = torch.zeros(e.padded, dtype=e.dtype)
-                buf[: e.numel] = local.reshape(-1)
+        for group in self._by_dtype():
+            if self.zero <= 1:  # all-reduce over dp: each rank gets the full tp-shard gradient
+                bucket = torch.zeros(sum(e.padded for e in group), dtype=group[0].dtype)
+                offset = 0
+                for e in group:
+                    bucket[offset: offset + e.numel] = partials[e.fqn].reshape(-1)
+                    offset += e.padded
                 if self.dp > 1:
-                    dist.all_reduce(buf, group=self.dp_group)
-                e.grad = buf if self.zero == 1 else buf[: e.numel].view(e.local_shape)
-            else:  # reduce-scatter over dp: only this rank's chunk
-                flat = torch.zeros(e.padded, dtype=e.dtype)
-                flat[: e.numel] = local.reshape(-1)
-                e.grad = torch.empty(e.chunk, dtype=e.dtype)
-                _reduce_scatter(e.grad, flat, group=self.dp_group)
+                    dist.all_reduce(bucket, group=self.dp_group)
+                offset = 0
+                for e in group:
+                    buf = bucket[offset: offset + e.padded]
+                    e.grad = buf if self.zero == 1 else buf[: e.numel].view(e.local_shape)
+                    offset += e.padded
+            else:  # reduce-scatter over dp: each rank gets its chunk of every parameter
+                send = torch.zeros(self.dp, sum(e.chunk for e in group), dtype=group[0].dtype)
+                col = 0
+                for e in group:
+                    padded = torch.zeros(e.padded, dtype=e.dtype)
+                    padded[: e.numel] = partials[e.fqn].reshape(-1)
+                    send[:, col: col + e.chunk] = padded.view(self.dp, e.chunk)
+                    col += e.chunk
+                recv = torch.empty(send.shape[1], dtype=send.dtype)
+                _reduce_scatter(recv, send.reshape(-1), group=self.dp_group)
+                col = 0
+                for e in group:
+                    e.grad = recv[col: col + e.chunk]
+                    col += e.chunk
+        for e in self.entries.values():
             if self.zero == 1:
                 e.opt_param.grad = e.grad[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk]
             else:
@@ -149,8 +163,30 @@ class ShardedParams:
     def after_step(self) -> None:
         """Stages 1-2: all-gather the updated slices back into the full parameters."""
         if self.zero in (1, 2):
-            for e in self.entries.values():
-                _all_gather(e.flat, e.slice.clone(), group=self.dp_group)
+            full = self._gather({fqn: e.slice for fqn, e in self.entries.items()})
+            for fqn, e in self.entries.items():
+                e.full_local().copy_(full[fqn])
+
+    def _by_dtype(self, only=None) -> list[list[_Entry]]:
+        groups: dict[torch.dtype, list[_Entry]] = {}
+        for e in self.entries.values():
+            if only is None or e.fqn in only:
+                groups.setdefault(e.dtype, []).append(e)
+        return list(groups.values())
+
+    def _gather(self, slices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """All-gather every parameter's dp chunks in one bucket; the full tp shards."""
+        out = {}
+        for group in self._by_dtype(slices):
+            send = torch.cat([slices[e.fqn].reshape(-1) for e in group])
+            recv = torch.empty(self.dp * send.numel(), dtype=send.dtype)
+            _all_gather(recv, send, group=self.dp_group)
+            table = recv.view(self.dp, send.numel())
+            col = 0
+            for e in group:
+                out[e.fqn] = table[:, col: col + e.chunk].reshape(-1)[: e.numel].view(e.local_shape)
+                col += e.chunk
+        return out
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return [e.opt_param for e in self.entries.values()]
@@ -173,12 +209,7 @@ class ShardedParams:
     def full_tensor(self, fqn: str) -> torch.Tensor:
         """The whole parameter, gathered over dp and tp (a collective: call on every rank)."""
         e = self.entries[fqn]
-        if self.zero == 3:
-            flat = torch.empty(e.padded, dtype=e.dtype)
-            _all_gather(flat, e.slice, group=self.dp_group)
-            local = flat[: e.numel].view(e.local_shape)
-        else:
-            local = e.full_local()
+        local = self._gather({fqn: e.slice})[fqn] if self.zero == 3 else e.full_local()
         return DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
                                   shape=e.shape, stride=_contiguous_stride(e.shape)).full_tensor()
 
@@ -186,9 +217,7 @@ class ShardedParams:
         """The whole reduced gradient (a collective: call on every rank)."""
         e = self.entries[fqn]
         if self.zero >= 2:
-            flat = torch.empty(e.padded, dtype=e.dtype)
-            _all_gather(flat, e.grad, group=self.dp_group)
-            local = flat[: e.numel].view(e.local_shape)
+            local = self._gather({fqn: e.grad})[fqn]
         else:
             local = e.grad.reshape(-1)[: e.numel].view(e.local_shape)
         return DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
