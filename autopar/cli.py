@@ -69,6 +69,12 @@ def cmd_plan(args) -> int:
     if args.out:
         result.save(args.out)
         print(f"wrote {args.out}")
+    if args.emit:
+        from autopar.runtime.emit import emit_programs
+
+        paths = emit_programs(args.model, _key_values(args.arg, "--arg"), plan=result, cluster=cluster,
+                              out_dir=args.emit)
+        print(f"wrote {len(paths)} rank program(s) to {args.emit}: {', '.join(p.name for p in paths)}")
     return 0
 
 
@@ -92,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
                    help="pin a decision: tp, pp, dp, zero, schedule, microbatch_size, microbatches, recompute")
     p.add_argument("--out", metavar="FILE", help="write the plan file (JSON)")
+    p.add_argument("--emit", metavar="DIR", help="write each rank's generated program (Python) into DIR")
     p.set_defaults(func=cmd_plan)
     return parser
 
@@ -107,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(e).split())
         print(f"autopar: error: {message}", file=sys.stderr)
         return 2
+    finally:
+        progress.enable(None)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def parallelize(model: nn.Module, *, cluster: str | Cluster, plan: Plan | str | 
                 fixed: dict | None = None, compile: bool = True) -> ParallelModule:
     """Wrap ``model`` for sharded training on ``cluster`` (see the module docstring).
 
-    ``compile=True`` runs the per-rank program traced once (:mod:`autopar.runtime.codegen`);
+    ``compile=True`` runs the per-rank program traced once (:mod:`autopar.passes.shard`);
     ``False`` interprets the joint graph over DTensors every step (slower, same numbers).
     """
     return ParallelModule(model, cluster=cluster, plan=plan, loss_fn=loss_fn, optimizer=optimizer, fixed=fixed,
@@ -99,6 +99,10 @@ class ParallelModule:
         self.model = model
         self.compile = compile
         self.cluster = parse_cluster(cluster)
+        if any(p.device.type == "meta" for p in model.parameters()):
+            raise ValueError("parallelize needs the model's weights: it is on 'meta'. Build or load it on 'cpu' "
+                             "(rank 0's copy is what every rank's shards are cut from); planning alone works "
+                             "on 'meta' with autopar.plan(...)")
         self.loss_fn = loss_fn
         self.optimizer_factory = optimizer or (lambda params: torch.optim.AdamW(params))
         self.fixed = dict(fixed or {})
@@ -155,9 +159,6 @@ class ParallelModule:
     def _compile(self, names, values, has_target) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from autopar.runtime.executor import placements_for_graph
-        from autopar.runtime.zero import ShardedParams
-
         backend = _init_process_group()
         self.plan = self._make_plan(names, values, has_target)
         dp, tp = self.plan.mesh["dp"], self.plan.mesh["tp"]
@@ -165,10 +166,18 @@ class ParallelModule:
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         self.mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
-        micro = self.plan.schedule["microbatch_size"] * dp
+        self._build(names, values, has_target)
+
+    def _build(self, names, values, has_target) -> None:
+        """Trace at the micro-batch size, map the plan, shard the parameters, generate the program."""
+        from autopar.runtime.executor import placements_for_graph
+        from autopar.runtime.zero import ShardedParams
+
+        micro = self.plan.schedule["microbatch_size"] * self.plan.mesh["dp"]
         first = _split_batch(values, self.plan.schedule["microbatches"], self.plan.model["global_batch"])[0]
         inputs, target = self._as_user_inputs(names, first, has_target)
-        assert next(iter(v.shape[0] for v in first.values() if isinstance(v, torch.Tensor))) == micro
+        got = next(iter(v.shape[0] for v in first.values() if isinstance(v, torch.Tensor)))
+        assert got == micro, (got, micro)
         self.gm = build_graph(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
                               example_target=target, collapse_repeats=False)
         self.ops, tp_params = placements_for_graph(self.gm, self.plan)
@@ -181,11 +190,11 @@ class ParallelModule:
         self.tp_params = tp_params
         self.step_program = None
         if self.compile:
-            from autopar.runtime.codegen import compile_rank_step
+            from autopar.passes.shard import shard_joint_graph
 
             micro_inputs = dict(first)
             self.input_names = list(micro_inputs)
-            self.step_program = compile_rank_step(
+            self.step_program = shard_joint_graph(
                 self.gm, mesh=self.mesh, ops=self.ops, params=self.params.compute_params(), frozen=self.frozen,
                 trainable=trainable, tp_placements=tp_params, inputs=micro_inputs,
                 loss_scale=1.0 / self.plan.schedule["microbatches"])
@@ -207,8 +216,7 @@ class ParallelModule:
 
     def train_step(self, inputs: Any, target: Any = None) -> float:
         """Forward, backward and one optimizer step on one global batch; the global mean loss."""
-        from autopar.runtime.codegen import grad_partial
-        from autopar.runtime.executor import run_joint
+        from autopar.passes.shard import grad_partial, run_joint
 
         names, flat, _ = _flatten_inputs(inputs)
         values = dict(zip(names, flat))

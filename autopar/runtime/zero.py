@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from autopar.runtime.executor import placement
+from autopar.passes.shard import placement
 
 __all__ = ["ShardedParams", "StateBytes"]
 
@@ -122,7 +122,7 @@ class ShardedParams:
         """Sum each gradient's per-rank addends over dp, into the parameter's gradient buffer.
 
         ``partials[fqn]`` is this rank's addend on the parameter's tp shard (see
-        :func:`autopar.runtime.codegen.grad_partial`), accumulated over micro-batches.
+        :func:`autopar.passes.shard.grad_partial`), accumulated over micro-batches.
         All parameters of a dtype travel in one bucket: one collective per step, as
         DDP's and FSDP's buckets do, instead of one per parameter.
         """

@@ -1,0 +1,226 @@
+"""Shard the joint graph: one rank's local program, with collectives where placements change.
+
+Two layers, both plain fx + DTensor (no planner, no process-group setup):
+
+- ``run_joint`` interprets the joint forward+backward graph over DTensors on the
+  (dp, tp) mesh. Before each op every tensor argument is redistributed to the
+  placement chosen for that op on the tp axis (its dp placement is left as it
+  is: the batch stays split over dp); DTensor then runs the op on local shards
+  with local shapes (views and reshapes included) and inserts the collectives a
+  change of placement needs. Ops DTensor has no rule for (the CPU
+  flash-attention kernels) run on the local shards under autopar's own rule
+  (batch and heads are independent), which the planner priced. DTensor is the
+  engine, rather than hand-rewritten view shapes, so that execution uses the
+  same sharding semantics the planner read its candidate strategies from.
+- ``shard_joint_graph`` traces that interpretation with ``make_fx`` into the
+  per-rank program: local-shape ATen ops and ``_c10d_functional`` collectives
+  (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all; on
+  gloo, all-to-all becomes all-gather + slice), nothing of DTensor left. It
+  runs at the speed of the ops, and ``gm.code`` is the readable program
+  (``autopar plan ... --emit DIR`` writes it).
+
+Contract of ``shard_joint_graph(gm, ...)``:
+  needs: ``gm`` from ``trace_joint`` at the global micro-batch size, with
+    ``meta[TRACE]`` and ``meta[LAYER]``; per op node its tp placements
+    (``ops``); the parameters as DTensors; an initialised process group and mesh.
+  produces: a new GraphModule ``step(*param_shards, *inputs) -> (loss, *grad_addends)``:
+    ``param_shards`` each trainable parameter's tp shard, whole on dp;
+    ``inputs`` the global micro-batch (each rank slices its dp part inside);
+    ``loss`` the micro-batch's global mean loss, replicated; ``grad_addends``
+    per parameter this rank's addend of the gradient on its tp shard, to be
+    summed over dp (all-reduce or reduce-scatter by ZeRO stage) once per step
+    after micro-batch accumulation. ``gm`` is not modified.
+  raises: whatever DTensor raises for a placement it cannot run.
+
+The data-parallel gradient reduction and ZeRO's parameter gathers are not in
+this program on purpose: they happen once per step (after accumulating
+micro-batches), bucketed, in :mod:`autopar.runtime.zero`.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_leaves, tree_map
+
+from autopar.passes import meta_keys as mk
+from autopar.passes.dtensor_rules import dtensor_dispatches
+
+__all__ = ["OpPlacements", "placement", "run_joint", "grad_partial", "shard_joint_graph"]
+
+
+@dataclass(frozen=True)
+class OpPlacements:
+    ins: tuple[str, ...]
+    outs: tuple[str | None, ...]
+
+
+def placement(s: str | None):
+    """Plan strings ("R", "P", "S<d>") to DTensor placements."""
+    if s is None or s == "R":
+        return Replicate()
+    if s == "P":
+        return Partial()
+    return Shard(int(s[1:]))
+
+
+def _wrap_replicated(value: Any, mesh: DeviceMesh) -> Any:
+    """Factory ops (arange, zeros) make plain tensors, identical on every rank."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return value
+
+
+def _redistribute(args: Any, wanted: tuple[str, ...], mesh: DeviceMesh, tp_dim: int) -> Any:
+    it = iter(wanted)
+
+    def move(v):
+        if not isinstance(v, DTensor):
+            return v
+        want = list(v.placements)
+        want[tp_dim] = placement(next(it, "R"))
+        if tuple(want) == tuple(v.placements):
+            return v
+        if want[tp_dim].is_partial() and not v.placements[tp_dim].is_partial():
+            return _to_partial(v, mesh, tp_dim, want)
+        return v.redistribute(mesh, want)
+
+    return tree_map(move, args)
+
+
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+
+
+def _contiguous(v: Any) -> Any:
+    if isinstance(v, DTensor) and not v.to_local().is_contiguous():
+        return DTensor.from_local(v.to_local().contiguous(), v.device_mesh, v.placements, run_check=False,
+                                  shape=v.shape, stride=v.stride())
+    return v
+
+
+def _to_partial(v: DTensor, mesh: DeviceMesh, tp_dim: int, want: list) -> DTensor:
+    """Replicate -> Partial(sum) on tp: one rank keeps the value, the others hold zeros.
+    (DTensor keeps this conversion internal, so it is spelled out here.)"""
+    pre = list(want)
+    pre[tp_dim] = Replicate()
+    v = v.redistribute(mesh, pre) if tuple(pre) != tuple(v.placements) else v
+    local = v.to_local()
+    if mesh.get_local_rank(tp_dim) != 0:
+        local = torch.zeros_like(local)
+    return DTensor.from_local(local, mesh, want, run_check=False, shape=v.shape, stride=v.stride())
+
+
+def _run_local(node: fx.Node, args, kwargs, rule: OpPlacements, mesh: DeviceMesh, tp_dim: int):
+    """An op DTensor cannot dispatch: run it on local shards under autopar's own rule."""
+    first = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, DTensor))
+    local = tree_map(lambda v: v.to_local() if isinstance(v, DTensor) else v, (args, kwargs))
+    result = node.target(*local[0], **local[1])
+    outs = iter(rule.outs)
+
+    def wrap(v):
+        o = next(outs, "R")
+        if not isinstance(v, torch.Tensor):
+            return v
+        pls = list(first.placements)  # batch-parallel on dp, like its first input
+        pls[tp_dim] = placement(o)
+        return DTensor.from_local(v, mesh, pls, run_check=False)
+
+    return tuple(wrap(v) for v in result) if isinstance(result, (tuple, list)) else wrap(result)
+
+
+def run_joint(gm: fx.GraphModule, *, mesh: DeviceMesh, ops: dict[str, OpPlacements],
+              params: dict[str, DTensor], inputs: dict[str, torch.Tensor], loss_scale: float,
+              tp_dim: int = 1, dp_dim: int = 0) -> tuple[DTensor, dict[str, DTensor]]:
+    """One forward+backward of ``gm`` on one micro-batch: (loss, parameter gradients).
+
+    ``params`` are the parameters as DTensors (replicated on dp, placed on tp);
+    ``inputs`` the micro-batch by input name, whole (each dp rank keeps its slice);
+    ``loss_scale`` seeds the backward (1 / micro-batches, so gradients average).
+    """
+    info: mk.GraphTrace = gm.meta[mk.GRAPH]
+    env: dict[fx.Node, Any] = {}
+    outputs = None
+    for node in gm.graph.nodes:
+        trace = node.meta[mk.TRACE]
+        if node.op == "placeholder":
+            if trace.role in (mk.Role.PARAM, mk.Role.BUFFER):
+                env[node] = params[trace.fqn]
+            elif trace.role is mk.Role.INPUT:
+                value = inputs[trace.fqn]
+                pls = [Replicate()] * mesh.ndim
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == info.global_batch:
+                    pls[dp_dim] = Shard(0)  # the batch is split over dp
+                env[node] = distribute_tensor(value, mesh, pls, src_data_rank=None) \
+                    if isinstance(value, torch.Tensor) else value
+            else:  # the loss tangent
+                val = node.meta["val"]
+                seed = torch.full(tuple(val.shape), loss_scale, dtype=val.dtype)
+                env[node] = distribute_tensor(seed, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
+        elif node.op == "call_function":
+            args = fx.node.map_arg(node.args, lambda a: env[a])
+            kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
+            if node.target is operator.getitem:
+                env[node] = args[0][args[1]]
+                continue
+            rule = ops.get(node.name)
+            if rule is not None:
+                args, kwargs = _redistribute((args, kwargs), rule.ins, mesh, tp_dim)
+            if node.target in _VIEWS:  # a resharded local shard may be strided; view needs contiguous
+                args = tree_map(_contiguous, args)
+            has_dtensor = any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs)))
+            if has_dtensor and rule is not None and not dtensor_dispatches(node.target):
+                env[node] = _run_local(node, args, kwargs, rule, mesh, tp_dim)
+            else:
+                env[node] = tree_map(lambda v: _wrap_replicated(v, mesh), node.target(*args, **kwargs))
+        elif node.op == "output":
+            outputs = fx.node.map_arg(node.args[0], lambda a: env[a])
+    loss = outputs[info.loss_output]
+    grads = {fqn: outputs[i] for fqn, i in info.grad_outputs.items()}
+    return loss, grads
+
+
+def grad_partial(g: DTensor, *, mesh: DeviceMesh, tp_placement: str, dp_dim: int = 0, tp_dim: int = 1):
+    """A gradient as this rank's local addend: tp placed like its parameter, Partial on dp."""
+    want = list(g.placements)
+    want[tp_dim] = placement(tp_placement)
+    if want[tp_dim].is_partial() and not g.placements[tp_dim].is_partial():
+        want[tp_dim] = Replicate()  # a partial parameter placement is not a thing; keep it whole
+    if want[dp_dim].is_shard():
+        want[dp_dim] = Replicate()
+    if tuple(want) != tuple(g.placements):
+        g = g.redistribute(mesh, want)
+    local = g.to_local()
+    if not g.placements[dp_dim].is_partial() and mesh.get_local_rank(dp_dim) != 0:
+        local = torch.zeros_like(local)  # replicated on dp: one rank contributes the value
+    return local
+
+
+def shard_joint_graph(gm: fx.GraphModule, *, mesh: DeviceMesh, ops: dict[str, OpPlacements],
+                      params: dict[str, DTensor], frozen: dict[str, DTensor], trainable: list[str],
+                      tp_placements: dict[str, str], inputs: dict[str, Any], loss_scale: float,
+                      tracing_mode: str = "real") -> fx.GraphModule:
+    """This rank's step program (see the module docstring)."""
+    names = list(inputs)
+
+    def step(*flat):
+        shards, values = flat[: len(trainable)], flat[len(trainable):]
+        ps = {n: DTensor.from_local(local, mesh, params[n].placements, run_check=False,
+                                    shape=params[n].shape, stride=params[n].stride())
+              for n, local in zip(trainable, shards)}
+        loss, grads = run_joint(gm, mesh=mesh, ops=ops, params={**ps, **frozen},
+                                inputs=dict(zip(names, values)), loss_scale=loss_scale)
+        partials = [grad_partial(grads[n], mesh=mesh, tp_placement=tp_placements.get(n, "R")) for n in trainable]
+        return (loss.full_tensor(), *partials)
+
+    example = [params[n].to_local() for n in trainable] + [inputs[n] for n in names]
+    program = make_fx(step, tracing_mode=tracing_mode)(*example)
+    program.graph.eliminate_dead_code()
+    program.recompile()
+    return program
