@@ -18,6 +18,9 @@ from autopar.passes import meta_keys as mk
 from autopar.passes.annotate import annotate_cost
 from autopar.passes.layers import graph_hash, group_layers
 from autopar.passes.trace import trace_joint
+from autopar.fmt import fmt_bytes as _bytes
+from autopar.fmt import fmt_s as _secs
+from autopar.fmt import fmt_si as _si
 from autopar.progress import progress
 
 log = logging.getLogger(__name__)
@@ -120,25 +123,3 @@ def summarize(gm: fx.GraphModule, *, cluster: Cluster) -> Analysis:
         training_state_bytes=training_state_bytes(n_params=info.n_params, zero_stage=0, dp=1).total,
         activation_bytes=sum(x.saved_bytes * x.count for x in layers),
         time_one_device_s=sum((x.time_fwd_s + x.time_bwd_s) * x.count for x in layers))
-
-
-def _si(x: float) -> str:
-    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g}{unit}"
-    return f"{x:.3g}"
-
-
-def _bytes(x: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g} {unit}"
-    return f"{x:.0f} B"
-
-
-def _secs(x: float) -> str:
-    if x >= 1:
-        return f"{x:.3g} s"
-    if x >= 1e-3:
-        return f"{x * 1e3:.3g} ms"
-    return f"{x * 1e6:.3g} us"

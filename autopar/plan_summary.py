@@ -4,25 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from autopar.fmt import fmt_bytes, fmt_s
+
 if TYPE_CHECKING:
     from autopar.plan import Plan
 
-__all__ = ["render_summary", "fmt_bytes", "fmt_s"]
-
-
-def fmt_bytes(x: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g} {unit}"
-    return f"{x:.0f} B"
-
-
-def fmt_s(x: float) -> str:
-    if x >= 1:
-        return f"{x:.3g} s"
-    if x >= 1e-3:
-        return f"{x * 1e3:.3g} ms"
-    return f"{x * 1e6:.3g} us"
+__all__ = ["render_summary"]
 
 
 def _bar(parts: list[float], total: float, width: int = 24) -> str:
