@@ -27,6 +27,10 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("examples/hf.py needs Hugging Face transformers: pip install transformers") from e
 
+# Dropout probabilities of the configs used here (GPT-2, BERT, ViT, T5, Llama family).
+_DROPOUTS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout", "hidden_dropout_prob",
+             "attention_probs_dropout_prob", "dropout_rate", "attention_dropout", "classifier_dropout")
+
 # The tiny configs share one shape: 2 layers, hidden 64, 4 heads, vocab 256.
 _TINY = dict(layers=2, hidden=64, heads=4, ffn=128, vocab=256, positions=512)
 
@@ -175,6 +179,9 @@ def build(model="gpt2", size="tiny", device=None, batch=None, seq=None, seed=0):
         raise ValueError(f"unknown size {size!r} for hf model {model!r}; choose one of {', '.join(sizes)}")
     config, model_cls = make_config(size)
     config.use_cache = False
+    for name in _DROPOUTS:  # deterministic training: runs compare exactly with one process
+        if hasattr(config, name):
+            setattr(config, name, 0.0)
     big = size != "tiny"
     device = torch.device(device if device is not None else ("meta" if big else "cpu"))
     batch = int(batch) if batch is not None else 8
