@@ -442,8 +442,9 @@ def _classic(prop, op, args, kwargs, ins, outs, mesh_shape) -> tuple[Candidate, 
             logger.debug("%s rejects exemplar %s: %s", op, exemplar, e)
             first_error = first_error or e
             continue
-        if not isinstance(result, OpStrategy):
-            raise NotImplementedError(f"{type(result).__name__} results are not supported")
+        if not isinstance(result, OpStrategy):  # e.g. TupleStrategy of foreach/split ops: not modelled
+            first_error = first_error or TypeError(f"{op}: {type(result).__name__} strategies are not modelled")
+            continue
         for spec in result.strategies:
             cand = _from_op_spec(spec, ins, outs)
             if _valid(cand, ins, outs, mesh_shape):
