@@ -117,9 +117,23 @@ def _to_partial(v: DTensor, mesh: DeviceMesh, tp_dim: int, want: list) -> DTenso
     return DTensor.from_local(local, mesh, want, run_check=False, shape=v.shape, stride=v.stride())
 
 
-def _run_local(node: fx.Node, args, kwargs, rule: OpPlacements, mesh: DeviceMesh, tp_dim: int):
-    """An op DTensor cannot dispatch: run it on local shards under autopar's own rule."""
+def _run_local(node: fx.Node, args, kwargs, rule: OpPlacements, mesh: DeviceMesh, tp_dim: int, dp_dim: int):
+    """An op DTensor cannot dispatch: run it on local shards under autopar's own rule
+    (batch-parallel on dp: every input that carries the batch is split like the first)."""
     first = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, DTensor))
+    split = first.placements[dp_dim]
+
+    def align(v):
+        if not isinstance(v, DTensor) or not split.is_shard() or v.placements[dp_dim] == split:
+            return v
+        d = split.dim
+        if v.dim() > d and v.shape[d] == first.shape[d]:  # same batch: take this rank's part
+            want = list(v.placements)
+            want[dp_dim] = split
+            return v.redistribute(mesh, want)
+        return v  # broadcast along the batch (size 1): every rank needs all of it
+
+    args, kwargs = tree_map(align, (args, kwargs))
     local = tree_map(lambda v: v.to_local() if isinstance(v, DTensor) else v, (args, kwargs))
     result = node.target(*local[0], **local[1])
     outs = iter(rule.outs)
@@ -175,10 +189,16 @@ def run_joint(gm: fx.GraphModule, *, mesh: DeviceMesh, ops: dict[str, OpPlacemen
             if node.target in _VIEWS:  # a resharded local shard may be strided; view needs contiguous
                 args = tree_map(_contiguous, args)
             has_dtensor = any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs)))
-            if has_dtensor and rule is not None and not dtensor_dispatches(node.target):
-                env[node] = _run_local(node, args, kwargs, rule, mesh, tp_dim)
-            else:
-                env[node] = tree_map(lambda v: _wrap_replicated(v, mesh), node.target(*args, **kwargs))
+            try:
+                if has_dtensor and rule is not None and not dtensor_dispatches(node.target):
+                    env[node] = _run_local(node, args, kwargs, rule, mesh, tp_dim, dp_dim)
+                else:
+                    env[node] = tree_map(lambda v: _wrap_replicated(v, mesh), node.target(*args, **kwargs))
+            except Exception as e:  # name the node: the op, its placements, where it came from
+                pls = [f"{tuple(a.shape)}{list(a.placements)}" for a in tree_leaves((args, kwargs))
+                       if isinstance(a, DTensor)]
+                raise RuntimeError(f"{node.format_node()} (module {node.meta[mk.TRACE].module_path!r}, "
+                                   f"arguments {pls}, plan {rule}) failed: {e}") from e
         elif node.op == "output":
             outputs = fx.node.map_arg(node.args[0], lambda a: env[a])
     loss = outputs[info.loss_output]
