@@ -100,8 +100,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                         act_bytes=lc.activation_bytes if lc else 0.0,
                         cheap_act_bytes=lc.cheap_activation_bytes if lc else 0.0,
                         boundary_bytes=layer.boundary_bytes * scale,
-                        n_params=lc.n_params_local if lc else 0.0,
-                        flops=(layer.flops_fwd + layer.flops_bwd) * scale))
+                        n_params=lc.n_params_local if lc else 0.0))
             cache[tp, mbs] = units
         return cache[tp, mbs]
 

@@ -137,8 +137,6 @@ class Unit:
     boundary_bytes: float
     n_params: float
     """Parameters held per device under tensor parallelism (before ZeRO)."""
-    flops: float
-    """Model FLOPs (forward + backward) of one micro-batch, whole layer (all tp ranks)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,7 +168,6 @@ class Candidate:
     estimate_s: float
     bubble_fraction: float
     stages: tuple[StagePlan, ...]
-    recompute_flops: float
     sim: SimResult | None = field(default=None, compare=False)
 
     @property
@@ -411,11 +408,8 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
     else:
         pipe = (m + p - 1) * slowest
     tail = max(s.grad_sync_s + s.optimizer_s for s in stages)
-    recompute_flops = 0.0
-    if cfg.recompute != "none":
-        recompute_flops = m * cfg.dp * sum(u.flops for u in units) / 3 if cfg.recompute == "full" else 0.0
     return Candidate(config=cfg, step_time_s=pipe + tail, estimate_s=pipe + tail, bubble_fraction=0.0,
-                     stages=tuple(stages), recompute_flops=recompute_flops)
+                     stages=tuple(stages))
 
 
 def _simulate(c: Candidate, cluster: Cluster) -> Candidate:
