@@ -38,7 +38,7 @@ from autopar.cluster import Cluster, parse_cluster
 from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
 from autopar.passes.layers import graph_hash
-from autopar.passes.trace import _flatten_inputs
+from autopar.passes.trace import flatten_inputs
 from autopar.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ class ParallelModule:
         """Forward, backward and one optimizer step on one global batch; the global mean loss."""
         from autopar.passes.shard import grad_partial, run_joint
 
-        names, flat, _ = _flatten_inputs(inputs)
+        names, flat, _ = flatten_inputs(inputs)
         values = dict(zip(names, flat))
         if target is not None:
             names, values["target"] = names + ("target",), target
@@ -233,12 +233,12 @@ class ParallelModule:
         total_loss = 0.0
         acc: dict[str, torch.Tensor] = {}
         for micro in _split_batch(values, m, batch):
-            params = self.params.compute_params()
             if self.step_program is not None:
-                out = self.step_program(*[params[n].to_local() for n in self.trainable],
-                                        *[micro[n] for n in self.input_names])
+                local = self.params.local_params()
+                out = self.step_program(*[local[n] for n in self.trainable], *[micro[n] for n in self.input_names])
                 loss, partials = out[0], dict(zip(self.trainable, out[1:]))
             else:
+                params = self.params.compute_params()
                 dloss, grads = run_joint(self.gm, mesh=self.mesh, ops=self.ops, params={**params, **self.frozen},
                                          inputs=micro, loss_scale=1.0 / m)
                 loss = dloss.full_tensor()

@@ -39,7 +39,7 @@ from autopar.passes import meta_keys as mk
 
 log = logging.getLogger(__name__)
 
-__all__ = ["trace_joint", "LossError"]
+__all__ = ["trace_joint", "flatten_inputs", "LossError"]
 
 
 class LossError(ValueError):
@@ -68,7 +68,7 @@ def trace_joint(
       raises: :class:`LossError` when no loss can be found, :class:`TraceError`
         naming the op or source line when the model cannot be traced.
     """
-    names, flat, kw_names = _flatten_inputs(example_inputs)
+    names, flat, kw_names = flatten_inputs(example_inputs)
     if example_target is not None:
         names, flat = names + ("target",), flat + [example_target]
     repeats = _find_repeats(model) if collapse_repeats else ()
@@ -108,7 +108,7 @@ def trace_joint(
 # -- inputs and loss ---------------------------------------------------------
 
 
-def _flatten_inputs(example_inputs: Any) -> tuple[tuple[str, ...], list[Any], tuple[str, ...]]:
+def flatten_inputs(example_inputs: Any) -> tuple[tuple[str, ...], list[Any], tuple[str, ...]]:
     """Return (names, flat values, keyword names) for the accepted input forms."""
     if isinstance(example_inputs, torch.Tensor):
         return ("arg0",), [example_inputs], ()

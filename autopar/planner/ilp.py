@@ -10,7 +10,6 @@ model's distinct layers and a mesh axis of n devices:
     subject to  sum_s x[v,s] = 1                                   (one_strategy[v])
                 y[e,p,q] >= sum_{s: out_u(s)=p} x[u,s]
                           + sum_{t: in_v(t)=q} x[v,t] - 1          (reshard[e,p,q])
-                sum_{v param} w_v sum_s M_v(s) x[v,s] <= budget    (param_memory, optional)
 
 C_v(s) is the roofline time of v with its work split n ways when s shards any
 operand (:func:`node_cost_s`); R_e(p, q) the alpha-beta time of turning p into
@@ -63,7 +62,6 @@ class Problem:
     device: DeviceSpec
     link: Link
     compute_dtype: str | None = None
-    param_budget_bytes: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,10 +159,9 @@ def _param_bytes(problem: Problem, v: int, s: Strategy) -> float:
 
 
 def build_problem(graph: StrategyGraph, *, batch: float, device: DeviceSpec, link: Link,
-                  compute_dtype: str | None = None, param_budget_bytes: float | None = None) -> Problem:
+                  compute_dtype: str | None = None) -> Problem:
     """The ILP of ``graph`` with costs at micro-batch ``batch`` (plain data; nothing solved)."""
-    return Problem(graph=graph, batch=batch, device=device, link=link, compute_dtype=compute_dtype,
-                   param_budget_bytes=param_budget_bytes)
+    return Problem(graph=graph, batch=batch, device=device, link=link, compute_dtype=compute_dtype)
 
 
 def _tensor_groups(g: StrategyGraph) -> list[list]:
@@ -266,22 +263,14 @@ def solve(problem: Problem, *, time_limit_s: float = 20.0, backend: str = SOLVER
             obj_terms, const = _many_consumers(solver, k, group, g, x, by_p, nbytes, link)
         obj.extend(obj_terms)
         fixed_cost += const
-    if problem.param_budget_bytes is not None:
-        terms = [g.nodes[v].weight * _param_bytes(problem, v, s) * x[v][i]
-                 for v, node in enumerate(g.nodes) if node.kind == "param"
-                 for i, s in enumerate(node.candidates)]
-        solver.Add(sum(terms) <= problem.param_budget_bytes, "param_memory")
     solver.Minimize(sum(obj))
     status = solver.Solve()
     names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
              pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.UNBOUNDED: "UNBOUNDED"}
     name = names.get(status, "NOT_SOLVED")
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        budget = problem.param_budget_bytes
-        raise InfeasibleError(
-            f"sharding ILP on an axis of {g.axis_size} is {name}"
-            + (f": the parameters cannot fit param_memory <= {budget:.3g} bytes" if budget else "")
-            + "; try a larger tensor-parallel degree, ZeRO-3 or more pipeline stages")
+        raise InfeasibleError(f"sharding ILP on an axis of {g.axis_size} is {name}; try another "
+                              f"tensor-parallel degree (fixed={{'tp': ...}})")
     choice = tuple(max(range(len(lits)), key=lambda i: lits[i].solution_value()) for lits in x)
     objective = solver.Objective().Value() + fixed_cost
     bound = solver.Objective().BestBound() + fixed_cost if name != "OPTIMAL" else objective

@@ -30,10 +30,10 @@ def _rank_program(rank, world, spec, spec_args, plan_json, cluster) -> str:
 
     from autopar.modelspec import load_model_spec
     from autopar.parallel import ParallelModule
-    from autopar.passes.trace import _flatten_inputs
+    from autopar.passes.trace import flatten_inputs
 
     model, inputs, loss_fn, target = load_model_spec(spec, spec_args)
-    names, flat, _ = _flatten_inputs(inputs)
+    names, flat, _ = flatten_inputs(inputs)
     values = dict(zip(names, flat))
     if target is not None:
         names, values["target"] = names + ("target",), target

@@ -106,15 +106,18 @@ class ShardedParams:
         pls[self.tp_dim] = placement(e.tp_placement)
         return pls
 
+    def local_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter's tp shard, whole on dp (ZeRO-3 gathers its slices first)."""
+        if self.zero == 3:
+            return self._gather({fqn: e.slice for fqn, e in self.entries.items()})
+        return {fqn: e.full_local() for fqn, e in self.entries.items()}
+
     def compute_params(self) -> dict[str, DTensor]:
-        """Every parameter as a DTensor, replicated on dp (ZeRO-3 gathers its slices first)."""
-        out = {}
-        gathered = self._gather({fqn: e.slice for fqn, e in self.entries.items()}) if self.zero == 3 else {}
-        for fqn, e in self.entries.items():
-            local = gathered[fqn] if self.zero == 3 else e.full_local()
-            out[fqn] = DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
-                                          shape=e.shape, stride=_contiguous_stride(e.shape))
-        return out
+        """:meth:`local_params` as DTensors, replicated on dp and placed on tp."""
+        return {fqn: DTensor.from_local(local, self.mesh, self._placements(self.entries[fqn]), run_check=False,
+                                        shape=self.entries[fqn].shape,
+                                        stride=_contiguous_stride(self.entries[fqn].shape))
+                for fqn, local in self.local_params().items()}
 
     # -- gradients ------------------------------------------------------------
 
