@@ -106,9 +106,6 @@ class ParallelModule:
         self.loss_fn = loss_fn
         self.optimizer_factory = optimizer or (lambda params: torch.optim.AdamW(params))
         self.fixed = dict(fixed or {})
-        if "pp" not in self.fixed:  # said in the plan's "fixed" and in the log, never silently
-            log.warning("pipeline execution is not available yet: planning with pp=1")
-            self.fixed["pp"] = 1
         self._given_plan = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
         self.world = _check_world(self.cluster)
         self.plan: Plan | None = None
@@ -144,9 +141,6 @@ class ParallelModule:
             raise PlanError(f"planning failed on rank 0: {text}")
         plan = Plan.from_json(text)
         plan.validate(world_size=self.world)
-        if plan.mesh["pp"] != 1:
-            raise PlanError(f"the plan has pp={plan.mesh['pp']} pipeline stages; pipeline execution is not "
-                            f"available yet: pass fixed={{'pp': 1}} to plan without a pipeline")
         return plan
 
     def _as_user_inputs(self, names, values, has_target):
@@ -165,8 +159,14 @@ class ParallelModule:
         device = "cuda" if backend == "nccl" else "cpu"
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        self.mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
-        self._build(names, values, has_target)
+        pp = self.plan.mesh["pp"]
+        if pp > 1:
+            self.pp_mesh = init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+            self.mesh = self.pp_mesh["dp", "tp"]
+            self._build_pipeline(names, values, has_target)
+        else:
+            self.mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+            self._build(names, values, has_target)
 
     def _build(self, names, values, has_target) -> None:
         """Trace at the micro-batch size, map the plan, shard the parameters, generate the program."""
@@ -201,6 +201,97 @@ class ParallelModule:
         self.optimizer = self.optimizer_factory(self.params.optimizer_params())
         self._compiled = True
 
+    def _build_pipeline(self, names, values, has_target) -> None:
+        """pp > 1: trace, tag each node with its stage, shard, cut into F/B/W pieces per stage.
+
+        Every rank traces and shards the whole joint graph with its own (dp, tp)
+        coordinates, so the tp collectives of a stage are those of the tp group
+        that runs it and pp neighbours (same coordinates) agree on every message
+        they exchange; then it keeps the pieces of its own stages and the
+        parameters they read.
+        """
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        from autopar.passes.pipeline import (INPUT_PREFIX, PARAM_PREFIX, split_program, split_tied_gradients,
+                                             stage_of_layers, tag_stages)
+        from autopar.passes.shard import placement, shard_joint_graph
+        from autopar.runtime.executor import placements_for_graph
+        from autopar.runtime.pipeline import PipelineRunner
+        from autopar.runtime.zero import ShardedParams
+
+        with torch.no_grad():  # every stage is cut from rank 0's weights, as with pp = 1
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                dist.broadcast(t.data, src=0)
+        plan, m = self.plan, self.plan.schedule["microbatches"]
+        first = _split_batch(values, m, plan.model["global_batch"])[0]
+        inputs, target = self._as_user_inputs(names, first, has_target)
+        self.gm = build_graph(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
+                              example_target=target, collapse_repeats=False)
+        self.ops, tp_params = placements_for_graph(self.gm, plan)
+        stages = tag_stages(self.gm, stage_of_layers([st["layers"] for st in plan.stages]))
+        tied = split_tied_gradients(self.gm, stages)
+        info: mk.GraphTrace = self.gm.meta[mk.GRAPH]
+        trainable = [f for f in info.param_fqns if f in info.grad_outputs]
+        addends = [(f, info.grad_outputs[f]) for f in trainable]
+        addends += [(f, idx) for f, parts in tied.items() for _, idx in parts[1:]]
+        self.frozen = self._frozen_state(set(trainable))
+        whole = {}
+        for fqn in trainable:  # every parameter, for the trace only: each rank slices its tp shard, no comm
+            pls = [Replicate(), placement(tp_params.get(fqn, "R"))]
+            whole[fqn] = distribute_tensor(self.model.get_parameter(fqn).detach(), self.mesh, pls,
+                                           src_data_rank=None)
+        self.input_names = list(first)
+        program = shard_joint_graph(self.gm, mesh=self.mesh, ops=self.ops, params=whole, frozen=self.frozen,
+                                    trainable=trainable, tp_placements=tp_params, inputs=dict(first),
+                                    loss_scale=1.0 / m, addends=addends, keep_tags=True)
+        del whole
+        pp, pp_rank = plan.mesh["pp"], self.pp_mesh.get_local_rank("pp")
+        n_stages = len(plan.stages)
+        self.pipeline = split_program(
+            program, n_stages=n_stages, placeholder_keys=[PARAM_PREFIX + f for f in trainable]
+            + [INPUT_PREFIX + n for n in self.input_names], loss_output=0,
+            grad_outputs={1 + j: f for j, (f, _) in enumerate(addends)})
+        mine = [s for s in range(n_stages) if s % pp == pp_rank]
+        held = {f for s in mine for f in self.pipeline.stages[s].params}
+        self.trainable = [f for f in trainable if f in held]
+        self.tp_params = tp_params
+        self.params = ShardedParams(self.model, mesh=self.mesh, tp_placements=tp_params, zero=plan.zero,
+                                    trainable=self.trainable)
+        coords = self.pp_mesh.mesh  # global rank at (pp, dp, tp)
+        dp_rank, tp_rank = self.mesh.get_local_rank(0), self.mesh.get_local_rank(1)
+        self.tied_groups = {}
+        for fqn in sorted(self.pipeline.tied):  # every rank creates every group, in the same order
+            ranks_pp = sorted({s % pp for s in self.pipeline.tied[fqn]})
+            if len(ranks_pp) < 2:
+                continue  # the addends meet on one rank (interleaved stages): summed locally
+            for d in range(coords.shape[1]):
+                for t in range(coords.shape[2]):
+                    group = dist.new_group([int(coords[r, d, t]) for r in ranks_pp])
+                    if (d, t) == (dp_rank, tp_rank) and pp_rank in ranks_pp:
+                        self.tied_groups[fqn] = group
+        self.runner = PipelineRunner(self.pipeline, pp=pp, pp_rank=pp_rank, schedule=plan.schedule["kind"],
+                                     n_micro=m, n_virtual=n_stages // pp,
+                                     rank_of_stage=lambda s: int(coords[s % pp, dp_rank, tp_rank]))
+        self.last_stage_rank = int(coords[(n_stages - 1) % pp, 0, 0])
+        self.step_program = None
+        self.optimizer = self.optimizer_factory(self.params.optimizer_params())
+        self._compiled = True
+
+    def _pipeline_step(self, values) -> float:
+        m = self.plan.schedule["microbatches"]
+        micro = _split_batch(values, m, self.plan.model["global_batch"])
+        loss, grads = self.runner.run(micro, self.params.local_params())
+        for fqn, group in self.tied_groups.items():  # the stages sharing a parameter add their addends
+            dist.all_reduce(grads[fqn], group=group)
+        self.params.reduce_gradients(grads)
+        self.optimizer.step()
+        self.params.after_step()
+        total = torch.zeros(())
+        if dist.get_rank() == self.last_stage_rank:
+            total += loss
+        dist.all_reduce(total)  # every rank returns the loss the last stage computed
+        return float(total) / m
+
     def _frozen_state(self, trainable: set[str]) -> dict[str, Any]:
         from torch.distributed.tensor import Replicate, distribute_tensor
 
@@ -229,6 +320,8 @@ class ParallelModule:
         if got != batch:
             raise ValueError(f"train_step got a batch of {got} but the plan is for a global batch of {batch}; "
                              f"pass the global batch (every rank the same), or re-plan for this batch size")
+        if self.plan.mesh["pp"] > 1:
+            return self._pipeline_step(values)
         m = self.plan.schedule["microbatches"]
         total_loss = 0.0
         acc: dict[str, torch.Tensor] = {}
@@ -263,7 +356,7 @@ class ParallelModule:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) parameters, keys as ``model.state_dict()``; a collective on every rank."""
         self._require_compiled()
-        out = {fqn: self.params.full_tensor(fqn) for fqn in self.params.entries}
+        out = self._across_stages({fqn: self.params.full_tensor(fqn) for fqn in self.params.entries})
         for name, buf in self.model.named_buffers():
             out.setdefault(name, buf.detach().clone())
         return out
@@ -273,7 +366,19 @@ class ParallelModule:
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The last step's reduced gradients, gathered whole (a collective on every rank)."""
         self._require_compiled()
-        return {fqn: self.params.full_grad(fqn) for fqn in self.params.entries}
+        return self._across_stages({fqn: self.params.full_grad(fqn) for fqn in self.params.entries})
+
+    def _across_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """With pp > 1 each stage holds its own parameters: gather every stage's (a collective)."""
+        if self.plan.mesh["pp"] == 1:
+            return mine
+        first = self.mesh.get_local_rank(0) == 0 and self.mesh.get_local_rank(1) == 0
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine if first else {})
+        out: dict[str, torch.Tensor] = {}
+        for part in parts:
+            out.update(part)
+        return out
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's shards, the tensors its optimizer updates."""

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx import traceback as fx_traceback
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -53,7 +54,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from autopar.passes import meta_keys as mk
 from autopar.passes.dtensor_rules import dtensor_dispatches
 
-__all__ = ["OpPlacements", "placement", "run_joint", "grad_partial", "shard_joint_graph"]
+__all__ = ["OpPlacements", "placement", "run_joint", "interpret", "grad_partial", "shard_joint_graph"]
 
 
 @dataclass(frozen=True)
@@ -159,51 +160,74 @@ def run_joint(gm: fx.GraphModule, *, mesh: DeviceMesh, ops: dict[str, OpPlacemen
     ``loss_scale`` seeds the backward (1 / micro-batches, so gradients average).
     """
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
-    env: dict[fx.Node, Any] = {}
-    outputs = None
-    for node in gm.graph.nodes:
-        trace = node.meta[mk.TRACE]
-        if node.op == "placeholder":
-            if trace.role in (mk.Role.PARAM, mk.Role.BUFFER):
-                env[node] = params[trace.fqn]
-            elif trace.role is mk.Role.INPUT:
-                value = inputs[trace.fqn]
-                pls = [Replicate()] * mesh.ndim
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == info.global_batch:
-                    pls[dp_dim] = Shard(0)  # the batch is split over dp
-                env[node] = distribute_tensor(value, mesh, pls, src_data_rank=None) \
-                    if isinstance(value, torch.Tensor) else value
-            else:  # the loss tangent
-                val = node.meta["val"]
-                seed = torch.full(tuple(val.shape), loss_scale, dtype=val.dtype)
-                env[node] = distribute_tensor(seed, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
-        elif node.op == "call_function":
-            args = fx.node.map_arg(node.args, lambda a: env[a])
-            kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
-            if node.target is operator.getitem:
-                env[node] = args[0][args[1]]
-                continue
-            rule = ops.get(node.name)
-            if rule is not None:
-                args, kwargs = _redistribute((args, kwargs), rule.ins, mesh, tp_dim)
-            if node.target in _VIEWS:  # a resharded local shard may be strided; view needs contiguous
-                args = tree_map(_contiguous, args)
-            has_dtensor = any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs)))
-            try:
-                if has_dtensor and rule is not None and not dtensor_dispatches(node.target):
-                    env[node] = _run_local(node, args, kwargs, rule, mesh, tp_dim, dp_dim)
-                else:
-                    env[node] = tree_map(lambda v: _wrap_replicated(v, mesh), node.target(*args, **kwargs))
-            except Exception as e:  # name the node: the op, its placements, where it came from
-                pls = [f"{tuple(a.shape)}{list(a.placements)}" for a in tree_leaves((args, kwargs))
-                       if isinstance(a, DTensor)]
-                raise RuntimeError(f"{node.format_node()} (module {node.meta[mk.TRACE].module_path!r}, "
-                                   f"arguments {pls}, plan {rule}) failed: {e}") from e
-        elif node.op == "output":
-            outputs = fx.node.map_arg(node.args[0], lambda a: env[a])
+    outputs = interpret(gm, mesh=mesh, ops=ops, params=params, inputs=inputs, loss_scale=loss_scale,
+                        tp_dim=tp_dim, dp_dim=dp_dim)
     loss = outputs[info.loss_output]
     grads = {fqn: outputs[i] for fqn, i in info.grad_outputs.items()}
     return loss, grads
+
+
+def interpret(gm: fx.GraphModule, *, mesh: DeviceMesh, ops: dict[str, OpPlacements],
+              params: dict[str, DTensor], inputs: dict[str, torch.Tensor], loss_scale: float,
+              tp_dim: int = 1, dp_dim: int = 0) -> tuple:
+    """:func:`run_joint`'s engine: the joint graph's whole output tuple, over DTensors.
+
+    Each node runs under ``fx.traceback.set_current_meta``, so a ``make_fx`` trace
+    taken under ``preserve_node_meta`` copies the node's ``meta["custom"]`` (the
+    pipeline stage tags) onto every op and collective it records for it.
+    """
+    info: mk.GraphTrace = gm.meta[mk.GRAPH]
+    env: dict[fx.Node, Any] = {}
+    for node in gm.graph.nodes:
+        with fx_traceback.set_current_meta(node):
+            if node.op == "output":
+                return fx.node.map_arg(node.args[0], lambda a: env[a])
+            _run_node(node, env, info, mesh=mesh, ops=ops, params=params, inputs=inputs, loss_scale=loss_scale,
+                      tp_dim=tp_dim, dp_dim=dp_dim)
+    raise ValueError("the joint graph has no output node")
+
+
+def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, mesh, ops, params, inputs,
+              loss_scale, tp_dim, dp_dim) -> None:
+    trace = node.meta[mk.TRACE]
+    if node.op == "placeholder":
+        if trace.role in (mk.Role.PARAM, mk.Role.BUFFER):
+            env[node] = params[trace.fqn]
+        elif trace.role is mk.Role.INPUT:
+            value = inputs[trace.fqn]
+            pls = [Replicate()] * mesh.ndim
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == info.global_batch:
+                pls[dp_dim] = Shard(0)  # the batch is split over dp
+            env[node] = distribute_tensor(value, mesh, pls, src_data_rank=None) \
+                if isinstance(value, torch.Tensor) else value
+        else:  # the loss tangent
+            val = node.meta["val"]
+            seed = torch.full(tuple(val.shape), loss_scale, dtype=val.dtype)
+            env[node] = distribute_tensor(seed, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
+        return
+    if node.op != "call_function":
+        return
+    args = fx.node.map_arg(node.args, lambda a: env[a])
+    kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
+    if node.target is operator.getitem:
+        env[node] = args[0][args[1]]
+        return
+    rule = ops.get(node.name)
+    if rule is not None:
+        args, kwargs = _redistribute((args, kwargs), rule.ins, mesh, tp_dim)
+    if node.target in _VIEWS:  # a resharded local shard may be strided; view needs contiguous
+        args = tree_map(_contiguous, args)
+    has_dtensor = any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs)))
+    try:
+        if has_dtensor and rule is not None and not dtensor_dispatches(node.target):
+            env[node] = _run_local(node, args, kwargs, rule, mesh, tp_dim, dp_dim)
+        else:
+            env[node] = tree_map(lambda v: _wrap_replicated(v, mesh), node.target(*args, **kwargs))
+    except Exception as e:  # name the node: the op, its placements, where it came from
+        pls = [f"{tuple(a.shape)}{list(a.placements)}" for a in tree_leaves((args, kwargs))
+               if isinstance(a, DTensor)]
+        raise RuntimeError(f"{node.format_node()} (module {node.meta[mk.TRACE].module_path!r}, "
+                           f"arguments {pls}, plan {rule}) failed: {e}") from e
 
 
 def grad_partial(g: DTensor, *, mesh: DeviceMesh, tp_placement: str, dp_dim: int = 0, tp_dim: int = 1):
@@ -225,22 +249,35 @@ def grad_partial(g: DTensor, *, mesh: DeviceMesh, tp_placement: str, dp_dim: int
 def shard_joint_graph(gm: fx.GraphModule, *, mesh: DeviceMesh, ops: dict[str, OpPlacements],
                       params: dict[str, DTensor], frozen: dict[str, DTensor], trainable: list[str],
                       tp_placements: dict[str, str], inputs: dict[str, Any], loss_scale: float,
-                      tracing_mode: str = "real") -> fx.GraphModule:
-    """This rank's step program (see the module docstring)."""
+                      tracing_mode: str = "real", addends: list[tuple[str, int]] | None = None,
+                      keep_tags: bool = False) -> fx.GraphModule:
+    """This rank's step program (see the module docstring).
+
+    ``addends`` lists the gradient outputs the program returns after the loss, as
+    (parameter, index in ``gm``'s outputs); by default each trainable parameter's.
+    ``keep_tags`` copies each joint-graph node's ``meta["custom"]`` onto the ops
+    traced for it (the pipeline pass reads its stage tags there).
+    """
     names = list(inputs)
+    info: mk.GraphTrace = gm.meta[mk.GRAPH]
+    addends = addends if addends is not None else [(n, info.grad_outputs[n]) for n in trainable]
 
     def step(*flat):
         shards, values = flat[: len(trainable)], flat[len(trainable):]
         ps = {n: DTensor.from_local(local, mesh, params[n].placements, run_check=False,
                                     shape=params[n].shape, stride=params[n].stride())
               for n, local in zip(trainable, shards)}
-        loss, grads = run_joint(gm, mesh=mesh, ops=ops, params={**ps, **frozen},
-                                inputs=dict(zip(names, values)), loss_scale=loss_scale)
-        partials = [grad_partial(grads[n], mesh=mesh, tp_placement=tp_placements.get(n, "R")) for n in trainable]
-        return (loss.full_tensor(), *partials)
+        outputs = interpret(gm, mesh=mesh, ops=ops, params={**ps, **frozen}, inputs=dict(zip(names, values)),
+                            loss_scale=loss_scale)
+        partials = [grad_partial(outputs[i], mesh=mesh, tp_placement=tp_placements.get(n, "R")) for n, i in addends]
+        return (outputs[info.loss_output].full_tensor(), *partials)
 
     example = [params[n].to_local() for n in trainable] + [inputs[n] for n in names]
-    program = make_fx(step, tracing_mode=tracing_mode)(*example)
+    if keep_tags:
+        with fx_traceback.preserve_node_meta():
+            program = make_fx(step, tracing_mode=tracing_mode)(*example)
+    else:
+        program = make_fx(step, tracing_mode=tracing_mode)(*example)
     program.graph.eliminate_dead_code()
     program.recompile()
     return program

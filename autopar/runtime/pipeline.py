@@ -1,0 +1,179 @@
+"""Run one rank's share of a pipeline schedule: F, B and W pieces and the p2p between them.
+
+A rank holds the stages ``s`` with ``s % pp == pp_rank`` (one stage, or several
+under the interleaved schedule) and runs its action list from
+:func:`autopar.cost.schedule.with_comm` in order: ``1F3`` runs stage 1's forward
+piece on micro-batch 3, ``1SEND_F3`` sends what stage 2 reads of it, ``2RECV_B3``
+receives the gradients stage 3 computed for stage 2, ``0BW1`` runs B then W. The
+lists come from one global order in which every receive sits at its send, so a
+rank waiting on a receive never waits on a peer that waits on it: no deadlock,
+with stages sending to each other in both directions.
+
+Each message is one buffer per dtype (the named tensors flattened and
+concatenated) sent with ``isend`` and received with ``irecv`` into a buffer sized
+from the program's shapes; the peer is the rank with the same dp and tp
+coordinates on the neighbouring stage. Sends are waited for at the end of the
+step (the buffers stay referenced until then).
+
+Per stage and micro-batch a store maps value names to tensors; after F (and its
+send) it keeps only what B, W or a later send reads, after B only what W reads,
+and W empties it, so a stage holds a micro-batch's activations from its F to
+its B, and only W's inputs from its B to its W.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from autopar.cost.schedule import make_schedule, parse_action, with_comm
+from autopar.passes.pipeline import INPUT_PREFIX, PARAM_PREFIX, Message, Piece, PipelineProgram
+
+__all__ = ["PipelineRunner"]
+
+_COMM = re.compile(r"(\d+)(SEND|RECV)_([FB])(\d+)")
+
+
+class PipelineRunner:
+    """Execute ``schedule`` for the stages of one pipeline rank (see the module docstring).
+
+    ``rank_of_stage(stage)`` is the global rank that runs ``stage`` with this rank's
+    dp and tp coordinates. ``run`` returns (sum over micro-batches of the loss on
+    this rank's last stage or None, gradient addends by parameter).
+    """
+
+    def __init__(self, program: PipelineProgram, *, pp: int, pp_rank: int, schedule: str, n_micro: int,
+                 rank_of_stage: Callable[[int], int], n_virtual: int = 1):
+        self.program = program
+        self.n_stages = len(program.stages)
+        self.pp_rank = pp_rank
+        self.n_micro = n_micro
+        self.rank_of_stage = rank_of_stage
+        sched = make_schedule(schedule, n_stages=pp, n_micro=n_micro, n_virtual=n_virtual)
+        self.actions: list[str] = with_comm(sched, self.n_stages)[pp_rank]
+        self.log: list[str] = []
+        """The actions of the last ``run``, in the order they ran (tests compare it with ``actions``)."""
+
+    def run(self, micro_inputs: list[dict[str, torch.Tensor]], params: dict[str, torch.Tensor]):
+        self._inputs, self._params = micro_inputs, params
+        self._store: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._grads: dict[str, torch.Tensor] = {}
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._loss: torch.Tensor | None = None
+        self._sent_b: set[tuple[int, int]] = set()
+        self._done_w: set[tuple[int, int]] = set()
+        self.log = []
+        try:
+            for text in self.actions:
+                comm = _COMM.fullmatch(text)
+                if comm:
+                    stage, op, channel, mb = int(comm[1]), comm[2], comm[3], int(comm[4])
+                    (self._send if op == "SEND" else self._recv)(stage, channel, mb)
+                else:
+                    a = parse_action(text)
+                    if a.kind in ("F", "B", "W"):
+                        self._compute(a.stage, a.kind, a.microbatch)
+                    else:  # fused backward
+                        self._compute(a.stage, "B", a.microbatch)
+                        self._compute(a.stage, "W", a.microbatch)
+                self.log.append(text)
+            for work, _ in self._pending:
+                work.wait()
+        finally:
+            leftover = {k: sorted(v) for k, v in self._store.items() if v}
+            self._store, self._pending = {}, []
+        if leftover:
+            raise AssertionError(f"values left in the pipeline store after the step: {leftover}")
+        return self._loss, self._grads
+
+    # -- compute ---------------------------------------------------------------
+
+    def _values(self, piece: Piece, stage: int, mb: int) -> list[torch.Tensor]:
+        store = self._store.setdefault((stage, mb), {})
+        out = []
+        for key in piece.inputs:
+            if key.startswith(PARAM_PREFIX):
+                out.append(self._params[key[len(PARAM_PREFIX):]])
+            elif key.startswith(INPUT_PREFIX):
+                out.append(self._inputs[mb][key[len(INPUT_PREFIX):]])
+            else:
+                out.append(store[key])
+        return out
+
+    def _compute(self, stage: int, kind: str, mb: int) -> None:
+        st = self.program.stages[stage]
+        piece = {"F": st.forward, "B": st.backward_input, "W": st.backward_weight}[kind]
+        store = self._store.setdefault((stage, mb), {})
+        for name, value in zip(piece.outputs, piece(self._values(piece, stage, mb))):
+            fqn = st.grads.get(name)
+            if fqn is not None:
+                self._grads[fqn] = value if fqn not in self._grads else self._grads[fqn] + value
+            elif name == st.loss:
+                loss = value.detach()
+                self._loss = loss if self._loss is None else self._loss + loss
+            else:
+                store[name] = value
+        if kind == "F" and st.send_forward is None:
+            self._prune(stage, mb, st.keep_after_forward)
+        elif kind == "B" and st.send_backward is None:
+            self._prune(stage, mb, st.keep_after_backward)
+        elif kind == "W":
+            self._done_w.add((stage, mb))
+            unsent = st.send_backward is not None and (stage, mb) not in self._sent_b
+            self._prune(stage, mb, frozenset(st.send_backward.names) if unsent else frozenset())
+
+    def _prune(self, stage: int, mb: int, keep: frozenset[str]) -> None:
+        store = self._store.get((stage, mb), {})
+        for name in [n for n in store if n not in keep]:
+            del store[name]
+
+    # -- p2p ---------------------------------------------------------------------
+
+    def _tag(self, channel: str, cut: int, mb: int, part: int) -> int:
+        return ((mb * 2 + (channel == "B")) * self.n_stages + cut) * 16 + part
+
+    def _send(self, stage: int, channel: str, mb: int) -> None:
+        st = self.program.stages[stage]
+        msg = st.send_forward if channel == "F" else st.send_backward
+        peer_stage, cut = (stage + 1, stage) if channel == "F" else (stage - 1, stage - 1)
+        store = self._store[(stage, mb)]
+        peer = self.rank_of_stage(peer_stage)
+        for part, (dtype, names) in enumerate(_by_dtype(msg)):
+            buf = torch.cat([store[n].reshape(-1) for n in names]) if names else torch.empty(0, dtype=dtype)
+            self._pending.append((dist.isend(buf, peer, tag=self._tag(channel, cut, mb, part)), buf))
+        if channel == "F":
+            self._prune(stage, mb, st.keep_after_forward)
+        else:  # after a fused BW, W already ran: nothing is left to keep
+            self._sent_b.add((stage, mb))
+            self._prune(stage, mb, frozenset() if (stage, mb) in self._done_w else st.keep_after_backward)
+
+    def _recv(self, stage: int, channel: str, mb: int) -> None:
+        st = self.program.stages[stage]
+        msg = st.recv_forward if channel == "F" else st.recv_backward
+        peer_stage, cut = (stage - 1, stage - 1) if channel == "F" else (stage + 1, stage)
+        peer = self.rank_of_stage(peer_stage)
+        store = self._store.setdefault((stage, mb), {})
+        shapes = dict(zip(msg.names, msg.shapes))
+        for part, (dtype, names) in enumerate(_by_dtype(msg)):
+            sizes = [_numel(shapes[n]) for n in names]
+            buf = torch.empty(sum(sizes), dtype=dtype)
+            dist.irecv(buf, peer, tag=self._tag(channel, cut, mb, part)).wait()
+            for name, chunk in zip(names, buf.split(sizes)):
+                store[name] = chunk.view(shapes[name])
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _by_dtype(msg: Message) -> list[tuple[torch.dtype, list[str]]]:
+    groups: dict[torch.dtype, list[str]] = {}
+    for name, dtype in zip(msg.names, msg.dtypes):
+        groups.setdefault(dtype, []).append(name)
+    return list(groups.items())
