@@ -126,11 +126,15 @@ class Plan:
             world = math.prod(self.mesh.values())
             if world_size is not None and world != world_size:
                 problems.append(f"mesh {self.mesh} has {world} devices but the world size is {world_size}")
-            if len(self.stages) != self.mesh["pp"]:
-                problems.append(f"{len(self.stages)} stages for pp={self.mesh['pp']}")
+            v, extra = divmod(len(self.stages), self.mesh["pp"])
+            interleaved = self.schedule.get("kind") == "interleaved"
+            if extra or v < 1 or (v > 1 and not interleaved):
+                problems.append(f"{len(self.stages)} stages for pp={self.mesh['pp']} (one stage per pipeline rank, "
+                                f"or a multiple of pp under the interleaved schedule)")
             ranks = sorted(r for s in self.stages for r in s.get("devices", []))
-            if ranks != list(range(world)):
-                problems.append(f"stage devices do not cover ranks 0..{world - 1} exactly once")
+            if ranks != sorted(list(range(world)) * max(v, 1)):
+                problems.append(f"stage devices do not cover ranks 0..{world - 1} "
+                                f"{'exactly once' if v <= 1 else f'{v} times each'}")
         m, b = self.schedule.get("microbatches"), self.schedule.get("microbatch_size")
         batch = self.model.get("global_batch")
         if isinstance(m, int) and isinstance(b, int) and isinstance(batch, int) and isinstance(self.mesh.get("dp"), int):

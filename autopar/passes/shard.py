@@ -196,7 +196,8 @@ def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, me
         elif trace.role is mk.Role.INPUT:
             value = inputs[trace.fqn]
             pls = [Replicate()] * mesh.ndim
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == info.global_batch:
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == info.global_batch \
+                    and mesh.size(dp_dim) > 1:  # (DTensor will not merge a Shard(0) batch of 1 into a view)
                 pls[dp_dim] = Shard(0)  # the batch is split over dp
             env[node] = distribute_tensor(value, mesh, pls, src_data_rank=None) \
                 if isinstance(value, torch.Tensor) else value

@@ -141,8 +141,11 @@ def _tokens(gm: fx.GraphModule) -> int:
 
 def _config_dict(c: Candidate) -> dict[str, Any]:
     cfg = c.config
-    return {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "zero": cfg.zero, "recompute": cfg.recompute,
-            "schedule": cfg.schedule, "microbatch_size": cfg.microbatch_size, "microbatches": cfg.microbatches}
+    out = {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "zero": cfg.zero, "recompute": cfg.recompute,
+           "schedule": cfg.schedule, "microbatch_size": cfg.microbatch_size, "microbatches": cfg.microbatches}
+    if cfg.virtual_stages > 1:
+        out["virtual_stages"] = cfg.virtual_stages
+    return out
 
 
 def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, sol: Solution, cluster: Cluster,
@@ -155,7 +158,7 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
     for s, st in enumerate(best.stages):
         stages.append({
             "layers": list(st.layers),
-            "devices": list(range(s * per_stage, (s + 1) * per_stage)),
+            "devices": list(range((s % cfg.pp) * per_stage, (s % cfg.pp + 1) * per_stage)),
             "predicted": {
                 "compute_s": (st.f_s + st.b_s + st.w_s - st.comm_s) * cfg.microbatches,
                 "comm_s": st.comm_s * cfg.microbatches + st.grad_sync_s,
@@ -200,7 +203,7 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
     if cfg.pp > 1:  # activations forward and their gradients back, every micro-batch, every cut
         link = cluster.link_for_group(2, stride=cfg.dp * cfg.tp)
         communication["p2p"]["pp"] = {
-            "count": 2 * cfg.microbatches * (cfg.pp - 1),
+            "count": 2 * cfg.microbatches * (len(best.stages) - 1),
             "bytes": 2 * cfg.microbatches * sum(st.send_bytes for st in best.stages),
             "time_s": 2 * cfg.microbatches * sum(comm.p2p_s(st.send_bytes, link) for st in best.stages[:-1])}
     model_flops = sum((x.flops_fwd + x.flops_bwd) * x.count for x in layers)

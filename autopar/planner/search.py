@@ -58,7 +58,9 @@ ADAM_BYTES_PER_PARAM = 28
 """HBM traffic of one fused mixed-precision AdamW update per parameter: read fp32
 master, bf16 grad, m, v (4+2+4+4) and write master, m, v, bf16 param (4+4+4+2)."""
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+VIRTUAL_STAGES = 2
+"""Model chunks per rank under the interleaved schedule (Megatron-LM's usual choice)."""
 RECOMPUTE = ("none", "selective", "full")
 FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute")
 
@@ -120,6 +122,12 @@ class Config:
     zero: int
     recompute: str
     schedule: str
+    virtual_stages: int = 1
+    """Stages per pipeline rank (> 1 only for the interleaved schedule)."""
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual_stages
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,7 +180,11 @@ class Candidate:
 
     @property
     def peak_memory_bytes(self) -> float:
-        return max(s.memory_bytes for s in self.stages)
+        """The fullest rank: the sum of its stages (one, or several when interleaved)."""
+        per_rank = [0.0] * self.config.pp
+        for s, st in enumerate(self.stages):
+            per_rank[s % self.config.pp] += st.memory_bytes
+        return max(per_rank)
 
 
 def _divisors(n: int) -> list[int]:
@@ -180,19 +192,19 @@ def _divisors(n: int) -> list[int]:
 
 
 @lru_cache(maxsize=4096)
-def _inflight(kind: str, pp: int, m: int) -> tuple[int, ...]:
-    """Peak micro-batches whose activations a rank holds, read off the action lists."""
-    sched = make_schedule(kind, n_stages=pp, n_micro=m)
-    peaks = []
+def _inflight(kind: str, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
+    """Per stage, the peak number of its micro-batches whose activations it holds
+    (from its F to its W), read off the action lists."""
+    sched = make_schedule(kind, n_stages=pp, n_micro=m, n_virtual=v)
+    live = [0] * (pp * v)
+    peaks = [0] * (pp * v)
     for rank in range(pp):
-        live = peak = 0
         for a in sched[rank]:
             if a.kind == "F":
-                live += 1
-                peak = max(peak, live)
+                live[a.stage] += 1
+                peaks[a.stage] = max(peaks[a.stage], live[a.stage])
             elif a.kind in ("W", "BW"):
-                live -= 1
-        peaks.append(peak)
+                live[a.stage] -= 1
     return tuple(peaks)
 
 
@@ -214,7 +226,7 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
         times.append(f + b + w)
         acts.append(a)
         work.append(u.act_bytes if cfg.recompute == "full" else 0.0)
-    n, pp = len(units), cfg.pp
+    n, pp = len(units), cfg.n_stages
     if pp > n:
         return None
     pre_t, pre_a, pre_p = [0.0], [0.0], [0.0]
@@ -320,16 +332,21 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                     continue
                 units = units_for(tp, mbs)
                 for kind in ([fixed.schedule] if fixed.schedule else SCHEDULES if pp > 1 else ("1f1b",)):
-                    inflight = _inflight(kind, pp, m)
+                    v = VIRTUAL_STAGES if kind == "interleaved" else 1
+                    if kind == "interleaved" and (pp == 1 or m % pp or pp * v > n_units):
+                        continue  # (Megatron's interleaving needs micro-batches in groups of pp)
+                    inflight = _inflight(kind, pp, m, v)
                     found = False
                     for zero in ([fixed.zero] if fixed.zero is not None else range(4) if dp > 1 else (0,)):
                         for recompute in ([fixed.recompute] if fixed.recompute else RECOMPUTE):
                             cfg = Config(tp=tp, pp=pp, dp=dp, microbatch_size=mbs, microbatches=m, zero=zero,
-                                         recompute=recompute, schedule=kind)
+                                         recompute=recompute, schedule=kind, virtual_stages=v)
                             tried += 1
                             per_param = training_state_bytes(n_params=1, zero_stage=zero, dp=dp,
                                                              precision=precision).total
-                            cuts = _partition(units, cfg, cap=cap, state_per_param=per_param, inflight=inflight)
+                            # a rank holds v stages: each gets 1/v of the memory (a conservative split)
+                            cuts = _partition(units, cfg, cap=cap / v, state_per_param=per_param,
+                                              inflight=inflight)
                             if cuts is None:
                                 need = _min_memory(units, cfg, per_param, inflight)
                                 if need < least[0]:
@@ -400,11 +417,13 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
             inflight[s] * (acts - max(u.act_bytes for u in chunk)) + max(u.act_bytes for u in chunk),
             grad_sync_s=sync, optimizer_s=opt_s,
             send_bytes=chunk[-1].boundary_bytes if s < len(cuts) - 1 else 0.0))
-    m, p = cfg.microbatches, cfg.pp
+    m, p, v = cfg.microbatches, cfg.pp, cfg.virtual_stages
     slowest = max(s.f_s + s.b_s + s.w_s for s in stages)
     critical = max(s.f_s + s.b_s for s in stages)
-    if cfg.schedule == "zb-h1":
+    if cfg.schedule in ("zb-h1", "zb-h2"):
         pipe = m * slowest + (p - 1) * critical
+    elif v > 1:  # each rank runs v chunks per micro-batch; the bubble shrinks by v
+        pipe = (m * v + p - 1) * slowest
     else:
         pipe = (m + p - 1) * slowest
     tail = max(s.grad_sync_s + s.optimizer_s for s in stages)
@@ -414,10 +433,10 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
 
 def _simulate(c: Candidate, cluster: Cluster) -> Candidate:
     cfg = c.config
-    sched = make_schedule(cfg.schedule, n_stages=cfg.pp, n_micro=cfg.microbatches)
+    sched = make_schedule(cfg.schedule, n_stages=cfg.pp, n_micro=cfg.microbatches, n_virtual=cfg.virtual_stages)
     link = cluster.link_for_group(2, stride=cfg.dp * cfg.tp)
     p2p = max(comm.p2p_s(st.send_bytes, link) for st in c.stages) if cfg.pp > 1 else 0.0
-    fused = cfg.schedule in ("gpipe", "1f1b")
+    fused = cfg.schedule in ("gpipe", "1f1b", "interleaved")
     sim = simulate(sched, f_s=[s.f_s for s in c.stages],
                    b_s=[s.b_s + (s.w_s if fused else 0.0) for s in c.stages],
                    w_s=[0.0 if fused else s.w_s for s in c.stages], p2p_s=p2p)
