@@ -408,3 +408,40 @@ def _build_piece(gm: fx.GraphModule, members: list[fx.Node], reads: list[fx.Node
         env[n] = graph.node_copy(n, env.__getitem__)
     graph.output(tuple(env[n] for n in exported))
     return Piece(gm=fx.GraphModule(gm, graph), inputs=tuple(inputs), outputs=tuple(n.name for n in exported))
+
+
+def boundary_tensors(gm: fx.GraphModule, left: set[str], *, batch: int, microbatch: int) -> dict[str, list[dict]]:
+    """What crosses a cut between the layers in ``left`` and the rest, for one micro-batch.
+
+    ``{"forward": [...], "backward": [...]}``: activations (and values such as rotary
+    tables) that later layers read, and the gradients earlier layers wait for; each
+    entry names the tensor, the module that makes it and the one that first reads it,
+    its shape (the batch dimension at ``microbatch``), dtype and bytes. Read off the
+    joint graph's ``meta[LAYER]``; nodes of the loss tangent and constants are left out.
+    """
+    out: dict[str, list[dict]] = {"forward": [], "backward": []}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or "val" not in node.meta or not isinstance(node.meta["val"], torch.Tensor):
+            continue
+        role = node.meta[mk.TRACE].role
+        on_left = node.meta[mk.LAYER] in left
+        if role is mk.Role.FORWARD and on_left:
+            readers = [u for u in node.users if u.op == "call_function" and u.meta[mk.LAYER] not in left]
+            side = "forward"
+        elif role is mk.Role.BACKWARD and not on_left:
+            readers = [u for u in node.users if u.op == "call_function" and u.meta[mk.LAYER] in left]
+            side = "backward"
+        else:
+            continue
+        if not readers:
+            continue
+        val = node.meta["val"]
+        shape = [microbatch if i == 0 and d == batch else int(d) for i, d in enumerate(val.shape)]
+        n = 1
+        for d in shape:
+            n *= d
+        source = node.meta[mk.TRACE].module_path if side == "forward" else node.meta[mk.LAYER]
+        out[side].append({"tensor": node.name, "from": source or "<model>",
+                          "to": readers[0].meta[mk.TRACE].module_path or "<model>", "shape": shape,
+                          "dtype": str(val.dtype).removeprefix("torch."), "bytes": n * val.element_size()})
+    return out

@@ -25,6 +25,7 @@ from autopar.cluster import Cluster, parse_cluster
 from autopar.cost import comm
 from autopar.passes import meta_keys as mk
 from autopar.passes.layers import graph_hash
+from autopar.passes.pipeline import boundary_tensors
 from autopar.passes.strategies import StrategyGraph, build_strategy_graph
 from autopar.plan import Plan
 from autopar.planner.frontend import trace_pair
@@ -131,6 +132,28 @@ def _expanded_names(layers, info: mk.GraphTrace) -> dict[str, list[str]]:
     return out
 
 
+def _cut_tensors(gm: fx.GraphModule, stage_layers: list[list[str]], microbatch: int) -> list[dict]:
+    """Per cut (stage s -> s + 1), the tensors sent forward and the gradients sent back.
+
+    The planner's trace stands one block for a run of identical ones, so a cut
+    between two blocks of the run is read off the cut after the run's first traced
+    block: the same tensors cross it (a block's output, plus what every block reads).
+    """
+    layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
+    info: mk.GraphTrace = gm.meta[mk.GRAPH]
+    rep = {name: path for path, names in _expanded_names(layers, info).items() for name in names}
+    first_of_run = {r.traced[1]: r.traced[0] for r in info.repeats}
+    order = [x.path for x in layers]
+    out = []
+    for s in range(len(stage_layers) - 1):
+        a, b = rep[stage_layers[s][-1]], rep[stage_layers[s + 1][0]]
+        if a == b:  # inside a run of repeated blocks
+            a = first_of_run.get(a, a)
+        k = order.index(a)
+        out.append(boundary_tensors(gm, set(order[: k + 1]), batch=info.global_batch, microbatch=microbatch))
+    return out
+
+
 def _tokens(gm: fx.GraphModule) -> int:
     for n in gm.graph.find_nodes(op="placeholder"):
         v = n.meta.get("val")
@@ -169,6 +192,8 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
                                  "optimizer": st.optimizer_bytes, "activations": st.activations_bytes,
                                  "total": st.memory_bytes},
             }})
+    for s, sends in enumerate(_cut_tensors(gm, [st["layers"] for st in stages], cfg.microbatch_size)):
+        stages[s]["sends"] = sends
     chosen = {sg.nodes[v].name: sg.nodes[v].candidates[sol.choice[v]] for v in range(len(sg.nodes))}
     layer_dict = {}
     for layer in layers:
