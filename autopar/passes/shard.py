@@ -100,10 +100,19 @@ _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 
 
 def _contiguous(v: Any) -> Any:
-    if isinstance(v, DTensor) and not v.to_local().is_contiguous():
-        return DTensor.from_local(v.to_local().contiguous(), v.device_mesh, v.placements, run_check=False,
-                                  shape=v.shape, stride=v.stride())
-    return v
+    """A DTensor whose local shard and global strides are both contiguous. (A shard with a
+    batch of 1 counts as contiguous locally whatever its strides, while the global strides
+    DTensor derives from them may not be: view would then refuse the global shape.)"""
+    if not isinstance(v, DTensor):
+        return v
+    stride, acc = [], 1
+    for d in reversed(v.shape):
+        stride.insert(0, acc)
+        acc *= d
+    if v.to_local().is_contiguous() and tuple(v.stride()) == tuple(stride):
+        return v
+    return DTensor.from_local(v.to_local().contiguous(), v.device_mesh, v.placements, run_check=False,
+                              shape=v.shape, stride=tuple(stride))
 
 
 def _to_partial(v: DTensor, mesh: DeviceMesh, tp_dim: int, want: list) -> DTensor:
