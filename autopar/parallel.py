@@ -18,8 +18,16 @@ The steps of the first ``train_step``, in order:
 
 ``train_step`` takes the global batch (every rank passes the same tensors) and
 each data-parallel rank keeps its slice; :meth:`ParallelModule.local_batch` returns
-that slice for callers that load data per rank. Pipeline parallelism (pp > 1) is
-planned but not executed yet: such a plan is refused with a message.
+that slice for callers that load data per rank.
+
+With pp > 1 the mesh is (pp, dp, tp): every rank traces and shards the whole
+joint graph with its own (dp, tp) coordinates, tags each op with its stage
+(the plan's cuts), cuts the program into per-stage F, B and W pieces
+(:mod:`autopar.passes.pipeline`) and keeps its own stages' pieces and
+parameters; each step runs the rank's action list of the plan's schedule
+(:mod:`autopar.runtime.pipeline`), then the ZeRO/DP reduction per stage. A
+parameter two stages read (a tied embedding) is held by both, and their
+gradient addends are summed between them once per step.
 """
 
 from __future__ import annotations
@@ -344,6 +352,35 @@ class ParallelModule:
         self.optimizer.step()
         self.params.after_step()
         return total_loss
+
+    def set_schedule(self, kind: str) -> None:
+        """Run later steps under another pipeline schedule, without recompiling.
+
+        The stages, their F/B/W programs and the parameters stay; only each rank's
+        action list changes, so ``kind`` must keep the plan's stages per rank
+        (any of gpipe, 1f1b, zb-h1, zb-h2 for one stage per rank; interleaved for
+        several). ``plan.schedule["kind"]`` follows; the plan's predictions do not
+        (re-plan with ``fixed={"schedule": kind}`` for those).
+        """
+        from dataclasses import replace
+
+        from autopar.cost.schedule import SCHEDULE_KINDS
+        from autopar.runtime.pipeline import PipelineRunner
+
+        self._require_compiled()
+        pp, n_stages = self.plan.mesh["pp"], len(self.plan.stages)
+        if pp == 1:
+            raise PlanError("set_schedule needs a pipeline (pp > 1); this plan has pp=1")
+        if kind not in SCHEDULE_KINDS:
+            raise PlanError(f"unknown schedule {kind!r}; expected one of {', '.join(SCHEDULE_KINDS)}")
+        if (kind == "interleaved") != (n_stages > pp):
+            raise PlanError(f"schedule {kind!r} cannot run this plan's {n_stages} stages on {pp} pipeline ranks "
+                            f"({'interleaved needs' if kind == 'interleaved' else 'only interleaved runs'} "
+                            f"several stages per rank); re-plan with fixed={{'schedule': {kind!r}}}")
+        old = self.runner
+        self.runner = PipelineRunner(self.pipeline, pp=pp, pp_rank=old.pp_rank, schedule=kind,
+                                     n_micro=old.n_micro, n_virtual=n_stages // pp, rank_of_stage=old.rank_of_stage)
+        self.plan = replace(self.plan, schedule={**self.plan.schedule, "kind": kind})
 
     def local_batch(self, value: torch.Tensor) -> torch.Tensor:
         """This data-parallel rank's slice of a global batch tensor."""

@@ -26,3 +26,20 @@ def test_emit_writes_rank_programs_with_collectives(tmp_path, monkeypatch, capsy
     assert "DTensor" not in code  # plain local ops: nothing of DTensor is left
     compile(code, str(files[0]), "exec")
     assert "wrote 2 rank program(s)" in capsys.readouterr().out
+
+
+def test_emit_writes_each_pipeline_stage_as_f_b_w_pieces(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "programs"
+    rc = main(["plan", "examples/gpt.py:build", "--cluster", "1x2xcpu", "--fix", "pp=2", "--fix", "schedule=zb-h1",
+               "--fix", "microbatches=2", "--emit", str(out)])
+    assert rc == 0
+    files = sorted(out.glob("rank_*.py"))
+    assert [f.name for f in files] == ["rank_0.py", "rank_1.py"]
+    first, last = (f.read_text() for f in files)
+    for stage, code in ((0, first), (1, last)):
+        for piece in ("F: forward", "B: gradients w.r.t. the stage's inputs", "W: gradients w.r.t. the stage's weights"):
+            assert f"# ---- stage {stage} {piece}" in code
+        compile(code, "rank.py", "exec")
+    assert "aten.nll_loss_forward" in last and "aten.nll_loss_forward" not in first  # the loss is on the last stage
+    assert "aten.embedding.default" in first and "aten.embedding.default" not in last

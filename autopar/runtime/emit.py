@@ -7,6 +7,8 @@ and whose only job here is to let the mesh and the trace exist. That backend
 lives in ``torch.testing._internal`` (private, test-only): it is used here and
 nowhere on the training path. Ranks whose programs are identical share a file.
 The model must live on "cpu" (its values do not matter; a small shape will do).
+With pipeline stages, a rank's file holds the F, B and W pieces of each of its
+stages, each headed by the values it reads and writes.
 """
 
 from __future__ import annotations
@@ -41,11 +43,26 @@ def _rank_program(rank, world, spec, spec_args, plan_json, cluster) -> str:
     plan = Plan.from_json(plan_json)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        pm = ParallelModule(model, cluster=cluster, plan=plan, loss_fn=loss_fn, fixed={"pp": 1})
+        pm = ParallelModule(model, cluster=cluster, plan=plan, loss_fn=loss_fn)
         pm.plan = plan
-        pm.mesh = init_device_mesh("cpu", (plan.mesh["dp"], plan.mesh["tp"]), mesh_dim_names=("dp", "tp"))
-        pm._build(names, values, has_target)
-        return pm.step_program.code
+        pp, dp, tp = plan.mesh["pp"], plan.mesh["dp"], plan.mesh["tp"]
+        if pp == 1:
+            pm.mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+            pm._build(names, values, has_target)
+            return pm.step_program.code
+        pm.pp_mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        pm.mesh = pm.pp_mesh["dp", "tp"]
+        pm._build_pipeline(names, values, has_target)
+        parts = []
+        for st in pm.pipeline.stages:
+            if st.stage % pp != pm.pp_mesh.get_local_rank("pp"):
+                continue
+            for what, piece in (("F: forward", st.forward), ("B: gradients w.r.t. the stage's inputs",
+                                                              st.backward_input),
+                                ("W: gradients w.r.t. the stage's weights", st.backward_weight)):
+                parts.append(f"# ---- stage {st.stage} {what}\n# reads  {', '.join(piece.inputs) or '-'}\n"
+                             f"# writes {', '.join(piece.outputs) or '-'}{piece.gm.code}")
+        return "\n".join(parts)
     finally:
         dist.destroy_process_group()
 
@@ -66,11 +83,9 @@ def emit_programs(spec: str, spec_args: dict[str, str], *, plan: Plan, cluster: 
     if any(p.device.type == "meta" for p in model.parameters()):
         raise PlanError("--emit generates the programs by running them once, so the model must be on 'cpu'; "
                         "build it on cpu (a small size keeps this quick)")
-    if plan.mesh["pp"] != 1:
-        raise PlanError(f"--emit covers plans without pipeline stages; this plan has pp={plan.mesh['pp']}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    world = plan.mesh["dp"] * plan.mesh["tp"]
+    world = plan.mesh["pp"] * plan.mesh["dp"] * plan.mesh["tp"]
     seen: dict[str, list[int]] = {}
     codes: dict[str, str] = {}
     # One fresh process per rank: a process group, once destroyed, leaves state behind
@@ -87,9 +102,15 @@ def emit_programs(spec: str, spec_args: dict[str, str], *, plan: Plan, cluster: 
     for key, ranks in seen.items():
         path = out / f"rank_{ranks[0]}.py"
         header = (f"# autopar per-rank program for {plan.model.get('name')} on mesh {plan.mesh}, "
-                  f"ZeRO-{plan.zero}\n# ranks: {', '.join(map(str, ranks))}\n"
-                  f"# step(*tp_shards_of_trainable_params, *global_micro_batch_inputs) -> "
-                  f"(loss, *grad_addends_before_dp_reduction)\nimport torch\n")
+                  f"ZeRO-{plan.zero}\n# ranks: {', '.join(map(str, ranks))}\n")
+        if plan.mesh["pp"] == 1:
+            header += ("# step(*tp_shards_of_trainable_params, *global_micro_batch_inputs) -> "
+                       "(loss, *grad_addends_before_dp_reduction)\n")
+        else:
+            header += (f"# pipeline stage pieces run by the {plan.schedule['kind']} schedule; 'param:' and "
+                       f"'input:' values are the rank's parameter shards and the micro-batch, the others are "
+                       f"activations and gradients kept per micro-batch or sent between stages\n")
+        header += "import torch\n"
         path.write_text(header + codes[key])
         paths.append(path)
     return paths

@@ -9,7 +9,9 @@ action list of the schedule (compute, sends and receives, in order).
 
 The Llama example (rotary tables computed before the first block and read by
 every block: values relayed through the stages between) runs 4 stages under
-ZB-H1; pp x dp and pp x tp compose the pipeline with the other axes.
+ZB-H1; pp x dp and pp x tp compose the pipeline with the other axes. One compiled
+model runs several schedules in turn (``set_schedule`` swaps only the action
+lists), 3 steps each, with the reference model training alongside.
 """
 
 import copy
@@ -37,6 +39,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _train(rank, world, configs):
+    """Per config: compile once, then run each of its schedules for 3 steps (``set_schedule``
+    swaps the action lists, not the compiled stages), the reference training alongside."""
     sys.path.insert(0, EXAMPLES)
     import importlib
 
@@ -44,37 +48,41 @@ def _train(rank, world, configs):
     from autopar.cost.schedule import make_schedule, with_comm
 
     report = {}
-    for name, example, kwargs, cluster, fixed in configs:
+    for name, example, kwargs, cluster, fixed, schedules in configs:
         t0 = time.perf_counter()
         module = importlib.import_module(example)
         torch.manual_seed(0)
         model, inputs, loss_fn, target = module.build(size="tiny", batch=8, **kwargs)
         reference = copy.deepcopy(model)
         ref_opt = _optimizer(reference.parameters())
-        pm = autopar.parallelize(model, cluster=cluster, loss_fn=loss_fn, optimizer=_optimizer, fixed=fixed)
-        losses = []
-        for _ in range(STEPS):
-            loss = pm.train_step(inputs, target)
-            ref_opt.zero_grad()
-            ref_loss = loss_fn(reference(*inputs), target)
-            ref_loss.backward()
-            ref_opt.step()
-            losses.append((loss, ref_loss.item()))
-        grads, state = pm.full_gradients(), pm.state_dict()
-        ref_params = dict(reference.named_parameters())
-        plan = pm.plan
-        pp = plan.mesh["pp"]
-        sched = make_schedule(plan.schedule["kind"], n_stages=pp, n_micro=plan.schedule["microbatches"],
-                              n_virtual=len(plan.stages) // pp)
-        report[name] = {
-            "losses": losses,
-            "grad_err": {k: _rel(grads[k], ref_params[k].grad) for k in ref_params},
-            "param_err": {k: _rel(state[k], ref_params[k].detach()) for k in ref_params},
-            "mesh": plan.mesh, "schedule": plan.schedule, "n_stages": len(plan.stages),
-            "ran": list(pm.runner.log),
-            "expected": with_comm(sched, len(plan.stages))[pm.pp_mesh.get_local_rank("pp")],
-            "wall_s": time.perf_counter() - t0,
-        }
+        pm = autopar.parallelize(model, cluster=cluster, loss_fn=loss_fn, optimizer=_optimizer,
+                                 fixed={**fixed, "schedule": schedules[0]})
+        for i, kind in enumerate(schedules):
+            if i:  # the first is the planned one (compiled on the first step)
+                pm.set_schedule(kind)
+            losses = []
+            for _ in range(STEPS):
+                loss = pm.train_step(inputs, target)
+                ref_opt.zero_grad()
+                ref_loss = loss_fn(reference(*inputs), target)
+                ref_loss.backward()
+                ref_opt.step()
+                losses.append((loss, ref_loss.item()))
+            grads, state = pm.full_gradients(), pm.state_dict()
+            ref_params = dict(reference.named_parameters())
+            plan = pm.plan
+            pp = plan.mesh["pp"]
+            sched = make_schedule(kind, n_stages=pp, n_micro=plan.schedule["microbatches"],
+                                  n_virtual=len(plan.stages) // pp)
+            report[f"{name}_{kind}"] = {
+                "losses": losses,
+                "grad_err": {k: _rel(grads[k], ref_params[k].grad) for k in ref_params},
+                "param_err": {k: _rel(state[k], ref_params[k].detach()) for k in ref_params},
+                "mesh": plan.mesh, "schedule": plan.schedule, "n_stages": len(plan.stages),
+                "ran": list(pm.runner.log),
+                "expected": with_comm(sched, len(plan.stages))[pm.pp_mesh.get_local_rank("pp")],
+            }
+        report[name] = {"wall_s": time.perf_counter() - t0}
     return report
 
 
@@ -89,24 +97,29 @@ def _check(r, name):
 
 
 GPT4 = {"n_layer": 4}
+ONE_PER_RANK = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 
 
 def _configs(pp: int, world: int) -> list:
     out = []
-    for kind in SCHEDULES:
-        for m in (4, 8):
-            fixed = {"pp": pp, "dp": world // pp, "tp": 1, "schedule": kind, "microbatches": m}
-            out.append((f"pp{pp}_{kind}_m{m}", "gpt", GPT4, f"1x{world}xcpu", fixed))
+    for m in (4, 8):
+        fixed = {"pp": pp, "dp": world // pp, "tp": 1, "microbatches": m}
+        out.append((f"pp{pp}_m{m}", "gpt", GPT4, f"1x{world}xcpu", fixed, ONE_PER_RANK))
+        out.append((f"pp{pp}_m{m}", "gpt", GPT4, f"1x{world}xcpu", fixed, ("interleaved",)))
     return out
 
 
 TWO = _configs(2, 2)
 FOUR = _configs(4, 4) + [
-    ("pp2xdp2", "gpt", GPT4, "1x4xcpu", {"pp": 2, "dp": 2, "tp": 1, "schedule": "zb-h1", "microbatches": 4}),
-    ("pp2xtp2", "gpt", GPT4, tp_friendly_cluster("1x4xcpu"),
-     {"pp": 2, "dp": 1, "tp": 2, "schedule": "1f1b", "microbatches": 4}),
-    ("llama_pp4", "llama", {}, "1x4xcpu", {"pp": 4, "dp": 1, "tp": 1, "schedule": "zb-h1", "microbatches": 8}),
+    ("pp2xdp2", "gpt", GPT4, "1x4xcpu", {"pp": 2, "dp": 2, "tp": 1, "microbatches": 4}, ("zb-h1", "1f1b")),
+    ("pp2xtp2", "gpt", GPT4, tp_friendly_cluster("1x4xcpu"), {"pp": 2, "dp": 1, "tp": 2, "microbatches": 4},
+     ("1f1b", "zb-h1")),
+    ("llama_pp4", "llama", {}, "1x4xcpu", {"pp": 4, "dp": 1, "tp": 1, "microbatches": 8}, ("zb-h1",)),
 ]
+
+
+def _names(configs):
+    return [f"{c[0]}_{kind}" for c in configs for kind in c[5]]
 
 
 @pytest.fixture(scope="module")
@@ -119,14 +132,22 @@ def four_ranks():
     return spawn_world(_train, 4, FOUR)
 
 
-@pytest.mark.parametrize("name", [c[0] for c in TWO])
-def test_two_stages_match_single_process(two_ranks, name):
+@pytest.mark.parametrize("name", _names(TWO))
+def test_two_ranks_match_single_process(two_ranks, name):
     for r in two_ranks:
         _check(r[name], name)
         assert r[name]["mesh"]["pp"] == 2
+        assert r[name]["n_stages"] == (4 if name.endswith("interleaved") else 2)
 
 
-@pytest.mark.parametrize("name", [c[0] for c in FOUR])
+@pytest.mark.parametrize("name", _names(FOUR))
 def test_four_ranks_match_single_process(four_ranks, name):
     for r in four_ranks:
         _check(r[name], name)
+
+
+def test_pipelines_compose_with_dp_and_tp(four_ranks):
+    r = four_ranks[0]
+    assert r["pp2xdp2_zb-h1"]["mesh"] == {"pp": 2, "dp": 2, "tp": 1}
+    assert r["pp2xtp2_1f1b"]["mesh"] == {"pp": 2, "dp": 1, "tp": 2}
+    assert r["pp4_m8_interleaved"]["n_stages"] == 8
