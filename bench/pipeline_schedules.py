@@ -36,6 +36,7 @@ def _bench(rank, world, schedules, size, n_layer, batch, micro, steps, warmup):
     import gpt
 
     torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # (parallelize would start it on the first step; the barriers need it now)
     modules = {}
     for kind in schedules:
         torch.manual_seed(0)
