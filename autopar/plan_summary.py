@@ -75,7 +75,8 @@ def stage_rows(plan: Plan) -> list[dict[str, Any]]:
 
 
 SEQUENCE_PARALLEL = "sequence-parallel"
-_ORDER = ("column-parallel", "row-parallel", "vocab-parallel", "embedding-dim-parallel", SEQUENCE_PARALLEL)
+_ORDER = ("column-parallel", "row-parallel", "vocab-parallel", "embedding-dim-parallel", "hidden-dim-parallel",
+          SEQUENCE_PARALLEL)
 
 
 def _module_words(cls: str, placement: str, ndim: int) -> str:
@@ -89,6 +90,8 @@ def _module_words(cls: str, placement: str, ndim: int) -> str:
         return "column-parallel" if dim == 0 else "row-parallel"
     if cls == "Embedding" and ndim == 2:  # weight is (num_embeddings, embedding_dim)
         return "vocab-parallel" if dim == 0 else "embedding-dim-parallel"
+    if "Norm" in cls and ndim == 1:  # a norm's weight is (hidden,)
+        return "hidden-dim-parallel"
     return f"split on dim {dim}"
 
 
@@ -166,13 +169,13 @@ def render_summary(plan: Plan) -> str:
         + (f", {p['tokens_per_s']:.4g} tokens/s" if p.get("tokens_per_s") else ""),
         *(f"  {w}" for w in mesh_words(plan)),
         "",
-        f"  {'stage':>5} {'layers':<34} {'devices':<9} {'compute':>9} {'comm':>9} {'memory':>9}  "
+        f"  {'stage':>5} {'layers':<40} {'devices':<9} {'compute':>9} {'comm':>9} {'memory':>9}  "
         f"of {fmt_bytes(cap)}: P=params G=grads O=optimizer A=activations",
     ]
     for r in stage_rows(plan):
         names = r["first"] if r["n_layers"] == 1 else f"({r['n_layers']}) {r['first']} .. {r['last']}"
         parts = [r["memory"][key] for key, _ in MEMORY_PARTS]
-        lines.append(f"  {r['stage']:>5} {names[:34]:<34} {r['devices']:<9} {fmt_s(r['compute_s']):>9} "
+        lines.append(f"  {r['stage']:>5} {names[:40]:<40} {r['devices']:<9} {fmt_s(r['compute_s']):>9} "
                      f"{fmt_s(r['comm_s']):>9} {fmt_bytes(r['memory_total']):>9}  "
                      f"[{_bar(parts, cap or r['memory_total'])}] "
                      + " ".join(f"{ch} {fmt_bytes(x)}" for (_, ch), x in zip(MEMORY_PARTS, parts)))

@@ -20,7 +20,7 @@ import html
 import io
 from typing import TYPE_CHECKING, Any
 
-from autopar.fmt import fmt_bytes, fmt_s
+from autopar.fmt import fmt_bytes, fmt_s, fmt_si
 from autopar.plan_summary import (MEMORY_PARTS, communication_rows, config_words, layer_strategies, mesh_words,
                                   stage_rows, strategy_text)
 
@@ -83,11 +83,9 @@ def timeline_figure(plan: Plan, *, width_in: float = 11.0) -> Figure:
     axes_width_pt = width_in * 72 * 0.86  # the plot area, less the row labels
     fontsize = 7 if n_rows > 4 else 8
     for rank, action, start, end in sim.timeline:
-        width = end - start
-        if width <= 0:
-            continue
+        width = end - start  # a zero-time action (a stage without weights has no W) draws nothing
         ax.broken_barh([(start * scale, width * scale)], (rank - 0.4, 0.8), facecolors=COLOURS[action.kind],
-                       edgecolors="white", linewidth=0.4)
+                       edgecolors="white", linewidth=0.4, gid=f"action-{action}")  # SVG id: action-0F3
         label = str(action.microbatch)
         if axes_width_pt * width / end_s > 0.62 * fontsize * len(label) + 2:
             ax.text((start + width / 2) * scale, rank, label, ha="center", va="center", fontsize=fontsize,
@@ -172,7 +170,7 @@ def render_html(plan: Plan) -> str:
     kpis = [("step time", fmt_s(p["step_time_s"])), ("bubble", f"{p['bubble_fraction']:.1%}"),
             ("MFU", f"{p['mfu']:.1%}"), ("peak memory", f"{fmt_bytes(p['peak_memory_bytes'])} of {fmt_bytes(cap)}")]
     if p.get("tokens_per_s"):
-        kpis.append(("tokens/s", f"{p['tokens_per_s']:.4g}"))
+        kpis.append(("tokens/s", fmt_si(p["tokens_per_s"])))
     out = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>autopar plan: {_e(plan.model.get('name'))} on {_e(plan.cluster.get('spec'))}</title>",
