@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pin a decision: tp, pp, dp, zero, schedule, microbatch_size, microbatches, recompute")
     p.add_argument("--out", metavar="FILE", help="write the plan file (JSON)")
     p.add_argument("--timeline", metavar="FILE",
-                   help="draw the pipeline schedule of one step as a Gantt chart (.png, .svg or .pdf; needs matplotlib)")
+                   help="draw one step's pipeline schedule as a Gantt chart (.png, .svg or .pdf; needs matplotlib)")
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report of the plan with its timeline")
     p.add_argument("--emit", metavar="DIR", help="write each rank's generated program (Python) into DIR")
     p.set_defaults(func=cmd_plan)

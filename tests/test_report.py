@@ -19,6 +19,7 @@ from autopar.plan_summary import MEMORY_PARTS, _bar, config_words, render_summar
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import gpt  # noqa: E402
+import llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,21 @@ def test_summary_of_a_loaded_plan_keeps_forward_order(pipelined):
     assert section.index("transformer.wte") < section.index("Block x2") < section.index("<loss>")
 
 
-def test_sequence_parallel_norms_are_named(pipelined):
+def test_sequence_parallel_is_read_off_the_norms_placements():
+    """With fast links the MIP shards the norms over the sequence (Megatron-SP); the plan says so."""
+    from autopar.testing import tp_friendly_cluster
+
+    model, inputs, loss_fn, target = llama.build(size="small", batch=2)
+    plan = autopar.plan(model, inputs, cluster=tp_friendly_cluster("1x2xcpu"), loss_fn=loss_fn,
+                        example_target=target, fixed={"tp": 2, "pp": 1})
+    block = next(v for v in plan.layers.values() if v["class"] == "TransformerBlock")
+    assert {p.rsplit(".", 1)[-1] for p in block["sequence_parallel"]} == {"attention_norm", "ffn_norm"}
+    text = plan.summary()
+    assert "sequence-parallel attention_norm, ffn_norm" in text
+    assert "reduce_scatter" in text and "all_gather" in text  # SP's collectives in place of all-reduces
+
+
+def test_sequence_parallel_words_replace_replicated(pipelined):
     layers = {k: dict(v) for k, v in pipelined.layers.items()}
     block = next(k for k, v in layers.items() if v["class"] == "Block")
     layers[block]["sequence_parallel"] = [f"{block}.ln_1", f"{block}.ln_2"]
