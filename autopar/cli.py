@@ -64,6 +64,8 @@ def cmd_plan(args) -> int:
 
     cluster = parse_cluster(args.cluster)
     fixed = _key_values(args.fix, "--fix")
+    if args.timeline and not args.timeline.lower().endswith((".png", ".svg", ".pdf")):
+        raise ValueError(f"--timeline {args.timeline!r} needs a .png, .svg or .pdf file name")
     model, inputs, loss_fn, target = _load(args)
     result = plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed)
     print(result.summary())

@@ -185,6 +185,12 @@ def test_missing_matplotlib_is_one_clear_error(pipelined, monkeypatch, tmp_path)
         save_timeline(pipelined, tmp_path / "t.png")
 
 
+def test_timeline_file_type_is_checked_before_planning(capsys):
+    assert main(["plan", str(ROOT / "examples/gpt.py:build"), "--cluster", "1x8xH100", "--timeline", "t.jpg"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopar: error: --timeline 't.jpg' needs a .png, .svg or .pdf") and "tracing" not in err
+
+
 # ---------------------------------------------------------------- HTML
 
 
