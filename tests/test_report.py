@@ -22,6 +22,12 @@ import gpt  # noqa: E402
 import llama  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def keep_progress_stream(monkeypatch):
+    # main() points progress lines at the (captured) stderr of the moment; put it back after
+    monkeypatch.setattr(progress, "_stream", progress._stream)
+
+
 @pytest.fixture(scope="module")
 def pipelined():
     """GPT 1.3B shapes, 2 blocks, on one 8-GPU node with tp=4 and pp=2 pinned: Megatron blocks, ZB-H1."""
