@@ -2,6 +2,7 @@
 
     autopar analyze examples/gpt.py:build --cluster 2x8xH100
     autopar analyze examples/llama.py:build --arg size=70b --cluster 64x8xH100 --json out.json
+    autopar plan examples/llama.py:build --arg size=70b --cluster 8x8xH100 --timeline t.png --html plan.html
 
 User mistakes (a bad cluster spec, a missing model file, an untraceable model)
 print one line, ``autopar: error: ...``, and exit with status 2.
@@ -63,12 +64,24 @@ def cmd_plan(args) -> int:
 
     cluster = parse_cluster(args.cluster)
     fixed = _key_values(args.fix, "--fix")
+    if args.timeline and not args.timeline.lower().endswith((".png", ".svg", ".pdf")):
+        raise ValueError(f"--timeline {args.timeline!r} needs a .png, .svg or .pdf file name")
     model, inputs, loss_fn, target = _load(args)
     result = plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed)
     print(result.summary())
     if args.out:
         result.save(args.out)
         print(f"wrote {args.out}")
+    if args.timeline:
+        from autopar.report import save_timeline
+
+        save_timeline(result, args.timeline)
+        print(f"wrote {args.timeline}")
+    if args.html:
+        from autopar.report import save_html
+
+        save_html(result, args.html)
+        print(f"wrote {args.html}")
     if args.emit:
         from autopar.runtime.emit import emit_programs
 
@@ -98,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
                    help="pin a decision: tp, pp, dp, zero, schedule, microbatch_size, microbatches, recompute")
     p.add_argument("--out", metavar="FILE", help="write the plan file (JSON)")
+    p.add_argument("--timeline", metavar="FILE",
+                   help="draw one step's pipeline schedule as a Gantt chart (.png, .svg or .pdf; needs matplotlib)")
+    p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report of the plan with its timeline")
     p.add_argument("--emit", metavar="DIR", help="write each rank's generated program (Python) into DIR")
     p.set_defaults(func=cmd_plan)
     return parser
