@@ -285,7 +285,7 @@ def _fmt(item: str, v: Any) -> str:
         leaf = item.rsplit(".", 1)[-1]
         if "bytes" in leaf or "memory_bytes" in item:
             return fmt_bytes(v)
-        if leaf.endswith("_s") or leaf == "objective":
+        if (leaf.endswith("_s") and not leaf.endswith("_per_s")) or leaf == "objective":
             return fmt_s(v)
         if leaf in ("mfu", "bubble_fraction"):
             return f"{v:.2%}"

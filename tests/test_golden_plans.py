@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from autopar.cluster import parse_cluster
+from autopar.fmt import fmt_bytes
 from autopar.testing import assert_plan_matches
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -76,12 +77,10 @@ def test_plan_matches_golden(name, spec):
 
 
 def test_a_smaller_device_fails_with_a_readable_diff():
-    """The same model on H100s with half the memory the golden plan needs: the golden no longer matches, and the
-    message says what moved (the device's memory, and the configuration that had to change)."""
+    """The same model on H100s with half the memory its golden plan needs: the golden no longer
+    matches, and the message says what moved (the device's memory, the plan that had to change)."""
     name, spec = "gpt-1.3b", "1x8xH100"
     golden = Path(__file__).parent / "golden" / f"{name}-{spec}.json"
-    if not golden.exists():
-        pytest.skip(f"{golden.name} is written by test_plan_matches_golden under --autopar-update-golden")
     roomy = plan_for(name, spec)
     need = roomy.predicted["peak_memory_bytes"]
     tight = plan_for(name, spec, hbm_bytes=int(need / 2))
@@ -90,13 +89,8 @@ def test_a_smaller_device_fails_with_a_readable_diff():
     message = str(info.value)
     assert f"plan differs from golden plan {golden}" in message
     assert "model and cluster:" in message
-    assert f"cluster.device.hbm_bytes: {_gb(roomy.cluster['device']['hbm_bytes'])} -> {_gb(int(need / 2))}" in message
-    assert "configuration:" in message and "predicted:" in message
+    assert f"cluster.device.hbm_bytes: {fmt_bytes(roomy.cluster['device']['hbm_bytes'])} -> {fmt_bytes(int(need / 2))}" in message
+    assert "configuration:" in message or "stages:" in message  # something had to give
+    assert "predicted:" in message
     assert "peak_memory_bytes: " in message
     assert "--autopar-update-golden" in message
-
-
-def _gb(x):
-    from autopar.fmt import fmt_bytes
-
-    return fmt_bytes(x)

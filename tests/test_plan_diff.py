@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import autopar.pytest_plugin
 from autopar import progress
 from autopar.cli import main
 from autopar.errors import PlanError
@@ -32,8 +33,10 @@ def plan():
 
 
 @pytest.fixture(autouse=True)
-def no_update_env(monkeypatch):
+def no_update_requested(monkeypatch):
+    """These tests set the update switches themselves, whatever this pytest run was given."""
     monkeypatch.delenv(UPDATE_ENV, raising=False)
+    monkeypatch.setattr(autopar.pytest_plugin, "update_golden", False)
     monkeypatch.setattr(progress, "_stream", progress._stream)  # main() points it at the captured stderr
 
 
@@ -65,6 +68,9 @@ def test_predictions_compare_with_the_relative_tolerance(plan):
     assert diff.changes[0].relative == pytest.approx(0.05, rel=1e-4)
     assert f"  step_time_s: {fmt_s(step)} -> {fmt_s(step * 1.05)} (+5.0%)" in lines_of(diff)
     assert diff_plans(plan, far, rtol=0.1).equal
+    tokens = plan.predicted["tokens_per_s"]  # a rate, not a time
+    faster = with_changes(plan, predicted={**plan.predicted, "tokens_per_s": tokens * 2})
+    assert f"  tokens_per_s: {tokens:.6g} -> {tokens * 2:.6g} (+100.0%)" in lines_of(diff_plans(plan, faster))
 
 
 def test_configuration_changes_count_whatever_the_tolerance(plan):
