@@ -3,6 +3,9 @@
     autopar analyze examples/gpt.py:build --cluster 2x8xH100
     autopar analyze examples/llama.py:build --arg size=70b --cluster 64x8xH100 --json out.json
     autopar plan examples/llama.py:build --arg size=70b --cluster 8x8xH100 --timeline t.png --html plan.html
+    autopar diff old_plan.json new_plan.json --tolerance 0.01
+
+``diff`` exits 0 when the plans match, 1 when they differ.
 
 User mistakes (a bad cluster spec, a missing model file, an untraceable model)
 print one line, ``autopar: error: ...``, and exit with status 2.
@@ -91,6 +94,17 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_diff(args) -> int:
+    from autopar.plan_diff import diff_plans, load_plan_file
+
+    if not args.tolerance >= 0:
+        raise ValueError(f"--tolerance {args.tolerance} must be >= 0 (a relative tolerance such as 0.01)")
+    old, new = load_plan_file(args.old), load_plan_file(args.new)
+    diff = diff_plans(old, new, rtol=args.tolerance)
+    print(diff.render(old_label=args.old, new_label=args.new, limit=args.limit))
+    return 0 if diff.equal else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autopar", description="Auto-parallelism compiler for PyTorch training.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what each pass does")
@@ -116,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report of the plan with its timeline")
     p.add_argument("--emit", metavar="DIR", help="write each rank's generated program (Python) into DIR")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("diff", help="what changed between two plan files; exit 0 if they match, 1 if not")
+    p.add_argument("old", help="plan file (JSON) to compare against")
+    p.add_argument("new", help="plan file (JSON) to compare")
+    p.add_argument("--tolerance", type=float, default=0.01, metavar="RTOL",
+                   help="relative tolerance for predicted numbers (default 0.01); structure must match exactly")
+    p.add_argument("--limit", type=int, default=20, metavar="N",
+                   help="print at most N changes per group (default 20; 0 prints all)")
+    p.set_defaults(func=cmd_diff)
     return parser
 
 
