@@ -394,6 +394,10 @@ class ParallelModule:
         """Full (unsharded) parameters, keys as ``model.state_dict()``; a collective on every rank."""
         self._require_compiled()
         out = self._across_stages({fqn: self.params.full_tensor(fqn) for fqn in self.params.entries})
+        canonical = {id(p): fqn for fqn, p in self.model.named_parameters()}
+        for name, p in self.model.named_parameters(remove_duplicate=False):  # tied aliases (lm_head.weight)
+            if name not in out and canonical.get(id(p)) in out:
+                out[name] = out[canonical[id(p)]]
         for name, buf in self.model.named_buffers():
             out.setdefault(name, buf.detach().clone())
         return out
