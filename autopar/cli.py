@@ -2,6 +2,10 @@
 
     autopar analyze examples/gpt.py:build --cluster 2x8xH100
     autopar analyze examples/llama.py:build --arg size=70b --cluster 64x8xH100 --json out.json
+    autopar plan examples/llama.py:build --arg size=70b --cluster 8x8xH100 --timeline t.png --html plan.html
+    autopar diff old_plan.json new_plan.json --tolerance 0.01
+
+``diff`` exits 0 when the plans match, 1 when they differ.
 
 User mistakes (a bad cluster spec, a missing model file, an untraceable model)
 print one line, ``autopar: error: ...``, and exit with status 2.
@@ -63,12 +67,24 @@ def cmd_plan(args) -> int:
 
     cluster = parse_cluster(args.cluster)
     fixed = _key_values(args.fix, "--fix")
+    if args.timeline and not args.timeline.lower().endswith((".png", ".svg", ".pdf")):
+        raise ValueError(f"--timeline {args.timeline!r} needs a .png, .svg or .pdf file name")
     model, inputs, loss_fn, target = _load(args)
     result = plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed)
     print(result.summary())
     if args.out:
         result.save(args.out)
         print(f"wrote {args.out}")
+    if args.timeline:
+        from autopar.report import save_timeline
+
+        save_timeline(result, args.timeline)
+        print(f"wrote {args.timeline}")
+    if args.html:
+        from autopar.report import save_html
+
+        save_html(result, args.html)
+        print(f"wrote {args.html}")
     if args.emit:
         from autopar.runtime.emit import emit_programs
 
@@ -76,6 +92,17 @@ def cmd_plan(args) -> int:
                               out_dir=args.emit)
         print(f"wrote {len(paths)} rank program(s) to {args.emit}: {', '.join(p.name for p in paths)}")
     return 0
+
+
+def cmd_diff(args) -> int:
+    from autopar.plan_diff import diff_plans, load_plan_file
+
+    if not args.tolerance >= 0:
+        raise ValueError(f"--tolerance {args.tolerance} must be >= 0 (a relative tolerance such as 0.01)")
+    old, new = load_plan_file(args.old), load_plan_file(args.new)
+    diff = diff_plans(old, new, rtol=args.tolerance)
+    print(diff.render(old_label=args.old, new_label=args.new, limit=args.limit))
+    return 0 if diff.equal else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,8 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
                    help="pin a decision: tp, pp, dp, zero, schedule, microbatch_size, microbatches, recompute")
     p.add_argument("--out", metavar="FILE", help="write the plan file (JSON)")
+    p.add_argument("--timeline", metavar="FILE",
+                   help="draw one step's pipeline schedule as a Gantt chart (.png, .svg or .pdf; needs matplotlib)")
+    p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report of the plan with its timeline")
     p.add_argument("--emit", metavar="DIR", help="write each rank's generated program (Python) into DIR")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("diff", help="what changed between two plan files; exit 0 if they match, 1 if not")
+    p.add_argument("old", help="plan file (JSON) to compare against")
+    p.add_argument("new", help="plan file (JSON) to compare")
+    p.add_argument("--tolerance", type=float, default=0.01, metavar="RTOL",
+                   help="relative tolerance for predicted numbers (default 0.01); structure must match exactly")
+    p.add_argument("--limit", type=int, default=20, metavar="N",
+                   help="print at most N changes per group (default 20; 0 prints all)")
+    p.set_defaults(func=cmd_diff)
     return parser
 
 

@@ -1,84 +1,199 @@
-"""``Plan.summary()``: the plan as a person reads it."""
+"""``Plan.summary()``: the plan as a person reads it.
+
+The rows (mesh, stages, layer strategies in words, communication, runners-up)
+are built once here as plain data; ``render_summary`` prints them as text and
+:mod:`autopar.report` lays the same rows out as HTML.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+import textwrap
+from typing import TYPE_CHECKING, Any
 
 from autopar.fmt import fmt_bytes, fmt_s
 
 if TYPE_CHECKING:
     from autopar.plan import Plan
 
-__all__ = ["render_summary"]
+__all__ = ["MEMORY_PARTS", "communication_rows", "config_words", "layer_strategies", "mesh_words", "render_summary",
+           "stage_rows", "strategy_text"]
+
+MEMORY_PARTS = (("params", "P"), ("grads", "G"), ("optimizer", "O"), ("activations", "A"))
+"""Memory breakdown keys of a stage, with the letter the text bar uses for each."""
 
 
 def _bar(parts: list[float], total: float, width: int = 24) -> str:
-    chars = "PGOA"  # params, grads, optimizer, activations
-    out = ""
-    for ch, part in zip(chars, parts):
-        out += ch * round(width * part / total) if total else ""
-    return (out + "." * width)[:width]
+    """Cumulative rounding, so a part shows once it ends past half a character and the
+    bar's filled length always matches the sum (rounding each part alone loses small ones)."""
+    out, filled, acc = "", 0, 0.0
+    for (_, ch), part in zip(MEMORY_PARTS, parts):
+        acc += part
+        end = min(width, round(width * acc / total)) if total else 0
+        out += ch * (end - filled)
+        filled = max(filled, end)
+    return out + "." * (width - filled)
 
 
-def _describe(placement: str, ndim: int) -> str:
-    """Words for a parameter's placement on the tp axis (nn.Linear weights are (out, in))."""
+def _span(devices: list[int]) -> str:
+    return f"{devices[0]}-{devices[-1]}" if len(devices) > 1 else str(devices[0])
+
+
+def mesh_words(plan: Plan) -> list[str]:
+    """The mesh and the data-parallel treatment of the training state, in words."""
+    m = plan.mesh
+    world = math.prod(m.values())
+    zero = {0: "parameters, gradients and optimizer state replicated over dp",
+            1: "optimizer state sharded over dp (ZeRO-1)",
+            2: "gradients and optimizer state sharded over dp (ZeRO-2)",
+            3: "parameters, gradients and optimizer state sharded over dp (ZeRO-3)"}[plan.zero]
+    sched = plan.schedule
+    return [
+        f"mesh pp={m['pp']} x dp={m['dp']} x tp={m['tp']} = {world} devices "
+        f"(tp groups are consecutive ranks, then dp, then pp)",
+        f"data parallel: dp={m['dp']}, {zero if m['dp'] > 1 else 'no data parallelism'}; "
+        f"activation recompute: {plan.recompute}",
+        f"pipeline: {sched['kind']} over pp={m['pp']} stage(s), {sched['microbatches']} micro-batch(es) "
+        f"of {sched['microbatch_size']} per dp rank",
+    ]
+
+
+def stage_rows(plan: Plan) -> list[dict[str, Any]]:
+    """Per stage: index, layer range, device range, predicted times and memory parts."""
+    rows = []
+    for i, st in enumerate(plan.stages):
+        layers = st["layers"]
+        pred = st["predicted"]
+        mem = pred["memory_bytes"]
+        rows.append({
+            "stage": i, "n_layers": len(layers), "first": layers[0], "last": layers[-1],
+            "devices": _span(st["devices"]), "compute_s": pred["compute_s"], "comm_s": pred["comm_s"],
+            "fbw_s": (pred.get("f_s"), pred.get("b_s"), pred.get("w_s")),
+            "memory": {key: mem[key] for key, _ in MEMORY_PARTS}, "memory_total": mem["total"],
+            "inflight": pred.get("inflight_microbatches")})
+    return rows
+
+
+SEQUENCE_PARALLEL = "sequence-parallel"
+_ORDER = ("column-parallel", "row-parallel", "vocab-parallel", "embedding-dim-parallel", "hidden-dim-parallel",
+          SEQUENCE_PARALLEL)
+
+
+def _module_words(cls: str, placement: str, ndim: int) -> str:
+    """Words for a module's weight placement on the tp axis."""
     if placement == "R":
         return "replicated"
-    if ndim == 2 and placement == "S0":
-        return "column-parallel"
-    if ndim == 2 and placement == "S1":
-        return "row-parallel"
-    return f"sharded on dim {placement[1:]}" if placement.startswith("S") else placement
+    if not placement.startswith("S"):
+        return placement
+    dim = int(placement[1:])
+    if cls == "Linear" and ndim == 2:  # weight is (out_features, in_features)
+        return "column-parallel" if dim == 0 else "row-parallel"
+    if cls == "Embedding" and ndim == 2:  # weight is (num_embeddings, embedding_dim)
+        return "vocab-parallel" if dim == 0 else "embedding-dim-parallel"
+    if "Norm" in cls and ndim == 1:  # a norm's weight is (hidden,)
+        return "hidden-dim-parallel"
+    return f"split on dim {dim}"
+
+
+def _order(words: str) -> int:
+    return _ORDER.index(words) if words in _ORDER else len(_ORDER) + (words == "replicated")
+
+
+def layer_strategies(plan: Plan) -> list[dict[str, Any]]:
+    """One row per layer class (layers with one signature): class, count, paths, and
+    ``groups``: [(words, [module names relative to the layer])], column-parallel first,
+    replicated last. Words name the placement on the tp axis ("column-parallel")."""
+    position = {name: i for i, name in enumerate(n for st in plan.stages for n in st["layers"])}
+    classes: dict[str, list[str]] = {}  # forward order (a loaded plan file has its keys sorted)
+    for path, layer in sorted(plan.layers.items(), key=lambda kv: position.get(kv[0], len(position))):
+        classes.setdefault(layer["signature"], []).append(path)
+    rows = []
+    for paths in classes.values():
+        layer = plan.layers[paths[0]]
+        prefix = paths[0] + "."
+        shapes = layer.get("param_shapes", {})
+        owners = layer.get("param_classes", {})
+        seq = set(layer.get("sequence_parallel", []))
+        modules: dict[str, str] = {}  # module -> words; its weight decides, else its first parameter
+        for fqn, placement in layer.get("params", {}).items():
+            module, _, leaf = fqn.rpartition(".")
+            if module in modules and leaf != "weight":
+                continue
+            if module in seq:
+                words = SEQUENCE_PARALLEL
+            else:
+                words = _module_words(owners.get(fqn, ""), placement, len(shapes.get(fqn, ())))
+            modules[module] = words
+        for module in seq - set(modules):  # a norm without parameters
+            modules[module] = SEQUENCE_PARALLEL
+        groups: dict[str, list[str]] = {}
+        for module, words in modules.items():
+            name = module[len(prefix):] if module.startswith(prefix) else module
+            groups.setdefault(words, []).append(name or paths[0])
+        rows.append({"class": layer["class"], "count": sum(plan.layers[p]["count"] for p in paths),
+                     "paths": paths, "groups": sorted(groups.items(), key=lambda g: _order(g[0]))})
+    return rows
+
+
+def strategy_text(row: dict[str, Any]) -> str:
+    """``column-parallel a, b; row-parallel c; replicated d`` (a lone module: just its words)."""
+    groups = row["groups"]
+    if not groups:
+        return "no parameters"
+    if len(groups) == 1 and len(groups[0][1]) == 1:
+        return groups[0][0]
+    return "; ".join(f"{words} {', '.join(names)}" for words, names in groups)
+
+
+def communication_rows(plan: Plan) -> list[dict[str, Any]]:
+    """Per (collective, mesh axis): calls, bytes and time per step, longest time first."""
+    rows = [{"kind": kind, "axis": axis, "count": c["count"], "bytes": c["bytes"], "time_s": c["time_s"]}
+            for kind, axes in plan.communication.items() for axis, c in axes.items()]
+    return sorted(rows, key=lambda r: (-r["time_s"], r["kind"], r["axis"]))
+
+
+def config_words(config: dict[str, Any]) -> str:
+    return (f"tp={config['tp']} pp={config['pp']} dp={config['dp']} zero={config['zero']} "
+            f"recompute={config['recompute']} {config['schedule']} "
+            f"{config['microbatches']}x{config['microbatch_size']}")
 
 
 def render_summary(plan: Plan) -> str:
     p = plan.predicted
-    mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh.items())
-    sched = plan.schedule
     cap = plan.cluster.get("device", {}).get("hbm_bytes", 0)
     lines = [
         f"autopar plan for {plan.model.get('name')} ({plan.model.get('n_params', 0) / 1e9:.3g}B params, "
         f"global batch {plan.model.get('global_batch')}) on {plan.cluster.get('spec')}",
-        f"  mesh {mesh}; ZeRO-{plan.zero}; recompute {plan.recompute}; schedule {sched['kind']} with "
-        f"{sched['microbatches']} micro-batches of {sched['microbatch_size']}",
         f"  predicted step {fmt_s(p['step_time_s'])}, bubble {p['bubble_fraction']:.1%}, MFU {p['mfu']:.1%}, "
         f"peak memory {fmt_bytes(p['peak_memory_bytes'])} of {fmt_bytes(cap)}"
         + (f", {p['tokens_per_s']:.4g} tokens/s" if p.get("tokens_per_s") else ""),
+        *(f"  {w}" for w in mesh_words(plan)),
         "",
-        f"  {'stage':>5} {'layers':<34} {'devices':<12} {'compute':>9} {'comm':>9} {'memory':>9}  P=params G=grads O=optim A=act",
+        f"  {'stage':>5} {'layers':<40} {'devices':<9} {'compute':>9} {'comm':>9} {'memory':>9}  "
+        f"of {fmt_bytes(cap)}: P=params G=grads O=optimizer A=activations",
     ]
-    for i, st in enumerate(plan.stages):
-        layers = st["layers"]
-        names = layers[0] if len(layers) == 1 else f"({len(layers)}) {layers[0]} .. {layers[-1]}"
-        devs = st["devices"]
-        dev = f"{devs[0]}-{devs[-1]}" if len(devs) > 1 else str(devs[0])
-        mem = st["predicted"]["memory_bytes"]
-        parts = [mem["params"], mem["grads"], mem["optimizer"], mem["activations"]]
-        lines.append(f"  {i:>5} {names[:34]:<34} {dev:<12} {fmt_s(st['predicted']['compute_s']):>9} "
-                     f"{fmt_s(st['predicted']['comm_s']):>9} {fmt_bytes(mem['total']):>9}  "
-                     f"[{_bar(parts, cap or mem['total'])}]")
-    lines += ["", f"  layer strategies on tp={plan.mesh.get('tp', 1)}:"]
-    classes: dict[str, list[str]] = {}
-    for path, layer in plan.layers.items():
-        classes.setdefault(layer["signature"], []).append(path)
-    for paths in classes.values():
-        layer = plan.layers[paths[0]]
-        count = sum(plan.layers[p]["count"] for p in paths)
-        shapes = layer.get("param_shapes", {})
-        params = layer.get("params", {})
-        if params and set(params.values()) == {"R"}:
-            desc = "all parameters replicated"
-        else:
-            desc = ", ".join(f"{'.'.join(fqn.split('.')[-2:])}: {_describe(pl, len(shapes.get(fqn, ())))}"
-                             for fqn, pl in params.items())
+    for r in stage_rows(plan):
+        names = r["first"] if r["n_layers"] == 1 else f"({r['n_layers']}) {r['first']} .. {r['last']}"
+        parts = [r["memory"][key] for key, _ in MEMORY_PARTS]
+        lines.append(f"  {r['stage']:>5} {names[:40]:<40} {r['devices']:<9} {fmt_s(r['compute_s']):>9} "
+                     f"{fmt_s(r['comm_s']):>9} {fmt_bytes(r['memory_total']):>9}  "
+                     f"[{_bar(parts, cap or r['memory_total'])}] "
+                     + " ".join(f"{ch} {fmt_bytes(x)}" for (_, ch), x in zip(MEMORY_PARTS, parts)))
+    tp = plan.mesh.get("tp", 1)
+    lines += ["", f"  layer strategies on the tp axis (tp={tp}):" if tp > 1 else
+              "  layer strategies: tp=1, every layer whole on each device:"]
+    for row in layer_strategies(plan):
+        paths = row["paths"]
         where = paths[0] if len(paths) == 1 else f"{paths[0]}, ..."
-        lines.append(f"    {layer['class']} x{count} ({where}): {desc or 'no parameters'}")
-    if plan.communication:
-        lines += ["", "  communication per step:"]
-        for kind, axes in sorted(plan.communication.items()):
-            for axis, c in sorted(axes.items()):
-                lines.append(f"    {kind:<15} on {axis:<3} {c['count']:>8.4g} x, {fmt_bytes(c['bytes']):>9}, "
-                             f"{fmt_s(c['time_s'])}")
+        lines += textwrap.wrap(f"{row['class']} x{row['count']} ({where}): {strategy_text(row)}", width=116,
+                               initial_indent="    ", subsequent_indent="        ", break_on_hyphens=False)
+    comm = communication_rows(plan)
+    if comm:
+        lines += ["", "  communication per step, all stages together:",
+                  f"    {'collective':<15} {'axis':<4} {'calls':>8} {'bytes':>9} {'time':>9}"]
+        for r in comm:
+            lines.append(f"    {r['kind']:<15} {r['axis']:<4} {r['count']:>8.4g} {fmt_bytes(r['bytes']):>9} "
+                         f"{fmt_s(r['time_s']):>9}")
     s = plan.solver
     lines += ["", f"  solver: sharding MIP {s['status']} (gap {s['gap']:.2%}); "
                   f"{s['search']['configurations']} configurations tried, {s['search']['feasible']} fit, "
@@ -88,5 +203,5 @@ def render_summary(plan: Plan) -> str:
     if s.get("candidates"):
         lines.append("  runners-up:")
         for c in s["candidates"]:
-            lines.append(f"    {fmt_s(c['step_time_s']):>9}  {c['config']}")
+            lines.append(f"    {fmt_s(c['step_time_s']):>9}  {config_words(c['config'])}")
     return "\n".join(lines)

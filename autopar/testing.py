@@ -1,4 +1,10 @@
-"""Helpers for tests that run autopar in several processes (gloo on CPU).
+"""Helpers for testing with autopar: golden plans, and runs in several processes (gloo on CPU).
+
+``assert_plan_matches(plan, "golden/NAME.json")`` compares a plan with a golden
+plan file next to the calling test (see :mod:`autopar.plan_diff` for what counts
+as a change) and fails with the readable diff. Run pytest with
+``--autopar-update-golden`` (the :mod:`autopar.pytest_plugin` option) or with
+``AUTOPAR_UPDATE_GOLDEN=1`` to write golden files that are missing or differ.
 
 ``spawn_world(fn, world, *args)`` runs ``fn(rank, world, *args)`` in ``world`` fresh
 processes with a gloo process group over loopback and returns what each rank's
@@ -11,12 +17,66 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
-from typing import Any, Callable
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch.multiprocessing as mp
+if TYPE_CHECKING:
+    from autopar.plan import Plan
 
-__all__ = ["spawn_world", "free_port", "fast_cluster", "tp_friendly_cluster", "tp_only_cluster"]
+__all__ = ["assert_plan_matches", "update_golden_requested", "spawn_world", "free_port", "fast_cluster",
+           "tp_friendly_cluster", "tp_only_cluster"]
+
+UPDATE_ENV = "AUTOPAR_UPDATE_GOLDEN"
+
+
+def update_golden_requested() -> bool:
+    """True under ``pytest --autopar-update-golden`` or with ``AUTOPAR_UPDATE_GOLDEN`` set (not to "" or "0")."""
+    if os.environ.get(UPDATE_ENV, "").strip() not in ("", "0"):
+        return True
+    plugin = sys.modules.get("autopar.pytest_plugin")
+    return bool(plugin and plugin.update_golden)
+
+
+def assert_plan_matches(plan: Plan, golden: str | os.PathLike, *, rtol: float = 0.01, update: bool | None = None,
+                        limit: int = 20) -> None:
+    """Fail with the readable diff when ``plan`` differs from the golden plan file.
+
+    ``golden`` is absolute or relative to the directory of the calling file.
+    Floats (predictions) compare with relative tolerance ``rtol``; everything
+    else exactly. With ``update`` (default: :func:`update_golden_requested`) a
+    missing or differing golden file is (re)written, with a warning saying so;
+    one that matches within ``rtol`` is left as it is, so files do not churn
+    in their last digits. ``limit`` caps the printed changes per group.
+    """
+    from autopar.plan_diff import diff_plans, load_plan_file
+
+    path = Path(golden)
+    if not path.is_absolute():
+        path = Path(sys._getframe(1).f_code.co_filename).resolve().parent / path
+    if update is None:
+        update = update_golden_requested()
+    if not path.exists():
+        if not update:
+            raise AssertionError(
+                f"golden plan {path} does not exist; run pytest with --autopar-update-golden "
+                f"(or {UPDATE_ENV}=1) to write it from this plan, then review and commit it")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        plan.save(path)
+        warnings.warn(f"wrote new golden plan {path}", stacklevel=2)
+        return
+    diff = diff_plans(load_plan_file(path), plan, rtol=rtol)
+    if diff.equal:
+        return
+    if update:
+        plan.save(path)
+        warnings.warn(f"updated golden plan {path}: {len(diff.changes)} changes", stacklevel=2)
+        return
+    raise AssertionError(
+        f"plan differs from golden plan {path}\n{diff.render(old_label='golden', new_label='plan', limit=limit)}\n"
+        f"(if the change is intended, rerun with --autopar-update-golden or {UPDATE_ENV}=1 and commit the file)")
 
 
 def free_port() -> int:
@@ -42,6 +102,8 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -
 
 def spawn_world(fn: Callable, world: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; their results in rank order."""
+    import torch.multiprocessing as mp  # here, not at the top: golden-plan tests need no torch import
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

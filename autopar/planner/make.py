@@ -162,6 +162,28 @@ def _tokens(gm: fx.GraphModule) -> int:
     return 0
 
 
+def _token_sharded_norms(gm: fx.GraphModule, sg: StrategyGraph, chosen: dict) -> dict[str, list[str]]:
+    """Layer path -> its normalisation modules whose forward runs on tokens split over tp
+    (output sharded on a dim other than the last, the hidden one): Megatron's sequence
+    parallelism (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198). Batch dims are
+    left to dp (``shard_batch=False``), so a non-last shard on tp is a sequence shard."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out: dict[str, set[str]] = defaultdict(set)
+    for n in sg.nodes:
+        node = nodes.get(n.name)
+        if n.kind != "op" or n.phase != "F" or node is None or mk.TRACE not in node.meta:
+            continue
+        trace = node.meta[mk.TRACE]
+        val = node.meta.get("val")
+        placement = chosen[n.name].outs[0] if chosen[n.name].outs else None
+        if "Norm" not in trace.module_class or not hasattr(val, "dim") or not placement \
+                or not placement.startswith("S"):
+            continue
+        if int(placement[1:]) < val.dim() - 1:
+            out[n.layer].add(trace.module_path)
+    return {layer: sorted(paths) for layer, paths in out.items()}
+
+
 def _config_dict(c: Candidate) -> dict[str, Any]:
     cfg = c.config
     out = {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "zero": cfg.zero, "recompute": cfg.recompute,
@@ -186,6 +208,7 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
                 "compute_s": (st.f_s + st.b_s + st.w_s - st.comm_s) * cfg.microbatches,
                 "comm_s": st.comm_s * cfg.microbatches + st.grad_sync_s,
                 "f_s": st.f_s, "b_s": st.b_s, "w_s": st.w_s,
+                "grad_sync_s": st.grad_sync_s, "optimizer_s": st.optimizer_s,
                 "inflight_microbatches": st.inflight,
                 "send_bytes": st.send_bytes,
                 "memory_bytes": {"params": st.params_bytes, "grads": st.grads_bytes,
@@ -195,15 +218,19 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
     for s, sends in enumerate(_cut_tensors(gm, [st["layers"] for st in stages], cfg.microbatch_size)):
         stages[s]["sends"] = sends
     chosen = {sg.nodes[v].name: sg.nodes[v].candidates[sol.choice[v]] for v in range(len(sg.nodes))}
+    token_sharded = _token_sharded_norms(gm, sg, chosen)
     layer_dict = {}
     for layer in layers:
-        params, shapes = {}, {}
+        params, shapes, classes = {}, {}, {}
         for n in sg.nodes:
             if n.kind == "param" and n.layer == layer.path:
                 params[n.fqn] = chosen[n.name].outs[0]
                 shapes[n.fqn] = list(n.shape)
+                classes[n.fqn] = info.module_classes.get(n.fqn.rpartition(".")[0], "")
         layer_dict[layer.path] = {"class": layer.class_name, "count": layer.count, "signature": layer.signature,
-                                  "params": params, "param_shapes": shapes, "n_params": layer.n_params}
+                                  "params": params, "param_shapes": shapes, "param_classes": classes,
+                                  "sequence_parallel": token_sharded.get(layer.path, []),
+                                  "n_params": layer.n_params}
     ops = {}
     position: dict[str, int] = defaultdict(int)
     for n in sg.nodes:
@@ -239,7 +266,7 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
     step = best.step_time_s
     tokens = _tokens(gm)
     predicted = {
-        "step_time_s": step, "bubble_fraction": best.bubble_fraction,
+        "step_time_s": step, "bubble_fraction": best.bubble_fraction, "p2p_s": best.p2p_s,
         "model_flops_per_step": model_flops, "hardware_flops_per_step": model_flops + recompute_flops,
         "mfu": model_flops / (step * cluster.world_size * peak) if step > 0 else 0.0,
         "peak_memory_bytes": best.peak_memory_bytes,

@@ -44,7 +44,7 @@ from autopar.planner.ilp import CostBreakdown
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Fixed", "Config", "Unit", "StagePlan", "Candidate", "search", "MEMORY_RESERVE"]
+__all__ = ["Fixed", "Config", "Unit", "StagePlan", "Candidate", "search", "simulate_stages", "MEMORY_RESERVE"]
 
 MEMORY_RESERVE = 0.10
 """Fraction of HBM kept free for the CUDA context, NCCL buffers and allocator
@@ -61,6 +61,8 @@ master, bf16 grad, m, v (4+2+4+4) and write master, m, v, bf16 param (4+4+4+2)."
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 VIRTUAL_STAGES = 2
 """Model chunks per rank under the interleaved schedule (Megatron-LM's usual choice)."""
+FUSED_BACKWARD = ("gpipe", "1f1b", "interleaved")
+"""Schedules that run B and W as one fused backward (BW) action."""
 RECOMPUTE = ("none", "selective", "full")
 FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute")
 
@@ -177,6 +179,8 @@ class Candidate:
     bubble_fraction: float
     stages: tuple[StagePlan, ...]
     sim: SimResult | None = field(default=None, compare=False)
+    p2p_s: float = 0.0
+    """Time of one activation (or gradient) transfer between stages, as simulated."""
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -431,17 +435,28 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
                      stages=tuple(stages))
 
 
+def simulate_stages(kind: str, *, microbatches: int, f_s: list[float], b_s: list[float], w_s: list[float],
+                    p2p_s: float, pp: int | None = None) -> SimResult:
+    """The pipeline part of a step: ``kind``'s action lists for ``len(f_s)`` stages on ``pp``
+    ranks (default: one stage per rank), timed.
+
+    The plan stores each stage's F, B, W and the p2p time, so a report can redraw
+    exactly the timeline the search ranked by (``autopar.report``)."""
+    pp = pp or len(f_s)
+    sched = make_schedule(kind, n_stages=pp, n_micro=microbatches, n_virtual=len(f_s) // pp)
+    fused = kind in FUSED_BACKWARD
+    return simulate(sched, f_s=list(f_s), b_s=[b + (w if fused else 0.0) for b, w in zip(b_s, w_s)],
+                    w_s=[0.0 if fused else w for w in w_s], p2p_s=p2p_s)
+
+
 def _simulate(c: Candidate, cluster: Cluster) -> Candidate:
     cfg = c.config
-    sched = make_schedule(cfg.schedule, n_stages=cfg.pp, n_micro=cfg.microbatches, n_virtual=cfg.virtual_stages)
     link = cluster.link_for_group(2, stride=cfg.dp * cfg.tp)
     p2p = max(comm.p2p_s(st.send_bytes, link) for st in c.stages) if cfg.pp > 1 else 0.0
-    fused = cfg.schedule in ("gpipe", "1f1b", "interleaved")
-    sim = simulate(sched, f_s=[s.f_s for s in c.stages],
-                   b_s=[s.b_s + (s.w_s if fused else 0.0) for s in c.stages],
-                   w_s=[0.0 if fused else s.w_s for s in c.stages], p2p_s=p2p)
+    sim = simulate_stages(cfg.schedule, microbatches=cfg.microbatches, f_s=[s.f_s for s in c.stages],
+                          b_s=[s.b_s for s in c.stages], w_s=[s.w_s for s in c.stages], p2p_s=p2p, pp=cfg.pp)
     tail = max(s.grad_sync_s + s.optimizer_s for s in c.stages)
-    return replace(c, step_time_s=sim.step_time_s + tail, bubble_fraction=sim.bubble_fraction, sim=sim)
+    return replace(c, step_time_s=sim.step_time_s + tail, bubble_fraction=sim.bubble_fraction, sim=sim, p2p_s=p2p)
 
 
 def _infeasible(least, cluster: Cluster, fixed: Fixed, skipped_batch: int, batch: int, world: int) -> Exception:

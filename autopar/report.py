@@ -1,0 +1,243 @@
+"""Pictures of a plan: the pipeline timeline (a Gantt chart) and a one-file HTML report.
+
+    autopar plan examples/llama.py:build --arg size=70b --cluster 8x8xH100 \\
+        --timeline timeline.png --html report.html
+
+The timeline is the planner's own simulation, redone from the plan file: each
+stage's F, B, W times and the p2p time (``plan.stages[s]["predicted"]`` and
+``plan.predicted["p2p_s"]``) through :func:`autopar.planner.search.simulate_stages`,
+so its bubbles are the ones the search ranked by. After the pipeline drains each
+stage synchronises gradients over dp and steps the optimizer (not overlapped,
+as the search assumes); the chart ends at the predicted step time.
+
+The HTML page has no external resources (inline CSS, the timeline as inline SVG)
+and no JavaScript. matplotlib is needed for the pictures: ``pip install 'autopar[report]'``.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+from typing import TYPE_CHECKING, Any
+
+from autopar.fmt import fmt_bytes, fmt_s, fmt_si
+from autopar.plan_summary import (MEMORY_PARTS, communication_rows, config_words, layer_strategies, mesh_words,
+                                  stage_rows, strategy_text)
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from autopar.cost.simulate import SimResult
+    from autopar.plan import Plan
+
+__all__ = ["resimulate", "timeline_figure", "save_timeline", "render_html", "save_html"]
+
+COLOURS = {"F": "#4e79a7", "B": "#f28e2b", "W": "#59a14f", "BW": "#e15759", "sync": "#9c9c9c", "opt": "#6b6b6b"}
+LABELS = {"F": "forward (F)", "B": "backward, input grad (B)", "W": "backward, weight grad (W)",
+          "BW": "full backward (B+W)", "sync": "dp gradient sync", "opt": "optimizer step"}
+MEMORY_COLOURS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#b07aa1", "activations": "#59a14f"}
+
+
+def resimulate(plan: Plan) -> SimResult:
+    """The pipeline part of the plan's step, re-simulated from the stage times it stores."""
+    from autopar.planner.search import simulate_stages
+
+    preds = [st["predicted"] for st in plan.stages]
+    missing = [s for s, p in enumerate(preds) if not {"f_s", "b_s", "w_s"} <= set(p)]
+    if missing:
+        raise ValueError(f"stages {missing} of this plan have no f_s/b_s/w_s times (a plan file from an older "
+                         f"autopar?); re-plan to draw its timeline")
+    return simulate_stages(plan.schedule["kind"], microbatches=plan.schedule["microbatches"],
+                           f_s=[p["f_s"] for p in preds], b_s=[p["b_s"] for p in preds],
+                           w_s=[p["w_s"] for p in preds], p2p_s=plan.predicted.get("p2p_s", 0.0),
+                           pp=plan.mesh["pp"])
+
+
+def _figure_class():
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(f"drawing the pipeline timeline needs matplotlib ({e}); "
+                          f"install it with: pip install 'autopar[report]'") from None
+    return Figure
+
+
+def _time_unit(step_s: float) -> tuple[float, str]:
+    return (1.0, "s") if step_s >= 1 else (1e3, "ms") if step_s >= 1e-3 else (1e6, "us")
+
+
+def timeline_figure(plan: Plan, *, width_in: float = 11.0) -> Figure:
+    """A Gantt chart of one step: a row per pipeline stage, a box per action coloured
+    by kind with its micro-batch number when it fits, idle time left as gaps."""
+    Figure = _figure_class()
+    from matplotlib.patches import Patch
+
+    sim = resimulate(plan)
+    preds = [st["predicted"] for st in plan.stages]
+    pipe_s = sim.step_time_s
+    end_s = max([plan.predicted["step_time_s"], pipe_s] +
+                [pipe_s + p.get("grad_sync_s", 0.0) + p.get("optimizer_s", 0.0) for p in preds])
+    scale, unit = _time_unit(end_s)
+    pp = plan.mesh["pp"]
+    n_rows = pp  # one row per pipeline rank (several stages each under the interleaved schedule)
+    interleaved = len(plan.stages) > pp
+    fig = Figure(figsize=(width_in, 1.6 + 0.42 * n_rows), layout="constrained")
+    ax = fig.add_subplot()
+    axes_width_pt = width_in * 72 * 0.86  # the plot area, less the row labels
+    fontsize = 7 if n_rows > 4 else 8
+    for rank, action, start, end in sim.timeline:
+        width = end - start  # a zero-time action (a stage without weights has no W) draws nothing
+        ax.broken_barh([(start * scale, width * scale)], (rank - 0.4, 0.8), facecolors=COLOURS[action.kind],
+                       edgecolors="white", linewidth=0.4, gid=f"action-{action}")  # SVG id: action-0F3
+        label = f"{action.stage}.{action.microbatch}" if interleaved else str(action.microbatch)
+        if axes_width_pt * width / end_s > 0.62 * fontsize * len(label) + 2:
+            ax.text((start + width / 2) * scale, rank, label, ha="center", va="center", fontsize=fontsize,
+                    color="white")
+    kinds = {a.kind for _, a, _, _ in sim.timeline}
+    for rank in range(pp):  # after the drain: gradient sync over dp, then the optimizer step
+        p = {k: sum(q.get(k, 0.0) for q in preds[rank::pp]) for k in ("grad_sync_s", "optimizer_s")}
+        t = pipe_s
+        for kind, dur in (("sync", p.get("grad_sync_s", 0.0)), ("opt", p.get("optimizer_s", 0.0))):
+            if dur > 0:
+                ax.broken_barh([(t * scale, dur * scale)], (rank - 0.4, 0.8), facecolors=COLOURS[kind],
+                               edgecolors="white", linewidth=0.4)
+                kinds.add(kind)
+                t += dur
+    labels = []
+    for r in range(pp):
+        devs = plan.stages[r]["devices"]
+        where = f"ranks {devs[0]}-{devs[-1]}" if len(devs) > 1 else f"rank {devs[0]}"
+        stages = list(range(r, len(plan.stages), pp))
+        labels.append(f"stages {', '.join(map(str, stages))}\n{where}" if interleaved else f"stage {r}\n{where}")
+    ax.set_yticks(range(n_rows), labels, fontsize=8)
+    ax.set_ylim(n_rows - 0.5, -0.5)  # stage 0 on top
+    ax.set_xlim(0, end_s * scale)
+    ax.set_xlabel(f"time ({unit})")
+    ax.grid(axis="x", color="#e6e6e6", linewidth=0.6)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    sched, m = plan.schedule, plan.mesh
+    fig.suptitle(f"{plan.model.get('name')} on {plan.cluster.get('spec')}: {sched['kind']}, pp={m['pp']} dp={m['dp']} "
+                 f"tp={m['tp']}, {sched['microbatches']} micro-batches of {sched['microbatch_size']}\n"
+                 f"predicted step {fmt_s(plan.predicted['step_time_s'])}, "
+                 f"bubble {plan.predicted['bubble_fraction']:.1%} (white gaps = idle)", fontsize=10)
+    handles = [Patch(facecolor=COLOURS[k], label=LABELS[k]) for k in COLOURS if k in kinds]
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8, frameon=False)
+    return fig
+
+
+def save_timeline(plan: Plan, path, *, dpi: int = 110) -> None:
+    """Write the timeline; the format follows the suffix (.png, .svg, .pdf)."""
+    timeline_figure(plan).savefig(path, dpi=dpi)
+
+
+def _timeline_svg(plan: Plan) -> str:
+    import matplotlib
+
+    buf = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # text stays text: smaller, searchable
+        timeline_figure(plan).savefig(buf, format="svg")
+    svg = buf.getvalue()
+    return svg[svg.index("<svg"):]  # drop the XML declaration and DOCTYPE: it sits inside HTML
+
+
+_CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #222; margin: 24px auto;
+       max-width: 1180px; padding: 0 16px; }
+h1 { font-size: 20px; margin: 0 0 4px; } h2 { font-size: 16px; margin: 26px 0 8px; }
+p.sub { color: #555; margin: 0 0 12px; }
+.kpi { display: flex; flex-wrap: wrap; gap: 10px; margin: 12px 0; }
+.kpi div { border: 1px solid #ddd; border-radius: 6px; padding: 6px 12px; background: #fafafa; }
+.kpi b { display: block; font-size: 17px; }
+table { border-collapse: collapse; } th, td { padding: 4px 10px; border-bottom: 1px solid #e5e5e5;
+  text-align: left; vertical-align: top; } th { background: #f3f3f3; font-weight: 600; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+.bar { display: flex; width: 260px; height: 14px; border: 1px solid #bbb; background: #fff; }
+.bar span { display: block; height: 100%; }
+.legend span { display: inline-block; width: 10px; height: 10px; margin: 0 4px 0 10px; }
+ul { margin: 4px 0; padding-left: 20px; } code { font-size: 13px; }
+.timeline svg { max-width: 100%; height: auto; }
+"""
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _memory_bar(memory: dict[str, float], cap: float) -> str:
+    spans = "".join(f'<span style="width:{100 * memory[k] / cap:.2f}%;background:{MEMORY_COLOURS[k]}" '
+                    f'title="{k} {fmt_bytes(memory[k])}"></span>' for k, _ in MEMORY_PARTS if cap > 0)
+    return f'<div class="bar">{spans}</div>'
+
+
+def render_html(plan: Plan) -> str:
+    """The whole report as one HTML document (inline CSS and SVG, no scripts)."""
+    p = plan.predicted
+    cap = plan.cluster.get("device", {}).get("hbm_bytes", 0)
+    kpis = [("step time", fmt_s(p["step_time_s"])), ("bubble", f"{p['bubble_fraction']:.1%}"),
+            ("MFU", f"{p['mfu']:.1%}"), ("peak memory", f"{fmt_bytes(p['peak_memory_bytes'])} of {fmt_bytes(cap)}")]
+    if p.get("tokens_per_s"):
+        kpis.append(("tokens/s", fmt_si(p["tokens_per_s"])))
+    out = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>autopar plan: {_e(plan.model.get('name'))} on {_e(plan.cluster.get('spec'))}</title>",
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>autopar plan: {_e(plan.model.get('name'))} on {_e(plan.cluster.get('spec'))}</h1>",
+        f'<p class="sub">{plan.model.get("n_params", 0) / 1e9:.3g}B parameters, global batch '
+        f'{_e(plan.model.get("global_batch"))}, {_e(plan.model.get("precision", ""))} precision; '
+        f'autopar {_e(plan.autopar_version)}</p>',
+        '<div class="kpi">' + "".join(f"<div>{_e(k)}<b>{_e(v)}</b></div>" for k, v in kpis) + "</div>",
+        "<h2>Mesh</h2><ul>" + "".join(f"<li>{_e(w)}</li>" for w in mesh_words(plan)) + "</ul>",
+        "<h2>Pipeline timeline</h2>", f'<div class="timeline">{_timeline_svg(plan)}</div>',
+        "<h2>Stages</h2>",
+        '<p class="legend">memory of ' + _e(fmt_bytes(cap)) + " per device:" + "".join(
+            f'<span style="background:{MEMORY_COLOURS[k]}"></span>{k}' for k, _ in MEMORY_PARTS) + "</p>",
+        "<table><tr><th>stage</th><th>layers</th><th>devices</th><th>F / B / W per micro-batch</th>"
+        "<th>compute</th><th>comm</th><th>memory</th><th></th></tr>",
+    ]
+    for r in stage_rows(plan):
+        layers = r["first"] if r["n_layers"] == 1 else f"{r['first']} .. {r['last']} ({r['n_layers']})"
+        fbw = " / ".join(fmt_s(x) for x in r["fbw_s"] if x is not None)
+        out.append(f'<tr><td class="num">{r["stage"]}</td><td><code>{_e(layers)}</code></td>'
+                   f'<td>{_e(r["devices"])}</td><td class="num">{_e(fbw)}</td>'
+                   f'<td class="num">{_e(fmt_s(r["compute_s"]))}</td><td class="num">{_e(fmt_s(r["comm_s"]))}</td>'
+                   f'<td class="num">{_e(fmt_bytes(r["memory_total"]))}</td>'
+                   f'<td>{_memory_bar(r["memory"], cap or r["memory_total"])}</td></tr>')
+    out.append("</table>")
+    tp = plan.mesh.get("tp", 1)
+    out += [f"<h2>Layer strategies on the tp axis (tp={tp})</h2>",
+            "<table><tr><th>layer class</th><th>count</th><th>where</th><th>strategy</th></tr>"]
+    for row in layer_strategies(plan):
+        paths = row["paths"]
+        where = paths[0] if len(paths) == 1 else f"{paths[0]}, ..."
+        groups = "<br>".join(f"<b>{_e(words)}</b> {_e(', '.join(names))}" for words, names in row["groups"]) \
+            if len(row["groups"]) > 1 or (row["groups"] and len(row["groups"][0][1]) > 1) else _e(strategy_text(row))
+        out.append(f'<tr><td>{_e(row["class"])}</td><td class="num">{row["count"]}</td>'
+                   f'<td><code>{_e(where)}</code></td><td>{groups}</td></tr>')
+    out.append("</table>")
+    comm = communication_rows(plan)
+    if comm:
+        out += ["<h2>Communication per step (all stages together)</h2>",
+                "<table><tr><th>collective</th><th>mesh axis</th><th>calls</th><th>bytes</th><th>time</th></tr>"]
+        out += [f'<tr><td>{_e(r["kind"])}</td><td>{_e(r["axis"])}</td><td class="num">{r["count"]:.4g}</td>'
+                f'<td class="num">{_e(fmt_bytes(r["bytes"]))}</td><td class="num">{_e(fmt_s(r["time_s"]))}</td></tr>'
+                for r in comm]
+        out.append("</table>")
+    s = plan.solver
+    out += ["<h2>Runners-up</h2>",
+            f'<p class="sub">sharding MIP {_e(s["status"])} (gap {s["gap"]:.2%}); '
+            f'{s["search"]["configurations"]} configurations tried, {s["search"]["feasible"]} fit, '
+            f'{s["search"]["simulated"]} simulated</p>']
+    if s.get("candidates"):
+        out.append("<table><tr><th>step time</th><th>configuration</th></tr>")
+        out += [f'<tr><td class="num">{_e(fmt_s(c["step_time_s"]))}</td><td>{_e(config_words(c["config"]))}</td></tr>'
+                for c in s["candidates"]]
+        out.append("</table>")
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+def save_html(plan: Plan, path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(render_html(plan))

@@ -1,0 +1,96 @@
+"""Golden plans: what the planner chooses for the bundled examples and the Hugging Face
+models on 1, 2 and 16 nodes of 8 H100s, checked against tests/golden/*.json.
+
+A planner change that moves any decision (mesh, schedule, ZeRO, recompute, stage
+cuts, a placement) or a prediction by more than 1% fails here with the diff.
+If the change is intended, rewrite the files and review them with git diff:
+
+    python -m pytest tests/test_golden_plans.py --autopar-update-golden
+
+Each model is traced once (both batch sizes) and planned for the three clusters;
+all are H100, so the annotated graphs are the same for each.
+"""
+import functools
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopar.cluster import parse_cluster
+from autopar.fmt import fmt_bytes
+from autopar.testing import assert_plan_matches
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))  # as a module on the path: tracing imports the model's module
+CLUSTERS = ("1x8xH100", "2x8xH100", "16x8xH100")
+RTOL = 0.01
+
+
+# name -> how to build it: module, keyword arguments of its build(); everything on "meta"
+MODELS = {
+    "mlp-medium": ("mlp", dict(size="medium", batch=512, device="meta")),
+    "gpt-1.3b": ("gpt", dict(size="1.3b", batch=64, seq=1024, device="meta")),
+    "llama-8b": ("llama", dict(size="8b", batch=64, seq=2048, device="meta")),
+    **{f"hf-{m}-tiny": ("hf", dict(model=m, size="tiny", batch=32, seq=128, device="meta"))
+       for m in ("gpt2", "llama", "mistral", "qwen2", "mixtral", "bert", "t5", "vit")},
+}
+
+# name -> reason, for models the planner cannot handle yet (the test then expects the failure)
+KNOWN_FAILURES: dict[str, str] = {}
+
+
+@functools.lru_cache(maxsize=1)  # the parametrization keeps one model's clusters together
+def traced(name):
+    from autopar.planner.frontend import trace_pair
+
+    module, kwargs = MODELS[name]
+    if module == "hf":
+        pytest.importorskip("transformers")
+    model, inputs, loss_fn, target = importlib.import_module(module).build(**kwargs)
+    return trace_pair(model, inputs, cluster=parse_cluster(CLUSTERS[0]), loss_fn=loss_fn, example_target=target)
+
+
+def plan_for(name, spec, **overrides):
+    from autopar.planner.make import plan_graphs
+    from autopar.planner.search import Fixed
+
+    gm, gm2 = traced(name)
+    cluster = parse_cluster(spec)
+    if overrides:
+        cluster = cluster.with_overrides(**overrides)
+    return plan_graphs(gm, gm2, cluster=cluster, fixed=Fixed.from_dict(None))
+
+
+def _cases():
+    for name in MODELS:
+        for spec in CLUSTERS:
+            marks = [pytest.mark.xfail(reason=KNOWN_FAILURES[name], strict=True)] if name in KNOWN_FAILURES else []
+            yield pytest.param(name, spec, id=f"{name}-{spec}", marks=marks)
+
+
+@pytest.mark.parametrize("name, spec", _cases())
+def test_plan_matches_golden(name, spec):
+    plan = plan_for(name, spec)
+    assert plan.mesh["pp"] * plan.mesh["dp"] * plan.mesh["tp"] == parse_cluster(spec).world_size
+    assert_plan_matches(plan, f"golden/{name}-{spec}.json", rtol=RTOL)
+
+
+def test_a_smaller_device_fails_with_a_readable_diff():
+    """The same model on H100s with half the memory its golden plan needs: the golden no longer
+    matches, and the message says what moved (the device's memory, the plan that had to change)."""
+    name, spec = "gpt-1.3b", "1x8xH100"
+    golden = Path(__file__).parent / "golden" / f"{name}-{spec}.json"
+    roomy = plan_for(name, spec)
+    need = roomy.predicted["peak_memory_bytes"]
+    tight = plan_for(name, spec, hbm_bytes=int(need / 2))
+    with pytest.raises(AssertionError) as info:
+        assert_plan_matches(tight, golden, rtol=RTOL, update=False)
+    message = str(info.value)
+    assert f"plan differs from golden plan {golden}" in message
+    assert "model and cluster:" in message
+    assert f"cluster.device.hbm_bytes: {fmt_bytes(roomy.cluster['device']['hbm_bytes'])} -> {fmt_bytes(int(need / 2))}" in message
+    assert "configuration:" in message or "stages:" in message  # something had to give
+    assert "predicted:" in message
+    assert "peak_memory_bytes: " in message
+    assert "--autopar-update-golden" in message
