@@ -53,8 +53,10 @@ def mesh_words(plan: Plan) -> list[str]:
         f"(tp groups are consecutive ranks, then dp, then pp)",
         f"data parallel: dp={m['dp']}, {zero if m['dp'] > 1 else 'no data parallelism'}; "
         f"activation recompute: {plan.recompute}",
-        f"pipeline: {sched['kind']} over pp={m['pp']} stage(s), {sched['microbatches']} micro-batch(es) "
-        f"of {sched['microbatch_size']} per dp rank",
+        f"pipeline: {sched['kind']} over {len(plan.stages)} stage(s) on pp={m['pp']} rank(s)"
+        + (f" ({len(plan.stages) // m['pp']} per rank, stage s on rank s mod {m['pp']})"
+           if len(plan.stages) > m["pp"] else "")
+        + f", {sched['microbatches']} micro-batch(es) of {sched['microbatch_size']} per dp rank",
     ]
 
 

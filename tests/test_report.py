@@ -59,7 +59,7 @@ def test_summary_names_mesh_stages_strategies_communication_and_runners_up(pipel
     plan = pipelined
     text = render_summary(plan)
     assert "mesh pp=2 x dp=1 x tp=4 = 8 devices" in text
-    assert "pipeline: zb-h1 over pp=2 stage(s)" in text
+    assert "pipeline: zb-h1 over 2 stage(s) on pp=2 rank(s)" in text
     cap = plan.cluster["device"]["hbm_bytes"]
     for s, st in enumerate(plan.stages):
         row = next(line for line in text.splitlines() if re.match(rf"\s+{s} \S", line))
