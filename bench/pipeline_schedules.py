@@ -7,8 +7,9 @@ Every schedule gets its own ParallelModule from a plan pinned to the same pp, dp
 tp and micro-batching (so the same stage cuts); only the action lists differ.
 Steps run round robin (one step of each schedule in turn, between barriers), so
 machine noise hits all alike; the first ``--warmup`` rounds are dropped. Reported:
-median step time per schedule, the ratio to the first, and the bubble the planner's
-simulator predicts for that schedule on this plan.
+median step time per schedule, the ratio to the first, the bubble the planner's
+simulator predicts for that schedule on this plan, and the most activation bytes each
+stage held at once (measured on the runtime's stores).
 
 CPU caveat: with more ranks than cores, a rank that waits gives its core to another
 rank, so bubbles cost less than on GPUs, where an idle device is idle.
@@ -53,8 +54,12 @@ def _bench(rank, world, schedules, size, n_layer, batch, micro, steps, warmup):
             dist.barrier()
             if step >= warmup:
                 times[kind].append(time.perf_counter() - t0)
+    peaks = {k: [None] * world for k in schedules}
+    for k, pm in modules.items():
+        dist.all_gather_object(peaks[k], pm.runner.peak_stored_bytes)
     return {k: {"times": v, "stages": [s["layers"] for s in modules[k].plan.stages],
-                "bubble": modules[k].plan.predicted["bubble_fraction"]} for k, v in times.items()}
+                "bubble": modules[k].plan.predicted["bubble_fraction"], "peak_bytes": peaks[k]}
+            for k, v in times.items()}
 
 
 def main() -> None:
@@ -80,6 +85,8 @@ def main() -> None:
         print(f"  {kind:<12} {med * 1e3:8.1f} ms/step  x{med / base:.3f}  "
               f"(predicted bubble {result[kind]['bubble']:.1%}; min {min(result[kind]['times']) * 1e3:.1f}, "
               f"max {max(result[kind]['times']) * 1e3:.1f} ms)")
+        print(f"  {'':<12} activations held at peak per stage: "
+              + ", ".join(f"{b / 2**20:.1f}" for b in result[kind]["peak_bytes"]) + " MiB")
     print(f"  wall {time.perf_counter() - t0:.0f} s")
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 from autopar.cost.schedule import make_schedule, parse_action, with_comm
 from autopar.passes.pipeline import INPUT_PREFIX, PARAM_PREFIX, Message, Piece, PipelineProgram
@@ -56,6 +57,9 @@ class PipelineRunner:
         self.actions: list[str] = with_comm(sched, self.n_stages)[pp_rank]
         self.log: list[str] = []
         """The actions of the last ``run``, in the order they ran (tests compare it with ``actions``)."""
+        self.peak_stored_bytes = 0
+        """Most bytes the rank's stores held at once during the last ``run`` (activations kept for
+        B and W, and received values): measured on the live tensors, each storage counted once."""
 
     def run(self, micro_inputs: list[dict[str, torch.Tensor]], params: dict[str, torch.Tensor]):
         self._inputs, self._params = micro_inputs, params
@@ -66,6 +70,7 @@ class PipelineRunner:
         self._sent_b: set[tuple[int, int]] = set()
         self._done_w: set[tuple[int, int]] = set()
         self.log = []
+        self.peak_stored_bytes = 0
         try:
             for text in self.actions:
                 comm = _COMM.fullmatch(text)
@@ -79,6 +84,7 @@ class PipelineRunner:
                     else:  # fused backward
                         self._compute(a.stage, "B", a.microbatch)
                         self._compute(a.stage, "W", a.microbatch)
+                    self.peak_stored_bytes = max(self.peak_stored_bytes, self._stored_bytes())
                 self.log.append(text)
             for work, _ in self._pending:
                 work.wait()
@@ -124,6 +130,16 @@ class PipelineRunner:
             self._done_w.add((stage, mb))
             unsent = st.send_backward is not None and (stage, mb) not in self._sent_b
             self._prune(stage, mb, frozenset(st.send_backward.names) if unsent else frozenset())
+
+    def _stored_bytes(self) -> int:
+        seen: dict[int, int] = {}
+        for store in self._store.values():
+            for t in tree_leaves(list(store.values())):  # (an op with several outputs stores a tuple)
+                if not isinstance(t, torch.Tensor):
+                    continue
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
 
     def _prune(self, stage: int, mb: int, keep: frozenset[str]) -> None:
         store = self._store.get((stage, mb), {})
