@@ -14,6 +14,7 @@ The steps, in order (each one only reads what the previous produced):
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import defaultdict
 from typing import Any, Callable
@@ -79,6 +80,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
             solved[tp] = (sg, solve(build_problem(sg, batch=ref, device=cluster.device, link=link)))
     t1 = time.perf_counter()
     names = _expanded_names(layers, info)
+    shared = _shared_params(gm)
     cache: dict[tuple[int, int], list[Unit]] = {}
 
     def units_for(tp: int, mbs: int) -> list[Unit]:
@@ -87,6 +89,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
             ev = evaluate(build_problem(sg, batch=mbs, device=cluster.device,
                                         link=cluster.link_for_group(tp, stride=1)), sol)
             units = []
+            local = _local_param_counts(sg, sol, tp)
             for layer in layers:
                 lc = ev.layers.get(layer.path)
                 scale = mbs / batch
@@ -101,7 +104,9 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                         act_bytes=lc.activation_bytes if lc else 0.0,
                         cheap_act_bytes=lc.cheap_activation_bytes if lc else 0.0,
                         boundary_bytes=layer.boundary_bytes * scale,
-                        n_params=lc.n_params_local if lc else 0.0))
+                        n_params=lc.n_params_local if lc else 0.0,
+                        shared_params=tuple((fqn, owner, local.get(fqn, 0.0))
+                                            for fqn, owner in shared.get(layer.path, ()))))
             cache[tp, mbs] = units
         return cache[tp, mbs]
 
@@ -113,6 +118,31 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     sg, sol = solved[best.config.tp]
     return _to_plan(gm, best, ranked[1:RUNNERS_UP + 1], sg, sol, cluster, fixed, stats, precision,
                     timings={"solve_s": t1 - t0, "search_s": t2 - t1})
+
+
+def _shared_params(gm: fx.GraphModule) -> dict[str, list[tuple[str, str]]]:
+    """Layer -> (parameter, owning layer) for parameters it reads that another layer owns
+    (the layer of a parameter is its first reader: GPT's output head reads the embedding)."""
+    out: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for node in gm.graph.find_nodes(op="placeholder"):
+        trace = node.meta[mk.TRACE]
+        if trace.role is not mk.Role.PARAM:
+            continue
+        owner = node.meta[mk.LAYER]
+        readers = {u.meta[mk.LAYER] for u in node.users if u.meta[mk.TRACE].role is mk.Role.FORWARD}
+        for layer in sorted(readers - {owner}):
+            out[layer].append((trace.fqn, owner))
+    return out
+
+
+def _local_param_counts(sg: StrategyGraph, sol: Solution, tp: int) -> dict[str, float]:
+    """Parameter -> elements held per device on tp (a shard is 1/tp of it)."""
+    out = {}
+    for v, n in enumerate(sg.nodes):
+        if n.kind == "param":
+            numel = math.prod(n.shape)
+            out[n.fqn] = numel / tp if n.candidates[sol.choice[v]].outs[0].startswith("S") else numel
+    return out
 
 
 def _param_dtype(gm: fx.GraphModule) -> str:

@@ -147,6 +147,9 @@ class Unit:
     boundary_bytes: float
     n_params: float
     """Parameters held per device under tensor parallelism (before ZeRO)."""
+    shared_params: tuple[tuple[str, str, float], ...] = ()
+    """Parameters this unit reads that another unit owns (a tied embedding read by the output
+    head): (name, owning unit, parameters per device). A stage without the owner holds a copy."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -404,6 +407,9 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
         if cfg.recompute == "full":
             acts += max(u.act_bytes for u in chunk)
         n_params = sum(u.n_params for u in chunk)
+        paths = {u.path for u in chunk}
+        copies = {fqn: n for u in chunk for fqn, owner, n in u.shared_params if owner not in paths}
+        n_params += sum(copies.values())
         state = training_state_bytes(n_params=n_params, zero_stage=cfg.zero, dp=cfg.dp, precision=precision)
         grad_bytes = n_params * grad_elem
         if cfg.zero == 0:

@@ -63,7 +63,10 @@ def _train(rank, world, example, configs):
         ref_params = dict(reference.named_parameters())
         grad_err = {k: _rel(grads[k], ref_params[k].grad) for k in grads}
         param_err = {k: _rel(state[k], ref_params[k].detach()) for k in grads}
-        stage = pm.plan.stages[0]["predicted"]["memory_bytes"]
+        pp = pm.plan.mesh["pp"]  # (the automatic plan may pipeline: compare with this rank's stages)
+        mine = [st["predicted"]["memory_bytes"] for s, st in enumerate(pm.plan.stages)
+                if pp == 1 or s % pp == pm.pp_mesh.get_local_rank("pp")]
+        stage = {k: sum(m[k] for m in mine) for k in mine[0]}
         n_tensors = len(grads)
         report[name] = {
             "losses": losses, "grad_err": grad_err, "param_err": param_err,
