@@ -116,7 +116,8 @@ def _configs(pp: int, world: int) -> list:
 
 TWO = _configs(2, 2)
 FOUR = _configs(4, 4) + [
-    ("pp2xdp2", "gpt", GPT4, "1x4xcpu", {"pp": 2, "dp": 2, "tp": 1, "microbatches": 4}, ("zb-h1", "1f1b")),
+    ("pp2xdp2", "gpt", GPT4, "1x4xcpu", {"pp": 2, "dp": 2, "tp": 1, "zero": 3, "microbatches": 4},
+     ("zb-h1", "1f1b")),
     ("pp2xtp2", "gpt", GPT4, tp_friendly_cluster("1x4xcpu"), {"pp": 2, "dp": 1, "tp": 2, "microbatches": 4},
      ("1f1b", "zb-h1")),
     ("llama_pp4", "llama", {}, "1x4xcpu", {"pp": 4, "dp": 1, "tp": 1, "microbatches": 8}, ("zb-h1",)),
