@@ -10,7 +10,11 @@ tensor (the tolerance and optimizer of ``test_parallel.py``, which explains them
 Batch 8 x 64 tokens, as in ``test_hf_parallel.py``: at 4 x 16 tokens, Mistral's
 k_proj gradient under tp=2 differs by 1.3e-5 in fp32 (the gradient is a sum with
 much cancellation), and by 3e-15 when the same run is made in fp64, so that is
-rounding noise, not an engine error.
+rounding noise, not an engine error. Attention key biases (BERT, ViT) get a gradient
+that is zero in exact arithmetic (softmax ignores a shift shared by all keys): in fp32
+it is 1e-9..1e-12 of the largest gradient, so its relative error is noise. Such
+tensors (reference gradient below ZERO x the largest) are checked to be zero on both
+sides, and their parameters to within 1e-5 of the largest parameter norm.
 """
 
 import copy
@@ -28,6 +32,7 @@ pytest.importorskip("transformers")
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 STEPS = 3
 RTOL = 1e-5
+ZERO = 1e-6
 MODELS = ["mistral", "qwen2", "mixtral", "bert", "t5", "vit"]
 # tp pinned on both, so the planner solves one sharding MIP per config
 CONFIGS = [("dp", "1x2xcpu", {"dp": 2, "tp": 1}), ("tp", tp_friendly_cluster("1x2xcpu"), {"tp": 2})]
@@ -66,10 +71,15 @@ def _train(rank, world, models, configs):
                 losses.append((loss, ref_loss.item()))
             grads, state = pm.full_gradients(), pm.state_dict()
             ref_params = dict(reference.named_parameters())
+            ref_g = {k: float(p.grad.norm()) for k, p in ref_params.items()}
+            max_g, max_p = max(ref_g.values()), max(float(p.norm()) for p in ref_params.values())
+            zero = {k for k, g in ref_g.items() if g < ZERO * max_g}
             report[model_name, name] = {
+                "zero_grads": {k: float(grads[k].norm()) / max_g for k in zero},
+                "zero_params": {k: float((state[k] - ref_params[k].detach()).norm()) / max_p for k in zero},
                 "losses": losses,
-                "grad_err": {k: _rel(grads[k], ref_params[k].grad) for k in grads},
-                "param_err": {k: _rel(state[k], ref_params[k].detach()) for k in grads},
+                "grad_err": {k: _rel(grads[k], ref_params[k].grad) for k in grads if k not in zero},
+                "param_err": {k: _rel(state[k], ref_params[k].detach()) for k in grads if k not in zero},
                 "missing": sorted(set(ref_params) - set(grads)),
                 "mesh": pm.plan.mesh,
                 "params": {k: v for layer in pm.plan.layers.values() for k, v in layer["params"].items()},
@@ -97,6 +107,9 @@ def test_two_ranks_match_single_process(results, model_name, config):
         worst_p = max(r["param_err"], key=r["param_err"].get)
         assert r["grad_err"][worst_g] < RTOL, f"{where}: gradient of {worst_g} differs by {r['grad_err'][worst_g]:.2e}"
         assert r["param_err"][worst_p] < RTOL, f"{where}: parameter {worst_p} differs by {r['param_err'][worst_p]:.2e}"
+        for k, g in r["zero_grads"].items():
+            assert g < ZERO, f"{where}: gradient of {k} should be zero, is {g:.2e} of the largest"
+            assert r["zero_params"][k] < RTOL, f"{where}: parameter {k} differs by {r['zero_params'][k]:.2e}"
 
 
 def test_tp_shards_weights(results):
