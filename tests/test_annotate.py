@@ -127,6 +127,24 @@ def test_cpu_flash_attention_flops_by_hand(gpt_tiny):
     assert [n.meta[mk.COST].flops for n in bwd] == [backward_by_hand] * len(bwd)
 
 
+
+def test_moe_expert_flops_by_hand():
+    """Hugging Face Mixtral experts run a grouped matmul (a transformers custom op on CPU):
+    every routed token goes through one expert's gate/up (H -> 2F) and down (F -> H) matrices."""
+    pytest.importorskip("transformers")
+    model, inputs, _, _ = build("hf", model="mixtral", batch="2", seq="16")
+    gm = annotated(model, inputs)
+    c = model.config
+    tokens = inputs["input_ids"].numel() * c.num_experts_per_tok
+    h, f = c.hidden_size, c.intermediate_size
+    grouped = [n for n in ops(gm) if "grouped_mm" in str(n.target)]
+    fwd = [n for n in grouped if n.meta[mk.TRACE].role is mk.Role.FORWARD]
+    bwd = [n for n in grouped if n.meta[mk.TRACE].role is mk.Role.BACKWARD]
+    assert len(fwd) == len(bwd) == 2 * c.num_hidden_layers, [str(n.target) for n in grouped]
+    per_layer = 2 * tokens * h * 2 * f + 2 * tokens * f * h  # gate/up, then down
+    assert flops(fwd) == per_layer * c.num_hidden_layers
+    assert flops(bwd) == 2 * flops(fwd)  # input and weight gradients
+
 # -- bytes ------------------------------------------------------------------------
 
 

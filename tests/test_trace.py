@@ -212,6 +212,23 @@ def test_error_raised_by_the_model_keeps_its_message():
     assert "examples/gpt.py" in str(excinfo.value)
 
 
+
+def test_hf_eager_experts_are_a_trace_error_that_names_grouped_mm():
+    """Hugging Face's "eager" experts loop over the experts that got tokens (data-dependent)."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    config = transformers.MixtralConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                        num_key_value_heads=1, intermediate_size=32, vocab_size=64,
+                                        num_local_experts=2, num_experts_per_tok=1, use_cache=False)
+    model = transformers.MixtralForCausalLM._from_config(config, experts_implementation="eager")
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(TraceError) as excinfo:
+        trace_joint(model, {"input_ids": ids, "labels": ids})
+    message = str(excinfo.value)
+    assert "modeling_mixtral.py" in message and "experts_implementation='grouped_mm'" in message
+    assert "\n" not in message
+
 def test_forward_module_paths_are_real_submodules():
     (model, *_), gm = traced("gpt", collapse_repeats=False)
     modules = dict(model.named_modules())

@@ -4,7 +4,12 @@ FLOPs come from ``torch.utils.flop_counter``'s formula registry for the ops it
 knows (mm, addmm, bmm, convolution, the SDPA kernels, ...). It does not know
 the CPU flash-attention kernel that CPU traces contain
 (``_scaled_dot_product_flash_attention_for_cpu`` and its backward), so those get
-the registry's own SDPA formulas applied to their shapes. Every other op is
+the registry's own SDPA formulas applied to their shapes. Nor does it know
+grouped matmuls (mixture-of-experts layers): ``aten._grouped_mm`` and the
+``transformers::grouped_mm_fallback`` custom op (+ backward) that Hugging Face
+experts run on CPU or fp32 get 2 x tokens x in x out FLOPs (x2 for backward:
+input and weight gradients), each token going through one expert's matrix.
+Every other op is
 memory bound (pointwise, reductions, norms, softmax, embedding): it is costed
 by the bytes it moves and counts 0 FLOPs, as the flop counter does, so "model
 FLOPs" mean the matmul/attention FLOPs that MFU conventionally counts.
@@ -109,7 +114,25 @@ def node_flops(node: fx.Node) -> float:
     if packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:
         grad_out, q, k, v = args[:4]
         return float(flop_counter.sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape))
+    name = getattr(packet, "_qualified_op_name", "")
+    if name in ("aten::_grouped_mm", "transformers::grouped_mm_fallback"):
+        return _grouped_mm_flops(args[0].shape, args[1].shape)
+    if name == "transformers::grouped_mm_fallback_backward":  # (input, weight, offs, grad_output)
+        return 2 * _grouped_mm_flops(args[0].shape, args[1].shape)
     return 0.0
+
+
+def _grouped_mm_flops(a_shape, b_shape) -> float:
+    """FLOPs of a grouped matmul: each row (or batch) of ``a`` meets one group's matrix.
+    (S, K) x (E, K, N) -> 2SKN; (E, M, K) x (E, K, N) -> 2EMKN; (M, K) x (K, N) with K split
+    in groups -> 2MKN."""
+    if len(a_shape) == 2 and len(b_shape) == 3:
+        return 2.0 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 3 and len(b_shape) == 3:
+        return 2.0 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2.0 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 0.0  # a layout not seen in practice here: costed by its bytes, like unknown ops
 
 
 def _is_view(node: fx.Node) -> bool:

@@ -128,20 +128,33 @@ def _to_partial(v: DTensor, mesh: DeviceMesh, tp_dim: int, want: list) -> DTenso
 
 
 def _run_local(node: fx.Node, args, kwargs, rule: OpPlacements, mesh: DeviceMesh, tp_dim: int, dp_dim: int):
-    """An op DTensor cannot dispatch: run it on local shards under autopar's own rule
-    (batch-parallel on dp: every input that carries the batch is split like the first)."""
+    """An op DTensor cannot dispatch: run it on local shards under autopar's own rule.
+
+    On dp it is batch-parallel when its first tensor input is split on a batch dim and
+    every tensor output carries that dim (attention): inputs with that batch are split
+    like the first, the others are whole. Otherwise (e.g. a grouped-matmul backward whose
+    weight gradient sums over the tokens) every input is made whole on dp and the op runs
+    replicated there, which is correct for any op."""
     first = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, DTensor))
     split = first.placements[dp_dim]
+    outs_val = node.meta.get("val")
+    outs_val = outs_val if isinstance(outs_val, (tuple, list)) else (outs_val,)
+    if not split.is_shard() or not all(
+            o.dim() > split.dim and o.shape[split.dim] == first.shape[split.dim]
+            for o in outs_val if isinstance(o, torch.Tensor)):
+        split = Replicate()
 
     def align(v):
-        if not isinstance(v, DTensor) or not split.is_shard() or v.placements[dp_dim] == split:
+        if not isinstance(v, DTensor):
             return v
-        d = split.dim
-        if v.dim() > d and v.shape[d] == first.shape[d]:  # same batch: take this rank's part
-            want = list(v.placements)
-            want[dp_dim] = split
-            return v.redistribute(mesh, want)
-        return v  # broadcast along the batch (size 1): every rank needs all of it
+        want = Replicate()  # broadcast along the batch (size 1), or no batch: every rank needs all of it
+        if split.is_shard() and v.dim() > split.dim and v.shape[split.dim] == first.shape[split.dim]:
+            want = split  # same batch: take this rank's part
+        if v.placements[dp_dim] == want:
+            return v
+        pls = list(v.placements)
+        pls[dp_dim] = want
+        return v.redistribute(mesh, pls)
 
     args, kwargs = tree_map(align, (args, kwargs))
     local = tree_map(lambda v: v.to_local() if isinstance(v, DTensor) else v, (args, kwargs))
@@ -152,7 +165,8 @@ def _run_local(node: fx.Node, args, kwargs, rule: OpPlacements, mesh: DeviceMesh
         o = next(outs, "R")
         if not isinstance(v, torch.Tensor):
             return v
-        pls = list(first.placements)  # batch-parallel on dp, like its first input
+        pls = [Replicate()] * mesh.ndim
+        pls[dp_dim] = split  # batch-parallel on dp, or replicated
         pls[tp_dim] = placement(o)
         return DTensor.from_local(v, mesh, pls, run_check=False)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import linecache
 import logging
 import re
 import warnings
@@ -298,10 +299,16 @@ def _trace_error(e: BaseException, model_name: str) -> Exception:
     where = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
     op = re.search(r"(aten\.\w+(?:\.\w+)?)", text)
     what = f" (op {op.group(1)})" if op else ""
+    hint = ""
+    source = linecache.getline(frames[-1][0], int(frames[-1][1])) if frames else ""
+    if frames and "/transformers/" in frames[-1][0] and "expert" in source:
+        # Hugging Face's "eager" experts loop in Python over the experts that received tokens
+        hint = ("; for this Hugging Face mixture-of-experts model, load it with "
+                "experts_implementation='grouped_mm' (the default), which runs all experts as one grouped matmul")
     err = TraceError(
         f"could not trace {model_name}{where}{what}: {first[:200]}. Try: make the model's "
         f"forward free of data-dependent Python control flow, return plain tensors "
-        f"(use_cache=False for Hugging Face models), or build it on 'cpu' with small shapes")
+        f"(use_cache=False for Hugging Face models), or build it on 'cpu' with small shapes{hint}")
     err.details = text
     return err
 
