@@ -8,7 +8,10 @@ If the change is intended, rewrite the files and review them with git diff:
     python -m pytest tests/test_golden_plans.py --autopar-update-golden
 
 Each model is traced once (both batch sizes) and planned for the three clusters;
-all are H100, so the annotated graphs are the same for each.
+all are H100, so the annotated graphs are the same for each. The Hugging Face models
+are also planned for 4 nodes (issue 6's coverage list). Every plan is also checked for
+validity: it survives a JSON round trip, every parameter and op of the graph has a
+placement, the stages hold every layer instance once, FLOPs are counted, memory fits.
 """
 import functools
 import importlib
@@ -19,11 +22,14 @@ import pytest
 
 from autopar.cluster import parse_cluster
 from autopar.fmt import fmt_bytes
+from autopar.passes import meta_keys as mk
+from autopar.plan import Plan
 from autopar.testing import assert_plan_matches
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))  # as a module on the path: tracing imports the model's module
 CLUSTERS = ("1x8xH100", "2x8xH100", "16x8xH100")
+HF_CLUSTERS = ("1x8xH100", "2x8xH100", "4x8xH100", "16x8xH100")
 RTOL = 0.01
 
 
@@ -64,7 +70,7 @@ def plan_for(name, spec, **overrides):
 
 def _cases():
     for name in MODELS:
-        for spec in CLUSTERS:
+        for spec in HF_CLUSTERS if name.startswith("hf-") else CLUSTERS:
             marks = [pytest.mark.xfail(reason=KNOWN_FAILURES[name], strict=True)] if name in KNOWN_FAILURES else []
             yield pytest.param(name, spec, id=f"{name}-{spec}", marks=marks)
 
@@ -73,7 +79,24 @@ def _cases():
 def test_plan_matches_golden(name, spec):
     plan = plan_for(name, spec)
     assert plan.mesh["pp"] * plan.mesh["dp"] * plan.mesh["tp"] == parse_cluster(spec).world_size
+    _check_valid(plan, traced(name)[0], parse_cluster(spec))
     assert_plan_matches(plan, f"golden/{name}-{spec}.json", rtol=RTOL)
+
+
+def _check_valid(plan, gm, cluster):
+    plan.validate(world_size=cluster.world_size)
+    assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+    # every parameter has a placement on tp, every op of the graph a strategy
+    placed = {fqn for layer in plan.layers.values() for fqn in layer["params"]}
+    assert set(gm.meta[mk.GRAPH].param_fqns) <= placed
+    ops = [n.name for n in gm.graph.nodes if n.op == "call_function" and "getitem" not in n.name]
+    assert set(ops) <= set(plan.ops), sorted(set(ops) - set(plan.ops))[:5]
+    # the stages hold every layer instance exactly once
+    staged = [p for stage in plan.stages for p in stage["layers"]]
+    assert len(staged) == len(set(staged)) == sum(layer["count"] for layer in plan.layers.values())
+    # matmul FLOPs are counted (attention, MLP or experts, head), the step takes time, memory fits
+    assert plan.predicted["model_flops_per_step"] > 0 and plan.predicted["step_time_s"] > 0
+    assert plan.predicted["peak_memory_bytes"] < cluster.device.hbm_bytes
 
 
 def test_a_smaller_device_fails_with_a_readable_diff():
