@@ -10,9 +10,7 @@ the model lives on "meta" and the trace runs on FakeTensors.
 
 import argparse
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path

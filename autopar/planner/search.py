@@ -40,7 +40,6 @@ from autopar.cost.memory import training_state_bytes
 from autopar.cost.schedule import make_schedule
 from autopar.cost.simulate import SimResult, simulate
 from autopar.errors import InfeasibleError, PlanError
-from autopar.planner.ilp import CostBreakdown
 
 log = logging.getLogger(__name__)
 

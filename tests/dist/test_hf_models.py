@@ -25,12 +25,12 @@ import pytest
 import torch
 
 from autopar.testing import spawn_world, tp_friendly_cluster
+from parallel_compare import RTOL, assert_matches, rel, train_alongside
 
 pytest.importorskip("transformers")
 
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 STEPS = 3
-RTOL = 1e-5
 ZERO = 1e-6
 MODELS = ["mistral", "qwen2", "mixtral", "bert", "t5", "vit"]
 # tp pinned on both, so the planner solves one sharding MIP per config
@@ -39,10 +39,6 @@ CONFIGS = [("dp", "1x2xcpu", {"dp": 2, "tp": 1}), ("tp", tp_friendly_cluster("1x
 
 def _optimizer(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-5)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _train(rank, world, models, configs):
@@ -59,14 +55,8 @@ def _train(rank, world, models, configs):
             reference = copy.deepcopy(model)
             ref_opt = _optimizer(reference.parameters())
             pm = autopar.parallelize(model, cluster=cluster, fixed=fixed, optimizer=_optimizer)
-            losses = []
-            for _ in range(STEPS):
-                loss = pm.train_step(inputs)
-                ref_opt.zero_grad()
-                ref_loss = reference(**inputs).loss  # the model's own loss: labels are in the inputs
-                ref_loss.backward()
-                ref_opt.step()
-                losses.append((loss, ref_loss.item()))
+            losses = train_alongside(pm, reference, ref_opt, steps=STEPS, run=lambda pm: pm.train_step(inputs),
+                                     run_reference=lambda ref: ref(**inputs).loss)  # labels are in the inputs
             grads, state = pm.full_gradients(), pm.state_dict()
             ref_params = dict(reference.named_parameters())
             ref_g = {k: float(p.grad.norm()) for k, p in ref_params.items()}
@@ -76,8 +66,8 @@ def _train(rank, world, models, configs):
                 "zero_grads": {k: float(grads[k].norm()) / max_g for k in zero},
                 "zero_params": {k: float((state[k] - ref_params[k].detach()).norm()) / max_p for k in zero},
                 "losses": losses,
-                "grad_err": {k: _rel(grads[k], ref_params[k].grad) for k in grads if k not in zero},
-                "param_err": {k: _rel(state[k], ref_params[k].detach()) for k in grads if k not in zero},
+                "grad_err": {k: rel(grads[k], ref_params[k].grad) for k in grads if k not in zero},
+                "param_err": {k: rel(state[k], ref_params[k].detach()) for k in grads if k not in zero},
                 "missing": sorted(set(ref_params) - set(grads)),
                 "mesh": pm.plan.mesh,
                 "params": {k: v for layer in pm.plan.layers.values() for k, v in layer["params"].items()},
@@ -98,12 +88,7 @@ def test_two_ranks_match_single_process(results, model_name, config):
         where = f"{model_name} {config}"
         assert r["mesh"][config] == 2, (where, r["mesh"])
         assert not r["missing"], f"{where}: no gradient for {r['missing']}"
-        for step, (got, want) in enumerate(r["losses"]):
-            assert got == pytest.approx(want, rel=RTOL), f"{where}: loss of step {step}"
-        worst_g = max(r["grad_err"], key=r["grad_err"].get)
-        worst_p = max(r["param_err"], key=r["param_err"].get)
-        assert r["grad_err"][worst_g] < RTOL, f"{where}: gradient of {worst_g} differs by {r['grad_err'][worst_g]:.2e}"
-        assert r["param_err"][worst_p] < RTOL, f"{where}: parameter {worst_p} differs by {r['param_err'][worst_p]:.2e}"
+        assert_matches(r["losses"], r["grad_err"], r["param_err"], where)
         for k, g in r["zero_grads"].items():
             assert g < ZERO, f"{where}: gradient of {k} should be zero, is {g:.2e} of the largest"
             assert r["zero_params"][k] < RTOL, f"{where}: parameter {k} differs by {r['zero_params'][k]:.2e}"

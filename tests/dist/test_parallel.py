@@ -21,18 +21,14 @@ import pytest
 import torch
 
 from autopar.testing import spawn_world, tp_friendly_cluster, tp_only_cluster
+from parallel_compare import assert_matches, errors, train_alongside
 
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 STEPS = 3
-RTOL = 1e-5
 
 
 def _optimizer(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-5)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _train(rank, world, example, configs):
@@ -51,23 +47,15 @@ def _train(rank, world, example, configs):
         ref_opt = _optimizer(reference.parameters())
         pm = autopar.parallelize(model, cluster=cluster, loss_fn=loss_fn, optimizer=_optimizer, fixed=fixed,
                                  compile=compiled[0] if compiled else True)
-        losses = []
-        for _ in range(STEPS):
-            loss = pm.train_step(inputs, target)
-            ref_opt.zero_grad()
-            ref_loss = loss_fn(reference(*inputs), target)
-            ref_loss.backward()
-            ref_opt.step()
-            losses.append((loss, ref_loss.item()))
-        grads, state = pm.full_gradients(), pm.state_dict()
-        ref_params = dict(reference.named_parameters())
-        grad_err = {k: _rel(grads[k], ref_params[k].grad) for k in grads}
-        param_err = {k: _rel(state[k], ref_params[k].detach()) for k in grads}
+        losses = train_alongside(pm, reference, ref_opt, steps=STEPS,
+                                 run=lambda pm: pm.train_step(inputs, target),
+                                 run_reference=lambda ref: loss_fn(ref(*inputs), target))
+        grad_err, param_err = errors(pm, reference)
         pp = pm.plan.mesh["pp"]  # (the automatic plan may pipeline: compare with this rank's stages)
         mine = [st["predicted"]["memory_bytes"] for s, st in enumerate(pm.plan.stages)
                 if pp == 1 or s % pp == pm.pp_mesh.get_local_rank("pp")]
         stage = {k: sum(m[k] for m in mine) for k in mine[0]}
-        n_tensors = len(grads)
+        n_tensors = len(grad_err)
         report[name] = {
             "losses": losses, "grad_err": grad_err, "param_err": param_err,
             "mesh": pm.plan.mesh, "zero": pm.plan.zero, "ops": pm.plan.ops,
@@ -79,12 +67,7 @@ def _train(rank, world, example, configs):
 
 def _check(result, name):
     r = result[name]
-    for step, (got, want) in enumerate(r["losses"]):
-        assert got == pytest.approx(want, rel=RTOL), f"{name}: loss of step {step}"
-    worst_g = max(r["grad_err"], key=r["grad_err"].get)
-    worst_p = max(r["param_err"], key=r["param_err"].get)
-    assert r["grad_err"][worst_g] < RTOL, f"{name}: gradient of {worst_g} differs by {r['grad_err'][worst_g]:.2e}"
-    assert r["param_err"][worst_p] < RTOL, f"{name}: parameter {worst_p} differs by {r['param_err'][worst_p]:.2e}"
+    assert_matches(r["losses"], r["grad_err"], r["param_err"], name)
     # Live bytes equal the plan's prediction, up to the padding that makes dp chunks equal
     # (at most dp - 1 fp32 elements per tensor, twice for Adam's m and v).
     dp = r["mesh"]["dp"]

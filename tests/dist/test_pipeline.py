@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from autopar.testing import spawn_world, tp_friendly_cluster
+from parallel_compare import assert_matches, errors, train_alongside
 
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 STEPS = 3
-RTOL = 1e-5
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 
 
@@ -36,10 +36,6 @@ def _optimizer(params):
     # schedules before it. (AdamW over the same sharded state is tested with pp = 1 in
     # test_parallel.py; the optimizer path is the same code.)
     return torch.optim.SGD(params, lr=0.1)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _train(rank, world, configs):
@@ -65,24 +61,16 @@ def _train(rank, world, configs):
             if i:  # the first is the planned one (compiled on the first step)
                 pm.set_schedule(kind)
                 reference.load_state_dict(pm.state_dict())
-            losses = []
-            for _ in range(STEPS):
-                loss = pm.train_step(inputs, target)
-                ref_opt.zero_grad()
-                ref_loss = loss_fn(reference(*inputs), target)
-                ref_loss.backward()
-                ref_opt.step()
-                losses.append((loss, ref_loss.item()))
-            grads, state = pm.full_gradients(), pm.state_dict()
-            ref_params = dict(reference.named_parameters())
+            losses = train_alongside(pm, reference, ref_opt, steps=STEPS,
+                                     run=lambda pm: pm.train_step(inputs, target),
+                                     run_reference=lambda ref: loss_fn(ref(*inputs), target))
+            grad_err, param_err = errors(pm, reference)
             plan = pm.plan
             pp = plan.mesh["pp"]
             sched = make_schedule(kind, n_stages=pp, n_micro=plan.schedule["microbatches"],
                                   n_virtual=len(plan.stages) // pp)
             report[f"{name}_{kind}"] = {
-                "losses": losses,
-                "grad_err": {k: _rel(grads[k], ref_params[k].grad) for k in ref_params},
-                "param_err": {k: _rel(state[k], ref_params[k].detach()) for k in ref_params},
+                "losses": losses, "grad_err": grad_err, "param_err": param_err,
                 "mesh": plan.mesh, "schedule": plan.schedule, "n_stages": len(plan.stages),
                 "ran": list(pm.runner.log),
                 "expected": with_comm(sched, len(plan.stages))[pm.pp_mesh.get_local_rank("pp")],
@@ -92,12 +80,7 @@ def _train(rank, world, configs):
 
 
 def _check(r, name):
-    for step, (got, want) in enumerate(r["losses"]):
-        assert got == pytest.approx(want, rel=RTOL), f"{name}: loss of step {step}"
-    worst_g = max(r["grad_err"], key=r["grad_err"].get)
-    worst_p = max(r["param_err"], key=r["param_err"].get)
-    assert r["grad_err"][worst_g] < RTOL, f"{name}: gradient of {worst_g} differs by {r['grad_err'][worst_g]:.2e}"
-    assert r["param_err"][worst_p] < RTOL, f"{name}: parameter {worst_p} differs by {r['param_err'][worst_p]:.2e}"
+    assert_matches(r["losses"], r["grad_err"], r["param_err"], name)
     assert r["ran"] == r["expected"], f"{name}: the rank ran {r['ran']}, the schedule says {r['expected']}"
 
 
