@@ -175,7 +175,30 @@ def _tensor_groups(g: StrategyGraph) -> list[list]:
     return list(groups.values())
 
 
-def _single_consumer(solver, k, e, g, x, by_p, nbytes, link):
+# The model is written row by row through pywraplp's low-level API (Constraint(lb, ub) +
+# SetCoefficient) rather than its algebraic one (solver.Add(sum(...) == ...)): turning Python
+# expression trees into rows (LinearConstraint.Extract) took 6.4 s of a 12.7 s plan of HF
+# GPT-2 tiny, more than SCIP itself. The rows, their order, names and coefficients are the
+# ones the algebraic form gives (see _add_row), so the solver sees the same model.
+
+
+def _add_row(solver, lb: float, ub: float, name: str, terms) -> None:
+    """The row ``lb <= sum(c * var) <= ub`` from (var, c) pairs in the order the algebraic
+    form lists them; a repeated variable gets the sum of its coefficients (a zero sum adds
+    nothing), as pywraplp's expression extraction does."""
+    row = solver.Constraint(lb, ub, name)
+    coeffs: dict = {}
+    for var, c in terms:
+        coeffs[var] = coeffs.get(var, 0.0) + c
+    for var, c in coeffs.items():
+        row.SetCoefficient(var, c)
+
+
+def _ones(lits, c: float) -> list:
+    return [(v, c) for v in lits]
+
+
+def _single_consumer(solver, k, e, g, x, by_p, nbytes, link, obj):
     """Marginal (transportation) form: y is integral once x is, so y stays continuous."""
     src, dst = g.nodes[e.src], g.nodes[e.dst]
     by_q = defaultdict(list)
@@ -183,26 +206,29 @@ def _single_consumer(solver, k, e, g, x, by_p, nbytes, link):
         by_q[s.ins[e.dst_in]].append(x[e.dst][j])
     if len(by_p) == 1 and len(by_q) == 1:  # nothing to choose on this edge
         p, q = next(iter(by_p)), next(iter(by_q))
-        return [], e.weight * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S
-    pair, terms = {}, []
+        return e.weight * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S
+    pair = {}
     for p in by_p:
         for q in by_q:
             pair[p, q] = y = solver.NumVar(0.0, 1.0, f"y[{k},{p},{q}]")
             c = e.weight * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S
             if c:
-                terms.append(c * y)
-    for p, lp in by_p.items():
-        solver.Add(sum(pair[p, q] for q in by_q) == sum(lp), f"reshard_out[{k}:{src.name}->{dst.name},{p}]")
-    for q, lq in by_q.items():
-        solver.Add(sum(pair[p, q] for p in by_p) == sum(lq), f"reshard_in[{k}:{src.name}->{dst.name},{q}]")
-    return terms, 0.0
+                obj.append((y, c))
+    edge = f"{k}:{src.name}->{dst.name}"
+    for p, lp in by_p.items():  # sum_q y[p,q] == sum(lp)
+        _add_row(solver, 0.0, 0.0, f"reshard_out[{edge},{p}]",
+                 [(pair[p, q], 1.0) for q in by_q] + _ones(lp, -1.0))
+    for q, lq in by_q.items():  # sum_p y[p,q] == sum(lq)
+        _add_row(solver, 0.0, 0.0, f"reshard_in[{edge},{q}]",
+                 [(pair[p, q], 1.0) for p in by_p] + _ones(lq, -1.0))
+    return 0.0
 
 
-def _many_consumers(solver, k, group, g, x, by_p, nbytes, link):
+def _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj):
     """Coverage form: r[p,q] reshards the tensor from p (only if p is chosen) to q, paid once;
     every consumer that needs q is covered by the producer emitting q or by some r[., q]."""
     src = g.nodes[group[0].src]
-    wants: dict[str, list] = defaultdict(list)  # q -> one linear expression per consumer
+    wants: dict[str, list] = defaultdict(list)  # q -> (consumer name, its x literals that need q)
     weight = defaultdict(int)
     for e in group:
         dst = g.nodes[e.dst]
@@ -212,22 +238,24 @@ def _many_consumers(solver, k, group, g, x, by_p, nbytes, link):
         for q, lq in by_q.items():
             wants[q].append((dst.name, lq))
             weight[q] = max(weight[q], e.weight)
-    terms, r = [], defaultdict(list)
+    r = defaultdict(list)
+    minus_inf = -solver.infinity()
     for p, lp in by_p.items():
         for q in wants:
             if p == q:
                 continue
             y = solver.NumVar(0.0, 1.0, f"r[{k},{p},{q}]")
-            solver.Add(y <= sum(lp), f"reshard_from[{k}:{src.name},{p}->{q}]")
+            _add_row(solver, minus_inf, 0.0, f"reshard_from[{k}:{src.name},{p}->{q}]",  # y <= sum(lp)
+                     [(y, 1.0)] + _ones(lp, -1.0))
             r[q].append(y)
             c = weight[q] * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S
             if c:
-                terms.append(c * y)
+                obj.append((y, c))
     for q, consumers in wants.items():
-        direct = sum(by_p.get(q, []))
-        for name, lq in consumers:
-            solver.Add(sum(lq) <= direct + sum(r[q]), f"covered[{k}:{src.name}->{name},{q}]")
-    return terms, 0.0
+        supply = _ones(by_p.get(q, []), -1.0) + _ones(r[q], -1.0)
+        for name, lq in consumers:  # sum(lq) <= sum(by_p[q]) + sum(r[., q])
+            _add_row(solver, minus_inf, 0.0, f"covered[{k}:{src.name}->{name},{q}]", _ones(lq, 1.0) + supply)
+    return 0.0
 
 
 def solve(problem: Problem, *, time_limit_s: float = 20.0, backend: str = SOLVER_BACKEND) -> Solution:
@@ -239,16 +267,16 @@ def solve(problem: Problem, *, time_limit_s: float = 20.0, backend: str = SOLVER
         raise RuntimeError(f"OR-tools has no {backend} backend here; try backend='CBC'")
     solver.SetTimeLimit(int(time_limit_s * 1000))
     x = []
-    obj = []
+    obj = []  # (variable, coefficient) of the objective, in the order the variables are made
     fixed_cost = 0.0
     for v, node in enumerate(g.nodes):
         lits = [solver.BoolVar(f"x[{node.name},{i}]") for i in range(len(node.candidates))]
-        solver.Add(sum(lits) == 1, f"one_strategy[{node.name}]")
+        _add_row(solver, 1.0, 1.0, f"one_strategy[{node.name}]", _ones(lits, 1.0))
         x.append(lits)
         for i, s in enumerate(node.candidates):
             c = node.weight * node_cost_s(problem, v, s) / _UNIT_S
             if c:
-                obj.append(c * lits[i])
+                obj.append((lits[i], c))
     for k, group in enumerate(_tensor_groups(g)):
         e0 = group[0]
         src = g.nodes[e0.src]
@@ -258,12 +286,13 @@ def solve(problem: Problem, *, time_limit_s: float = 20.0, backend: str = SOLVER
         for i, s in enumerate(src.candidates):
             by_p[s.outs[e0.src_out]].append(x[e0.src][i])
         if len(group) == 1:
-            obj_terms, const = _single_consumer(solver, k, e0, g, x, by_p, nbytes, link)
+            fixed_cost += _single_consumer(solver, k, e0, g, x, by_p, nbytes, link, obj)
         else:
-            obj_terms, const = _many_consumers(solver, k, group, g, x, by_p, nbytes, link)
-        obj.extend(obj_terms)
-        fixed_cost += const
-    solver.Minimize(sum(obj))
+            fixed_cost += _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj)
+    objective = solver.Objective()
+    objective.SetMinimization()
+    for var, c in obj:
+        objective.SetCoefficient(var, c)
     status = solver.Solve()
     names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
              pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.UNBOUNDED: "UNBOUNDED"}
