@@ -3,29 +3,38 @@ r"""The intra-layer sharding ILP: one placement strategy per op on the tensor-pa
 Given the strategy graph (ops V, tensor edges E, candidates S_v per op) of the
 model's distinct layers and a mesh axis of n devices:
 
-    variables   x[v,s] in {0,1}                  op v runs strategy s
-                y[e,p,q] in {0,1}                edge e = (u -> v) carries a tensor that
-                                                 u produces in placement p and v needs in q
+    variables   x[v,s] in {0,1}        op v runs strategy s
+                y[e,p,q] in [0,1]      edge e = (u -> v), the only consumer of its tensor,
+                                       turns u's output placement p into v's input placement q
+                r[k,p,q] in [0,1]      tensor k, read by several consumers, is resharded
+                                       once from p to q (p != q)
     minimise    sum_v w_v sum_s C_v(s) x[v,s]  +  sum_e w_e sum_{p,q} R_e(p,q) y[e,p,q]
-    subject to  sum_s x[v,s] = 1                                   (one_strategy[v])
-                y[e,p,q] >= sum_{s: out_u(s)=p} x[u,s]
-                          + sum_{t: in_v(t)=q} x[v,t] - 1          (reshard[e,p,q])
+                                               +  sum_k sum_{p,q} w_k(q) R_k(p,q) r[k,p,q]
+    subject to  sum_s x[v,s] = 1                                    (one_strategy[v])
+                sum_q y[e,p,q] = sum_{s: out_u(s)=p} x[u,s]         (reshard_out[e,p])
+                sum_p y[e,p,q] = sum_{t: in_v(t)=q} x[v,t]          (reshard_in[e,q])
+                r[k,p,q] <= sum_{s: out_u(s)=p} x[u,s]              (reshard_from[k,p->q])
+                sum_{t: in_v(t)=q} x[v,t] <= sum_{s: out_u(s)=q} x[u,s]
+                                             + sum_{p != q} r[k,p,q]  (covered[k,v,q])
 
 C_v(s) is the roofline time of v with its work split n ways when s shards any
-operand (:func:`node_cost_s`); R_e(p, q) the alpha-beta time of turning p into
-q (:func:`reshard_s`: Partial->Replicate is an all-reduce, Partial->Shard a
-reduce-scatter, Shard->Replicate an all-gather, Shard->Shard an all-to-all,
-Replicate->anything free); w is how many identical layers a node stands for.
+operand (:func:`node_cost_s`); R_e(p, q) and R_k(p, q) the alpha-beta time of
+turning the tensor's placement p into q (:func:`reshard_s`: Partial->Replicate
+is an all-reduce, Partial->Shard a reduce-scatter, Shard->Replicate an
+all-gather, Shard->Shard an all-to-all, Replicate->anything free); w is how many identical layers a node stands for,
+and w_k(q) the largest weight among the consumers of k that need q.
 Gradients return to their parameter's layout through ordinary edges (a
 replicated weight with partial gradients pays an all-reduce), and the loss
-must leave replicated. The y linearisation is Alpa's (Zheng et al. 2022, sec.
-4.2), over placement classes rather than strategy pairs, which keeps at most
-|P_u| x |Q_v| <= 25 variables per edge.
+must leave replicated. A single-consumer edge uses the marginal
+(transportation) form, whose y is integral once x is, so y stays continuous;
+a tensor with several consumers uses the coverage form, so that a placement
+made once serves every consumer that needs it. Either way an edge has at most
+|P_u| x |Q_v| <= 25 placement-pair variables (placement classes, not strategy
+pairs; the pairing itself is Alpa's, Zheng et al. 2022, sec. 4.2).
 
-Solver: OR-tools CP-SAT. Every variable is boolean and the objective is a sum
-of scaled integer costs, which is CP-SAT's home ground (clause learning plus
-LP relaxation); with one worker and a fixed seed it is deterministic, so the
-same model gives the same plan. Costs are scaled to integer units of 0.1 us.
+Solver: SCIP through OR-tools' pywraplp (docs/design-notes.md says why not
+CP-SAT); single-threaded and deterministic, so the same model gives the same
+plan. Costs are in units of 1 us to keep the MIP well scaled.
 
 ``build_problem`` makes the plain-data :class:`Problem` (functions of the
 micro-batch size), ``solve`` returns a :class:`Solution`, and ``evaluate``
