@@ -237,7 +237,8 @@ def _op_strategies(node: fx.Node, n: int) -> tuple[Strategy, ...]:
 def _batch_dims(a, b) -> frozenset[int]:
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != b.dim():
         return frozenset()
-    return frozenset(d for d in range(a.dim()) if int(a.shape[d]) != int(b.shape[d]))
+    # each .shape of a FakeTensor goes through subclass dispatch: read both once
+    return frozenset(d for d, (x, y) in enumerate(zip(a.shape, b.shape)) if int(x) != int(y))
 
 
 def _shards_any(p: str | None, dims: frozenset[int]) -> bool:

