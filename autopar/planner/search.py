@@ -23,7 +23,7 @@ and recompute policy and every schedule:
    ``SIMULATE_TOP`` are simulated; the reported times are all simulated.
 
 Ties (equal simulated time) go to the simpler plan: lower ZeRO stage, no
-recompute, larger dp.
+recompute, larger dp; then to the one that needs less memory.
 """
 
 from __future__ import annotations
@@ -376,7 +376,8 @@ def _rank_key(time_of):
     def key(c: Candidate):
         cfg = c.config
         return (float(f"{time_of(c):.6g}"), cfg.zero, RECOMPUTE.index(cfg.recompute), -cfg.dp, cfg.pp,
-                cfg.tp, SCHEDULES.index(cfg.schedule) if cfg.schedule in SCHEDULES else 0, cfg.microbatch_size)
+                cfg.tp, float(f"{c.peak_memory_bytes:.6g}"),  # equal times: the schedule holding less (1F1B, not GPipe)
+                SCHEDULES.index(cfg.schedule) if cfg.schedule in SCHEDULES else 0, cfg.microbatch_size)
     return key
 
 
