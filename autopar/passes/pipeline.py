@@ -171,12 +171,12 @@ def split_tied_gradients(gm: fx.GraphModule, stages: dict[fx.Node, int]) -> dict
     out_node = next(iter(gm.graph.find_nodes(op="output")))
     outputs = list(out_node.args[0])
     rewritten: dict[str, list[tuple[int, int]]] = {}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for fqn, idx in info.grad_outputs.items():
         root = outputs[idx]
         if not isinstance(root, fx.Node) or root.op != "call_function":
             continue
         tree = _sum_tree(root)
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
         leaves = sorted({a for n in tree for a in n.args[:2] if a not in tree}, key=order.__getitem__) \
             if tree else [root]
         by_stage: dict[int, list[fx.Node]] = defaultdict(list)
@@ -214,8 +214,8 @@ def _sum_tree(root: fx.Node) -> set[fx.Node]:
     tree, todo = set(), [root]
     while todo:
         n = todo.pop()
-        if n.op == "call_function" and n.target in _ADDS and (n is root or len(n.users) == 1) \
-                and all(isinstance(a, fx.Node) for a in n.args[:2]):
+        if n.op == "call_function" and n.target in _ADDS and not n.kwargs and len(n.args) == 2 \
+                and (n is root or len(n.users) == 1) and all(isinstance(a, fx.Node) for a in n.args):
             tree.add(n)
             todo.extend(n.args[:2])
     return tree
