@@ -218,7 +218,7 @@ def render_html(plan: Plan) -> str:
     out.append("</table>")
     comm = communication_rows(plan)
     if comm:
-        out += ["<h2>Communication per step (all stages together)</h2>",
+        out += ["<h2>Communication per step (tp and pp: summed over stages; dp: the slowest stage)</h2>",
                 "<table><tr><th>collective</th><th>mesh axis</th><th>calls</th><th>bytes</th><th>time</th></tr>"]
         out += [f'<tr><td>{_e(r["kind"])}</td><td>{_e(r["axis"])}</td><td class="num">{r["count"]:.4g}</td>'
                 f'<td class="num">{_e(fmt_bytes(r["bytes"]))}</td><td class="num">{_e(fmt_s(r["time_s"]))}</td></tr>'
