@@ -42,10 +42,6 @@ MODELS = {
        for m in ("gpt2", "llama", "mistral", "qwen2", "mixtral", "bert", "t5", "vit")},
 }
 
-# name -> reason, for models the planner cannot handle yet (the test then expects the failure)
-KNOWN_FAILURES: dict[str, str] = {}
-
-
 @functools.lru_cache(maxsize=1)  # the parametrization keeps one model's clusters together
 def traced(name):
     from autopar.planner.frontend import trace_pair
@@ -71,8 +67,7 @@ def plan_for(name, spec, **overrides):
 def _cases():
     for name in MODELS:
         for spec in HF_CLUSTERS if name.startswith("hf-") else CLUSTERS:
-            marks = [pytest.mark.xfail(reason=KNOWN_FAILURES[name], strict=True)] if name in KNOWN_FAILURES else []
-            yield pytest.param(name, spec, id=f"{name}-{spec}", marks=marks)
+            yield pytest.param(name, spec, id=f"{name}-{spec}")
 
 
 @pytest.mark.parametrize("name, spec", _cases())
