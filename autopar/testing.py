@@ -100,8 +100,14 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -
             dist.destroy_process_group()
 
 
-def spawn_world(fn: Callable, world: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; their results in rank order."""
+def spawn_world(fn: Callable, world: int, *args: Any, timeout_s: float = 900.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; their results in rank order.
+
+    ``timeout_s`` bounds the wait for each rank's result: long enough for a world that
+    compiles several plans while another test process shares the two CPU cores (the
+    4-rank pipeline world takes ~100 s alone and has needed over 300 s under load), short
+    enough that a hang fails the run well inside CI's limit.
+    """
     import torch.multiprocessing as mp  # here, not at the top: golden-plan tests need no torch import
 
     ctx = mp.get_context("spawn")

@@ -77,7 +77,7 @@ def _train(rank, world, models, configs):
 
 @pytest.fixture(scope="module")
 def results():
-    return spawn_world(_train, 2, MODELS, CONFIGS, timeout_s=600)
+    return spawn_world(_train, 2, MODELS, CONFIGS)
 
 
 @pytest.mark.parametrize("config", [c[0] for c in CONFIGS])
