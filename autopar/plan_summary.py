@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from autopar.plan import Plan
 
 __all__ = ["MEMORY_PARTS", "communication_rows", "config_words", "layer_strategies", "mesh_words", "render_summary",
-           "stage_rows", "strategy_text"]
+           "solver_words", "stage_rows", "strategy_text"]
 
 MEMORY_PARTS = (("params", "P"), ("grads", "G"), ("optimizer", "O"), ("activations", "A"))
 """Memory breakdown keys of a stage, with the letter the text bar uses for each."""
@@ -160,6 +160,15 @@ def config_words(config: dict[str, Any]) -> str:
             f"{config['microbatches']}x{config['microbatch_size']}")
 
 
+def solver_words(solver: dict[str, Any]) -> str:
+    """How the sharding MIP ended, e.g. "sharding MIP FEASIBLE (gap 1.20%; stopped at its limit
+    of 1000 branch-and-bound nodes)"; plan files from before the limit was recorded lack its keys."""
+    words = f"sharding MIP {solver['status']} (gap {solver['gap']:.2%}"
+    if solver.get("limit") == "nodes":
+        words += f"; stopped at its limit of {solver['node_limit']} branch-and-bound nodes"
+    return words + ")"
+
+
 def render_summary(plan: Plan) -> str:
     p = plan.predicted
     cap = plan.cluster.get("device", {}).get("hbm_bytes", 0)
@@ -197,7 +206,7 @@ def render_summary(plan: Plan) -> str:
             lines.append(f"    {r['kind']:<15} {r['axis']:<4} {r['count']:>8.4g} {fmt_bytes(r['bytes']):>9} "
                          f"{fmt_s(r['time_s']):>9}")
     s = plan.solver
-    lines += ["", f"  solver: sharding MIP {s['status']} (gap {s['gap']:.2%}); "
+    lines += ["", f"  solver: {solver_words(s)}; "
                   f"{s['search']['configurations']} configurations tried, {s['search']['feasible']} fit, "
                   f"{s['search']['simulated']} simulated"]
     if plan.timings:

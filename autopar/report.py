@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.fmt import fmt_bytes, fmt_s, fmt_si
 from autopar.plan_summary import (MEMORY_PARTS, communication_rows, config_words, layer_strategies, mesh_words,
-                                  stage_rows, strategy_text)
+                                  solver_words, stage_rows, strategy_text)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -226,7 +226,7 @@ def render_html(plan: Plan) -> str:
         out.append("</table>")
     s = plan.solver
     out += ["<h2>Runners-up</h2>",
-            f'<p class="sub">sharding MIP {_e(s["status"])} (gap {s["gap"]:.2%}); '
+            f'<p class="sub">{_e(solver_words(s))}; '
             f'{s["search"]["configurations"]} configurations tried, {s["search"]["feasible"]} fit, '
             f'{s["search"]["simulated"]} simulated</p>']
     if s.get("candidates"):

@@ -80,6 +80,11 @@ class Solution:
     status: str
     objective_s: float
     bound_s: float
+    nodes: int = 0
+    """Branch-and-bound nodes SCIP processed."""
+    node_limit: int = 0
+    limit: str | None = None
+    """The work limit that stopped the search before it proved optimality ("nodes"), else None."""
     wall_s: float
 
     @property
@@ -273,14 +278,37 @@ def _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj):
     return 0.0
 
 
-def solve(problem: Problem, *, time_limit_s: float = 20.0, backend: str = SOLVER_BACKEND) -> Solution:
-    """Solve the ILP (deterministic: same problem, same answer)."""
+# Why no time limit: a wall-clock limit makes the answer depend on how busy the machine is
+# (issue 17: T5's tp=8 MIP ran out of 20 s on a loaded machine and planning failed; a less
+# loaded one could have stopped at a different incumbent). SCIP single-threaded is
+# deterministic, and a node limit stops it after the same work on any machine, so the same
+# problem gives the same plan, loaded or not.
+NODE_LIMIT = 1000
+"""Branch-and-bound nodes SCIP may process, over all restarts (its ``limits/totalnodes``),
+before it stops and returns its best solution (status FEASIBLE, with its gap)."""
+_SCIP_SETTINGS = {
+    # Presolve probing tentatively fixes each binary and propagates; on these models it finds
+    # nothing (no fixings, few aggregations) yet took 3.3 s of T5 tiny's 4.4 s at tp=8.
+    "propagating/probing/maxprerounds": 0,
+}
+
+
+def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLVER_BACKEND) -> Solution:
+    """Solve the ILP (deterministic: same problem, same answer, however loaded the machine).
+
+    The search stops after ``node_limit`` branch-and-bound nodes; the best solution found
+    by then is returned with status FEASIBLE, its gap and ``limit="nodes"``. Raises
+    :class:`InfeasibleError` when the problem has no solution, or when the limit is hit
+    before any was found.
+    """
     start = time.perf_counter()
     g = problem.graph
     solver = pywraplp.Solver.CreateSolver(backend)
     if solver is None:
         raise RuntimeError(f"OR-tools has no {backend} backend here; try backend='CBC'")
-    solver.SetTimeLimit(int(time_limit_s * 1000))
+    settings = {**_SCIP_SETTINGS, "limits/totalnodes": node_limit} if backend == "SCIP" else {}
+    if not solver.SetSolverSpecificParametersAsString("\n".join(f"{k} = {v}" for k, v in settings.items())):
+        raise RuntimeError(f"{backend} rejected the settings {settings}")
     x = []
     obj = []  # (variable, coefficient) of the objective, in the order the variables are made
     fixed_cost = 0.0
@@ -312,14 +340,22 @@ def solve(problem: Problem, *, time_limit_s: float = 20.0, backend: str = SOLVER
     names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
              pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.UNBOUNDED: "UNBOUNDED"}
     name = names.get(status, "NOT_SOLVED")
+    nodes = solver.nodes()
+    limit = "nodes" if backend == "SCIP" and nodes >= node_limit and name in ("FEASIBLE", "NOT_SOLVED") else None
+    if limit and name == "NOT_SOLVED":
+        raise InfeasibleError(
+            f"sharding ILP on an axis of {g.axis_size} ({len(g.nodes)} nodes, {len(g.edges)} edges) found no "
+            f"solution within its limit of {node_limit} branch-and-bound nodes; try a larger node_limit, or "
+            f"another tensor-parallel degree (fixed={{'tp': ...}})")
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        raise InfeasibleError(f"sharding ILP on an axis of {g.axis_size} is {name}; try another "
-                              f"tensor-parallel degree (fixed={{'tp': ...}})")
+        raise InfeasibleError(f"sharding ILP on an axis of {g.axis_size} is {name} after {nodes} branch-and-bound "
+                              f"nodes; try another tensor-parallel degree (fixed={{'tp': ...}})")
     choice = tuple(max(range(len(lits)), key=lambda i: lits[i].solution_value()) for lits in x)
     objective = solver.Objective().Value() + fixed_cost
     bound = solver.Objective().BestBound() + fixed_cost if name != "OPTIMAL" else objective
     return Solution(choice=choice, status=name, objective_s=objective * _UNIT_S,
-                    bound_s=bound * _UNIT_S, wall_s=time.perf_counter() - start)
+                    bound_s=bound * _UNIT_S, nodes=nodes, node_limit=node_limit, limit=limit,
+                    wall_s=time.perf_counter() - start)
 
 
 def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:

@@ -324,7 +324,8 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
     }
     solver = {
         "backend": "SCIP (OR-tools pywraplp)", "status": sol.status, "objective": sol.objective_s,
-        "bound": sol.bound_s, "gap": sol.gap,
+        "bound": sol.bound_s, "gap": sol.gap, "nodes": sol.nodes, "node_limit": sol.node_limit,
+        "limit": sol.limit,  # the work limit that stopped the MIP before it proved optimality, or None
         "search": {k: v for k, v in stats.items() if k != "wall_s"},
         "candidates": [{"config": _config_dict(c), "step_time_s": c.step_time_s} for c in runners],
     }

@@ -1,0 +1,134 @@
+"""The sharding MIP stops on work done, never on the clock (issue 17).
+
+A plan made while busy processes hog every core is byte-identical to one made on a
+quiet machine; a MIP stopped by its node limit returns its best solution as FEASIBLE
+with its gap, stops at the same point every time, and the plan says so.
+"""
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.cluster import parse_cluster
+from autopar.errors import InfeasibleError
+from autopar.passes.strategies import build_strategy_graph
+from autopar.planner import ilp, make
+from autopar.planner.frontend import trace_pair
+from autopar.plan_summary import render_summary
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+import gpt  # noqa: E402
+import llama  # noqa: E402
+
+CLUSTER = "2x8xH100"
+BUILD = dict(size="small", batch=16, seq=128)  # gpt small: plans in seconds
+# Plans the model above and writes the plan file's bytes to stdout; run in a fresh interpreter,
+# so it also has its own string-hash seed (a set iterated in hash order would show up here).
+PLAN_SCRIPT = f"""
+import sys
+sys.path.insert(0, {str(EXAMPLES)!r})
+import autopar, gpt
+model, inputs, loss_fn, target = gpt.build(**{BUILD!r})
+plan = autopar.plan(model, inputs, cluster={CLUSTER!r}, loss_fn=loss_fn, example_target=target)
+sys.stdout.write(plan.to_json())
+"""
+# A busy loop that ends on its own after 10 minutes should this test die without killing it.
+HOG_SCRIPT = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() < end:\n    pass\n"
+
+
+def _plan_bytes_in_subprocess() -> bytes:
+    done = subprocess.run([sys.executable, "-c", PLAN_SCRIPT], capture_output=True, timeout=900)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return done.stdout
+
+
+def test_plan_made_under_load_is_byte_identical_to_a_quiet_one():
+    model, inputs, loss_fn, target = gpt.build(**BUILD)
+    quiet = autopar.plan(model, inputs, cluster=CLUSTER, loss_fn=loss_fn, example_target=target).to_json().encode()
+    # Two busy loops per core, so the planner gets well under a core. A decision that depended
+    # on elapsed time (a solver time limit, a time-boxed search) differs once load pushes it past
+    # its deadline; this model's MIPs take well under a second, so such a deadline would have to
+    # be short to be caught here, but any plan that differs under load or in a fresh interpreter is.
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG_SCRIPT]) for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        loaded = _plan_bytes_in_subprocess()
+    finally:
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait()
+    assert loaded == quiet
+
+
+LIMITED_BUILD = dict(size="tiny", batch=16, seq=128)  # llama tiny
+
+
+@pytest.fixture(scope="module")
+def llama_tp4():
+    """llama tiny's MIP on a tp axis of 4 (SCIP closes it at the root node)."""
+    cluster = parse_cluster("1x4xH100")
+    model, inputs, loss_fn, target = llama.build(**LIMITED_BUILD)
+    gm, gm2 = trace_pair(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target)
+    sg = build_strategy_graph(gm, axis_size=4, gm_double=gm2, shard_batch=False)
+    return ilp.build_problem(sg, batch=4, device=cluster.device, link=cluster.link_for_group(4, stride=1))
+
+
+@pytest.fixture
+def no_root_cuts(monkeypatch):
+    """Without cutting planes the root's LP bound stays below its best solution, so SCIP must
+    branch, and a node limit of 1 stops it with a gap: a stand-in for a MIP too big to close
+    at the root, which no bundled model is."""
+    monkeypatch.setitem(ilp._SCIP_SETTINGS, "separating/maxroundsroot", 0)
+    monkeypatch.setitem(ilp._SCIP_SETTINGS, "separating/maxrounds", 0)
+
+
+def test_node_limit_returns_the_best_solution_with_its_gap(llama_tp4, no_root_cuts):
+    full = ilp.solve(llama_tp4)
+    assert (full.status, full.limit, full.gap) == ("OPTIMAL", None, 0.0)
+    assert full.nodes > 1  # it had to branch, so one node is not enough
+
+    stopped = ilp.solve(llama_tp4, node_limit=1)
+    assert (stopped.status, stopped.limit, stopped.nodes, stopped.node_limit) == ("FEASIBLE", "nodes", 1, 1)
+    assert stopped.bound_s <= full.objective_s <= stopped.objective_s
+    assert stopped.gap == pytest.approx((stopped.objective_s - stopped.bound_s) / stopped.objective_s)
+    assert stopped.gap > 0
+    # the solution is real: its cost, recomputed from scratch, is the objective SCIP reports
+    assert ilp.evaluate(llama_tp4, stopped).total_s == pytest.approx(stopped.objective_s, rel=1e-6)
+    # and the limit is work, not time: the same problem stops at the same solution every time
+    again = ilp.solve(llama_tp4, node_limit=1)
+    assert (again.choice, again.objective_s, again.bound_s, again.nodes) == \
+        (stopped.choice, stopped.objective_s, stopped.bound_s, stopped.nodes)
+
+
+def test_plan_says_when_the_node_limit_stopped_the_mip(monkeypatch, no_root_cuts):
+    monkeypatch.setattr(make, "solve", functools.partial(ilp.solve, node_limit=1))
+    model, inputs, loss_fn, target = llama.build(**LIMITED_BUILD)
+    plan = autopar.plan(model, inputs, cluster="1x4xH100", loss_fn=loss_fn, example_target=target,
+                        fixed={"tp": 4})
+    solver = plan.solver
+    assert (solver["status"], solver["limit"], solver["nodes"], solver["node_limit"]) == ("FEASIBLE", "nodes", 1, 1)
+    assert solver["gap"] > 0 and solver["bound"] < solver["objective"]
+    assert f"sharding MIP FEASIBLE (gap {solver['gap']:.2%}; stopped at its limit of 1 branch-and-bound nodes)" \
+        in render_summary(plan)
+
+
+def test_default_plan_records_an_optimal_mip_within_the_limit():
+    model, inputs, loss_fn, target = llama.build(**LIMITED_BUILD)
+    plan = autopar.plan(model, inputs, cluster="1x4xH100", loss_fn=loss_fn, example_target=target,
+                        fixed={"tp": 4})
+    solver = plan.solver
+    assert (solver["status"], solver["limit"], solver["gap"], solver["node_limit"]) == \
+        ("OPTIMAL", None, 0.0, ilp.NODE_LIMIT)
+    assert 1 <= solver["nodes"] <= ilp.NODE_LIMIT
+
+
+def test_no_solution_within_the_limit_is_a_clear_error(llama_tp4):
+    with pytest.raises(InfeasibleError, match=r"found no solution within its limit of 0 branch-and-bound nodes; "
+                                              r"try a larger node_limit"):
+        ilp.solve(llama_tp4, node_limit=0)
