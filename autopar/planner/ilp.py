@@ -33,8 +33,9 @@ made once serves every consumer that needs it. Either way an edge has at most
 pairs; the pairing itself is Alpa's, Zheng et al. 2022, sec. 4.2).
 
 Solver: SCIP through OR-tools' pywraplp (docs/design-notes.md says why not
-CP-SAT); single-threaded and deterministic, so the same model gives the same
-plan. Costs are in units of 1 us to keep the MIP well scaled.
+CP-SAT); single-threaded, with a node limit and no time limit, so the same model
+gives the same plan on a quiet or a loaded machine. Costs are in units of 1 us
+to keep the MIP well scaled.
 
 ``build_problem`` makes the plain-data :class:`Problem` (functions of the
 micro-batch size), ``solve`` returns a :class:`Solution`, and ``evaluate``
@@ -278,11 +279,8 @@ def _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj):
     return 0.0
 
 
-# Why no time limit: a wall-clock limit makes the answer depend on how busy the machine is
-# (issue 17: T5's tp=8 MIP ran out of 20 s on a loaded machine and planning failed; a less
-# loaded one could have stopped at a different incumbent). SCIP single-threaded is
-# deterministic, and a node limit stops it after the same work on any machine, so the same
-# problem gives the same plan, loaded or not.
+# No time limit: with one, the answer depends on how busy the machine is (issue 17: T5's tp=8
+# MIP ran out of 20 s on a loaded machine). A node limit stops SCIP after the same work anywhere.
 NODE_LIMIT = 1000
 """Branch-and-bound nodes SCIP may process, over all restarts (its ``limits/totalnodes``),
 before it stops and returns its best solution (status FEASIBLE, with its gap)."""
@@ -307,7 +305,8 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
     if solver is None:
         raise RuntimeError(f"OR-tools has no {backend} backend here; try backend='CBC'")
     settings = {**_SCIP_SETTINGS, "limits/totalnodes": node_limit} if backend == "SCIP" else {}
-    if not solver.SetSolverSpecificParametersAsString("\n".join(f"{k} = {v}" for k, v in settings.items())):
+    text = "\n".join(f"{k} = {v}" for k, v in settings.items())
+    if settings and not solver.SetSolverSpecificParametersAsString(text):
         raise RuntimeError(f"{backend} rejected the settings {settings}")
     x = []
     obj = []  # (variable, coefficient) of the objective, in the order the variables are made
@@ -342,14 +341,11 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
     name = names.get(status, "NOT_SOLVED")
     nodes = solver.nodes()
     limit = "nodes" if backend == "SCIP" and nodes >= node_limit and name in ("FEASIBLE", "NOT_SOLVED") else None
-    if limit and name == "NOT_SOLVED":
-        raise InfeasibleError(
-            f"sharding ILP on an axis of {g.axis_size} ({len(g.nodes)} nodes, {len(g.edges)} edges) found no "
-            f"solution within its limit of {node_limit} branch-and-bound nodes; try a larger node_limit, or "
-            f"another tensor-parallel degree (fixed={{'tp': ...}})")
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        raise InfeasibleError(f"sharding ILP on an axis of {g.axis_size} is {name} after {nodes} branch-and-bound "
-                              f"nodes; try another tensor-parallel degree (fixed={{'tp': ...}})")
+        why = (f"found no solution within its limit of {node_limit} branch-and-bound nodes; try a larger "
+               f"node_limit, or" if limit else f"is {name} after {nodes} branch-and-bound nodes; try")
+        raise InfeasibleError(f"sharding ILP on an axis of {g.axis_size} ({len(g.nodes)} graph nodes) {why} "
+                              f"another tensor-parallel degree (fixed={{'tp': ...}})")
     choice = tuple(max(range(len(lits)), key=lambda i: lits[i].solution_value()) for lits in x)
     objective = solver.Objective().Value() + fixed_cost
     bound = solver.Objective().BestBound() + fixed_cost if name != "OPTIMAL" else objective
