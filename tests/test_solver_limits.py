@@ -5,6 +5,7 @@ quiet machine; a MIP stopped by its node limit returns its best solution as FEAS
 with its gap, stops at the same point every time, and the plan says so.
 """
 
+import difflib
 import functools
 import os
 import subprocess
@@ -51,11 +52,12 @@ def _plan_bytes_in_subprocess() -> bytes:
 def test_plan_made_under_load_is_byte_identical_to_a_quiet_one():
     model, inputs, loss_fn, target = gpt.build(**BUILD)
     quiet = autopar.plan(model, inputs, cluster=CLUSTER, loss_fn=loss_fn, example_target=target).to_json().encode()
-    # Two busy loops per core, so the planner gets well under a core. A decision that depended
-    # on elapsed time (a solver time limit, a time-boxed search) differs once load pushes it past
-    # its deadline; this model's MIPs take well under a second, so such a deadline would have to
-    # be short to be caught here, but any plan that differs under load or in a fresh interpreter is.
-    hogs = [subprocess.Popen([sys.executable, "-c", HOG_SCRIPT]) for _ in range(2 * (os.cpu_count() or 1))]
+    # One busy loop per core and one more, so the planner gets about half a core (on 2 quiet
+    # cores its 5.6 s of CPU take about 11 s). A decision that depended on elapsed time (a solver
+    # time limit, a time-boxed search) differs once load pushes it past its deadline; this
+    # model's MIPs take well under a second, so only a short deadline would be caught here, but
+    # any plan that differs under load or in a fresh interpreter (another hash seed) is.
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG_SCRIPT]) for _ in range((os.cpu_count() or 1) + 1)]
     try:
         loaded = _plan_bytes_in_subprocess()
     finally:
@@ -63,7 +65,10 @@ def test_plan_made_under_load_is_byte_identical_to_a_quiet_one():
             hog.kill()
         for hog in hogs:
             hog.wait()
-    assert loaded == quiet
+    if loaded != quiet:
+        lines = difflib.unified_diff(quiet.decode().splitlines(), loaded.decode().splitlines(), "quiet", "loaded",
+                                     lineterm="", n=1)
+        pytest.fail("the plan made under load differs from the quiet one:\n" + "\n".join(list(lines)[:40]))
 
 
 LIMITED_BUILD = dict(size="tiny", batch=16, seq=128)  # llama tiny
