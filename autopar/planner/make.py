@@ -98,6 +98,10 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
             ref = max(1, batch // max(1, cluster.world_size // tp))
             link = cluster.link_for_group(tp, stride=1)
             solved[tp] = (sg, solve(build_problem(sg, batch=ref, device=cluster.device, link=link)))
+            sol = solved[tp][1]
+            if sol.limit:  # the plan records this for the chosen tp only; the others rank by it too
+                log.warning("sharding MIP at tp=%d stopped at its limit of %d branch-and-bound nodes with a "
+                            "%.2f%% gap; its best solution is used", tp, sol.node_limit, 100 * sol.gap)
     t1 = time.perf_counter()
     names = _expanded_names(layers, info)
     shared = _shared_params(gm)
