@@ -41,7 +41,8 @@ noise fp32 makes summing terms of its size, which ``noise`` measures, not by rel
   biases: err / noise = 5.5). Parameters therefore also get what the optimizer itself makes
   of gradients that differ by their tolerance: a shadow copy of the fp64 parameters is
   stepped by the same optimizer on ``g_fp64 + FACTOR * (g_fp32 - g_fp64)`` every step, and
-  |shadow - x_fp64| is added to the bound. With SGD this is just lr * FACTOR * noise.
+  |shadow - x_fp64| is added to the bound. With SGD this is lr * FACTOR * (the gradient
+  noise summed over the steps).
   (eps = 1e-5 in the tests keeps that sensitivity, 1/eps, finite-sized: with the default
   1e-8 a single entry could move by a whole lr.) Adam is scale-invariant, so a gradient
   that is wrong by a constant factor leaves the parameters nearly unchanged: the gradient
@@ -49,7 +50,10 @@ noise fp32 makes summing terms of its size, which ``noise`` measures, not by rel
 
 A real engine error (a gradient scaled by 1.001, a dropped micro-batch) is ~8000 ulps or
 more: tests/dist/test_parallel_compare.py checks that the criterion rejects it and accepts
-summation-order noise.
+summation-order noise. Measured on 2 gloo ranks (the Llama example, dp=2, 3 steps): the
+correct run uses at most 0.22 of any gradient's bound and 0.11 of any parameter's; one
+gradient scaled by 1.001 is 62x outside its bound; a micro-batch fed twice instead of
+another is 600x (the first loss) to 10^5x (gradients) outside.
 """
 
 from __future__ import annotations
