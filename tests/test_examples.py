@@ -10,6 +10,12 @@ import torch
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+def assert_identical(a, b):
+    """Bit for bit: the same seed and the same ops give the same bits (no tolerance to hide
+    a nondeterministic initialisation)."""
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def load_example(name):
     spec = importlib.util.spec_from_file_location(f"_test_examples_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -77,9 +83,9 @@ def test_mlp_large_builds_on_meta():
 def test_mlp_is_deterministic():
     mlp = load_example("mlp")
     a, b = mlp.build(size="tiny"), mlp.build(size="tiny")
-    torch.testing.assert_close(a[0].state_dict(), b[0].state_dict())
-    torch.testing.assert_close(a[1], b[1])
-    torch.testing.assert_close(a[3], b[3])
+    assert_identical(a[0].state_dict(), b[0].state_dict())
+    assert_identical(a[1], b[1])
+    assert_identical(a[3], b[3])
 
 
 # --- gpt ----------------------------------------------------------------------------
@@ -115,9 +121,9 @@ def test_gpt_options_from_strings():
 def test_gpt_is_deterministic():
     gpt = load_example("gpt")
     a, b = gpt.build(size="tiny"), gpt.build(size="tiny")
-    torch.testing.assert_close(a[0].state_dict(), b[0].state_dict())
-    torch.testing.assert_close(a[1], b[1])
-    torch.testing.assert_close(a[3], b[3])
+    assert_identical(a[0].state_dict(), b[0].state_dict())
+    assert_identical(a[1], b[1])
+    assert_identical(a[3], b[3])
 
 
 @pytest.mark.parametrize(
@@ -172,21 +178,27 @@ def test_llama_tiny_is_gqa_and_deterministic():
     assert attn.n_kv_heads == 2 and attn.n_heads == 4
     assert attn.wk.weight.shape == (32, 64) and attn.wq.weight.shape == (64, 64)
     assert a[0].layers[0].feed_forward.w1.weight.shape == (192, 64)
-    torch.testing.assert_close(a[0].state_dict(), b[0].state_dict())
-    torch.testing.assert_close(a[1], b[1])
+    assert_identical(a[0].state_dict(), b[0].state_dict())
+    assert_identical(a[1], b[1])
 
 
 def test_llama_rope_is_relative():
     """q.k after RoPE depends only on the distance between the positions."""
     llama = load_example("llama")
-    cos, sin = llama.rope_cos_sin(16, 8, 10000.0, "cpu", torch.float32)
+    # In fp64, so the products' own rounding (~1e-16 |q||k|) plays no part. The tables' angles
+    # pos * inv_freq are computed in fp32 (as Llama's reference code): each is off by up to
+    # ~2 ulps of pos * inv_freq <= 15, and rotating q and k each by such an error moves q.k by
+    # at most 2 x that x |q||k|, on each side: 4 * 2 * 15 ulps = 120 * eps32 * |q||k| (we see
+    # 0.03). A RoPE bug (a wrong frequency, a swapped half) changes q.k by order |q||k|.
+    cos, sin = llama.rope_cos_sin(16, 8, 10000.0, "cpu", torch.float64)
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(8, generator=g), torch.randn(8, generator=g)
+    q, k = torch.randn(8, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)
 
     def at(x, pos):
         return llama.apply_rope(x.expand(16, 8), cos, sin)[pos]
 
-    torch.testing.assert_close(at(q, 3) @ at(k, 1), at(q, 9) @ at(k, 7))
+    torch.testing.assert_close(at(q, 3) @ at(k, 1), at(q, 9) @ at(k, 7),
+                               rtol=0, atol=120 * torch.finfo(torch.float32).eps * float(q.norm() * k.norm()))
 
 
 @pytest.mark.parametrize(

@@ -128,6 +128,9 @@ def test_resimulated_timeline_is_the_planners(pipelined):
 
     plan = pipelined
     sim = resimulate(plan)
+    # rel=1e-5: the plan stores floats to 6 significant digits (each within 5e-6 relative); the
+    # resimulation starts from those stored stage times and is compared with a stored total, so
+    # two such roundings of positive quantities separate them at most.
     assert sim.bubble_fraction == pytest.approx(plan.predicted["bubble_fraction"], rel=1e-5)
     tail = max(st["predicted"]["grad_sync_s"] + st["predicted"]["optimizer_s"] for st in plan.stages)
     assert sim.step_time_s + tail == pytest.approx(plan.predicted["step_time_s"], rel=1e-5)
