@@ -35,16 +35,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autopar.errors import TraceError
+from autopar.errors import LossError, TraceError
 from autopar.passes import meta_keys as mk
+from autopar.passes.train_checks import check_trainable, checked_loss
 
 log = logging.getLogger(__name__)
 
 __all__ = ["trace_joint", "flatten_inputs", "LossError"]
-
-
-class LossError(ValueError):
-    """The model's output is not a loss and no ``loss_fn`` was given."""
 
 
 def trace_joint(
@@ -66,10 +63,14 @@ def trace_joint(
         ``(loss, *param_grads)`` in AOTAutograd's order; every node has
         ``meta["val"]`` and ``meta[TRACE]`` (:class:`NodeTrace`); the module has
         ``gm.meta[GRAPH]`` (:class:`GraphTrace`).
-      raises: :class:`LossError` when no loss can be found, :class:`TraceError`
-        naming the op or source line when the model cannot be traced.
+      raises: :class:`InputError` before tracing for an empty batch, a target
+        whose batch differs from the inputs' or a model with no trainable
+        parameter; :class:`LossError` when no loss can be found or ``loss_fn``
+        returns no floating-point scalar tensor; :class:`TraceError` naming the
+        op or source line when the model cannot be traced.
     """
     names, flat, kw_names = flatten_inputs(example_inputs)
+    check_trainable(model, names, flat, example_target)
     if example_target is not None:
         names, flat = names + ("target",), flat + [example_target]
     repeats = _find_repeats(model) if collapse_repeats else ()
@@ -140,7 +141,7 @@ class _TrainStep(nn.Module):
         kwargs = dict(zip(self.kw_names, flat[self.n_pos: self.n_pos + len(self.kw_names)]))
         out = self.user(*args, **kwargs)
         if self.loss_fn is not None:
-            return self.loss_fn(out, flat[-1] if self.has_target else None)
+            return checked_loss(self.loss_fn(out, flat[-1] if self.has_target else None))
         return _loss_of(out)
 
 
