@@ -183,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autopar", description="Auto-parallelism compiler for PyTorch training.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what each pass does")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.set_defaults(commands=sub.choices)  # main() sends an unknown option to its command's usage line
 
     def model_args(p):
         p.add_argument("model", help="model spec FILE.py:FN; FN returns (model, example_inputs[, loss_fn[, target]])")
@@ -217,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # argparse would blame the top-level parser: point at the command's own --help instead
+        args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
     progress.enable(sys.stderr)
