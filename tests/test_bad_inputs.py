@@ -393,6 +393,8 @@ def test_library_plan_load_never_unpickles(workdir):
         Plan.load(workdir / "plans" / "pickle.json")
     with pytest.raises(PlanError, match="schedule kind 'foo'"):
         Plan.load(workdir / "plans" / "schedule_foo.json")
+    with pytest.raises(PlanError, match="schedule kind 'foo'"):  # at construction, not after tracing
+        autopar.ParallelModule(torch.nn.Linear(4, 4), cluster="1x1xcpu", plan=workdir / "plans" / "schedule_foo.json")
     with pytest.raises(PlanError, match="'stages' must be a list"):
         Plan.from_dict(json.loads((workdir / "plans" / "stages_string.json").read_text()))
 
