@@ -206,12 +206,15 @@ CASES = [
     Case("empty-batch", plan("specs.py:empty_batch"), r"example inputs have batch 0"),
     Case("inputs-not-tensors", plan("specs.py:string_inputs"), r"example_inputs must be a tuple .* got str"),
     Case("analyze-frozen-model", ("analyze", "specs.py:frozen", "--cluster", "1x1xcpu"), r"nothing to train"),
-    # these four need a trace (about a second each): the loss is known only once the model ran
+    # these need a trace (about a second each): the loss is known only once the model ran
     Case("loss-is-an-int", plan("specs.py:int_loss"), r"loss_fn returned int 3, not a tensor"),
     Case("loss-not-reduced", plan("specs.py:unreduced_loss"),
          r"loss_fn returned a tensor of shape \(8, 4\), not a scalar.*reduction='none'"),
     Case("loss-is-an-integer-tensor", plan("specs.py:long_loss"), r"loss_fn returned a torch.int64 scalar"),
     Case("no-loss", plan("specs.py:no_loss"), r"returned \(8, 3\), which is not a scalar loss.*loss_fn"),
+    Case("forward-raises", plan("specs.py:forward_raises"),
+         rf"specs.py:{line_of('forward_raises')}: KeyError: 'out' \(raised by RaisesInForward's forward or the loss_fn"),
+    Case("loss-fn-raises", plan("specs.py:loss_raises"), rf"specs.py:{line_of('loss_raises')}: ValueError: loss broke"),
     # --fix: checked before the model spec runs
     Case("fix-unknown-key", plan(MLP, "--fix", "foo=1"), r"unknown key 'foo'; accepted keys: tp, pp"),
     Case("fix-zero-5", plan(MLP, "--fix", "zero=5"), r"zero='5' must be an integer in 0..3"),

@@ -23,9 +23,7 @@ torch/_dynamo/functional_export.py.
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import linecache
 import logging
 import re
 import warnings
@@ -38,6 +36,7 @@ from torch import fx, nn
 from autopar.errors import LossError, TraceError
 from autopar.passes import meta_keys as mk
 from autopar.passes.train_checks import check_trainable, checked_loss
+from autopar.passes.trace_errors import trace_error
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +258,7 @@ def _export(wrapper: nn.Module, fake_inputs: list[Any], model_name: str):
         with contextlib.ExitStack() as stack:
             joint = aot_export_joint_with_descriptors(stack, captured, tuple(fake_inputs))
     except Exception as e:  # translate torch's tracing errors into one that says what to do
-        raise _trace_error(e, model_name) from e
+        raise trace_error(e, model_name) from e
     return joint, flat_to_fqn
 
 
@@ -274,53 +273,6 @@ def _canonical_names(captured: nn.Module, wrapper: nn.Module) -> dict[str, str]:
     canonical = {id(t): name for name, t in [*wrapper.named_parameters(), *wrapper.named_buffers()]}
     flat = [*captured.named_parameters(remove_duplicate=False), *captured.named_buffers(remove_duplicate=False)]
     return {name: canonical[id(t)] for name, t in flat if id(t) in canonical}
-
-
-def _trace_error(e: BaseException, model_name: str) -> Exception:
-    chain, cur = [], e
-    while cur is not None and len(chain) < 20:
-        chain.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    for c in chain:
-        if isinstance(c, LossError):
-            return c
-    # An exception raised in traced code reaches us as dynamo's "Observed<Name>Error"
-    # whose message is "raised exception Name('...')": recover the user's message.
-    observed = next(((m.group(1), m.group(2)) for c in chain
-                     if type(c).__name__.startswith("Observed")
-                     and (m := re.match(r"raised exception (\w+)\((.*)\)\s*$", str(c), re.S))), None)
-    if observed and observed[0] == LossError.__name__:
-        return LossError(_literal_message(observed[1]))
-    text = "\n".join(str(c) for c in chain)
-    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-    if observed:
-        first = f"{observed[0]}: {_literal_message(observed[1])}"
-    frames = [(f, ln) for f, ln in re.findall(r'File "([^"]+)", line (\d+)', text)
-              if "/torch/" not in f and "/autopar/passes/" not in f]
-    where = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
-    op = re.search(r"(aten\.\w+(?:\.\w+)?)", text)
-    what = f" (op {op.group(1)})" if op else ""
-    hint = ""
-    source = linecache.getline(frames[-1][0], int(frames[-1][1])) if frames else ""
-    if frames and "/transformers/" in frames[-1][0] and "expert" in source:
-        # Hugging Face's "eager" experts loop in Python over the experts that received tokens
-        hint = ("; for this Hugging Face mixture-of-experts model, load it with "
-                "experts_implementation='grouped_mm' (the default), which runs all experts as one grouped matmul")
-    err = TraceError(
-        f"could not trace {model_name}{where}{what}: {first[:200]}. Try: make the model's "
-        f"forward free of data-dependent Python control flow, return plain tensors "
-        f"(use_cache=False for Hugging Face models), or build it on 'cpu' with small shapes{hint}")
-    err.details = text
-    return err
-
-
-def _literal_message(args_repr: str) -> str:
-    """The first argument of an exception's repr ("'msg'" -> "msg"), or the text itself."""
-    try:
-        args = ast.literal_eval(f"({args_repr},)")
-    except (ValueError, SyntaxError):
-        return args_repr
-    return str(args[0]) if args else ""
 
 
 # -- node annotation ----------------------------------------------------------

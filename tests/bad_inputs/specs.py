@@ -95,4 +95,25 @@ def sleeps(marker):
     time.sleep(120)
 
 
+class RaisesInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scales = {}
+
+    def forward(self, x):
+        return self.lin(x) * self.scales["out"]  # LINE forward_raises
+
+
+def forward_raises():
+    return RaisesInForward(), (x(),), F.mse_loss, x()
+
+
+def loss_raises():
+    def loss(out, target):
+        raise ValueError("loss broke")  # LINE loss_raises
+
+    return nn.Linear(4, 4), (x(),), loss, x()
+
+
 NOT_CALLABLE = 3
