@@ -117,8 +117,9 @@ def load_model_spec(spec: str, args: Mapping[str, Any] | None = None) -> tuple[n
     try:  # a wrong --arg is a usage mistake, not an error in the user's code
         inspect.signature(fn).bind(**args)
     except TypeError as e:
-        raise ValueError(f"model spec {spec!r}: {fn_name}{inspect.signature(fn)} cannot take "
-                         f"{', '.join(f'{k}={v!r}' for k, v in args.items())} ({e}); check the --arg names") from None
+        given = ", ".join(f"{k}={v!r}" for k, v in args.items()) or "no arguments"
+        raise ValueError(f"model spec {spec!r}: {fn_name}{inspect.signature(fn)} cannot take {given} ({e}); "
+                         f"check the --arg names") from None
     except ValueError:  # no signature to check (a builtin): let the call say
         pass
     try:

@@ -175,6 +175,8 @@ CASES = [
     Case("spec-returns-5-tuple", plan("specs.py:five"), r"five\(\) returned a 5-tuple"),
     Case("spec-returns-no-model", plan("specs.py:not_a_model"), r"returned str as the model, expected an nn.Module"),
     Case("arg-without-equals", plan(MLP, "--arg", "size"), r"--arg 'size' is not of the form key=value"),
+    Case("arg-missing", plan("specs.py:needs_size"),
+         r"needs_size\(size\) cannot take no arguments \(missing a required argument: 'size'\)"),
     Case("arg-unknown-name", plan("specs.py:ok", "--arg", "width=3"), r"ok\(\) cannot take width='3'.*--arg names"),
     # model specs: the user's own errors, reported as theirs
     Case("spec-syntax-error", plan("syntax.py:build"),

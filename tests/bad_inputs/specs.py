@@ -19,6 +19,10 @@ def ok():
     return nn.Linear(4, 4), (x(),), F.mse_loss, x()
 
 
+def needs_size(size):
+    return ok()
+
+
 def raises_runtime():
     raise RuntimeError("my model broke")  # LINE raises_runtime
 
