@@ -181,7 +181,7 @@ def cmd_diff(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autopar", description="Auto-parallelism compiler for PyTorch training.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what each pass does")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what each pass does; on an error, also print its traceback")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     parser.set_defaults(commands=sub.choices)  # main() sends an unknown option to its command's usage line
 
