@@ -251,6 +251,12 @@ def _export(wrapper: nn.Module, fake_inputs: list[Any], model_name: str):
     from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
+    # A failing op makes the fake-tensor logger print its traceback to stderr; the exception
+    # carries the same story, which trace_error turns into one line (and keeps in .details).
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    if not log.isEnabledFor(logging.INFO):
+        fake_log.setLevel(logging.CRITICAL)
     try:
         captured = _dynamo_graph_capture_for_export(wrapper)(*fake_inputs)
         flat_to_fqn = dict(captured.meta.get("dynamo_flat_name_to_original_fqn", {}))
@@ -259,6 +265,8 @@ def _export(wrapper: nn.Module, fake_inputs: list[Any], model_name: str):
             joint = aot_export_joint_with_descriptors(stack, captured, tuple(fake_inputs))
     except Exception as e:  # translate torch's tracing errors into one that says what to do
         raise trace_error(e, model_name) from e
+    finally:
+        fake_log.setLevel(level)
     return joint, flat_to_fqn
 
 

@@ -58,6 +58,12 @@ def trace_error(e: BaseException, model_name: str) -> Exception:
                          f"{model_name}'s forward or the loss_fn while autopar traced it, not by autopar)")
         err.details = text
         return err
+    # Dynamo's headline ("RuntimeError when making fake tensor call") hides the cause: the plain
+    # exception at the root of the chain ("a and b must have same reduction dim, [8, 5] X [4, 4]").
+    root = next((c for c in reversed(chain) if type(c).__module__ == "builtins" and str(c).strip()), None)
+    if root is not None:
+        first = f"{type(root).__name__}: {str(root).strip().splitlines()[0]}"
+    mismatch = isinstance(root, TypeError) or any(type(c).__name__ == "TorchRuntimeError" for c in chain)
     where = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
     op = re.search(r"(aten\.\w+(?:\.\w+)?)", text)
     what = f" (op {op.group(1)})" if op else ""
@@ -67,10 +73,13 @@ def trace_error(e: BaseException, model_name: str) -> Exception:
         # Hugging Face's "eager" experts loop in Python over the experts that received tokens
         hint = ("; for this Hugging Face mixture-of-experts model, load it with "
                 "experts_implementation='grouped_mm' (the default), which runs all experts as one grouped matmul")
-    err = TraceError(
-        f"could not trace {model_name}{where}{what}: {first[:200]}. Try: make the model's "
-        f"forward free of data-dependent Python control flow, return plain tensors "
-        f"(use_cache=False for Hugging Face models), or build it on 'cpu' with small shapes{hint}")
+    if mismatch and not hint:  # an op refused its arguments: most often inputs that do not fit the model
+        advice = ("check that the example inputs and target have the number, shapes and dtypes that the "
+                  "model's forward and the loss_fn expect")
+    else:
+        advice = ("make the model's forward free of data-dependent Python control flow, return plain tensors "
+                  f"(use_cache=False for Hugging Face models), or build it on 'cpu' with small shapes{hint}")
+    err = TraceError(f"could not trace {model_name}{where}{what}: {first[:200].rstrip('.')}. Try: {advice}")
     err.details = text
     return err
 

@@ -120,4 +120,12 @@ def loss_raises():
     return nn.Linear(4, 4), (x(),), loss, x()
 
 
+def wrong_width():
+    return nn.Linear(4, 4), (torch.randn(8, 5),), F.mse_loss, x()
+
+
+def too_many_inputs():
+    return nn.Linear(4, 4), (x(), x()), F.mse_loss, x()
+
+
 NOT_CALLABLE = 3
