@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autopar.errors import LossError, TraceError
+from autopar.errors import LossError
 from autopar.passes import meta_keys as mk
 from autopar.passes.train_checks import check_trainable, checked_loss
 from autopar.passes.trace_errors import trace_error
