@@ -410,3 +410,25 @@ def test_library_plan_load_never_unpickles(workdir):
 
 def test_output_path_error_is_a_value_error():
     assert issubclass(OutputPathError, ValueError) and issubclass(UserCodeError, autopar.AutoparError)
+
+
+def test_progress_says_stopped_not_done_when_a_phase_fails(monkeypatch):
+    import io
+
+    def announced(what):  # the announcement comes from a timer thread: wait for it, however busy the machine
+        deadline = time.monotonic() + 60
+        while f"autopar: {what} ...\n" not in stream.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    monkeypatch.setattr(progress, "_DELAY_S", 0.0)
+    stream = io.StringIO()
+    progress.enable(stream)
+    with pytest.raises(KeyboardInterrupt):
+        with progress.progress("tracing M"):
+            announced("tracing M")
+            raise KeyboardInterrupt
+    with progress.progress("solving"):
+        announced("solving")
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "autopar: tracing M ..." and lines[1].startswith("autopar: tracing M stopped after ")
+    assert lines[2] == "autopar: solving ..." and lines[3].startswith("autopar: solving done in ")
