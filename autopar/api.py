@@ -22,6 +22,13 @@ def plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, loss_
     or its ``.loss``. ``fixed`` pins decisions: tp, pp, dp, zero (0-3),
     schedule ("gpipe", "1f1b", "zb-h1"), microbatch_size, microbatches,
     recompute ("none", "selective", "full"). No devices are touched.
+
+    Raises (all :class:`autopar.AutoparError`): ``ClusterSpecError`` for a bad
+    cluster; ``PlanError`` for bad ``fixed`` decisions (before tracing);
+    ``InputError`` before tracing for a model with nothing to train, an empty
+    batch or a target whose batch differs from the inputs'; ``LossError`` when
+    the loss is missing or not a floating-point scalar tensor; ``TraceError``
+    when the model cannot be traced; ``InfeasibleError`` when nothing fits.
     """
     from autopar.planner.make import make_plan
 

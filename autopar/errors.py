@@ -12,8 +12,12 @@ __all__ = [
     "AutoparError",
     "ClusterSpecError",
     "InfeasibleError",
+    "InputError",
+    "LossError",
+    "OutputPathError",
     "PlanError",
     "TraceError",
+    "UserCodeError",
 ]
 
 
@@ -35,3 +39,33 @@ class PlanError(AutoparError, ValueError):
 
 class InfeasibleError(PlanError):
     """No plan satisfies the constraints (memory, pinned decisions, divisibility)."""
+
+
+class InputError(AutoparError, ValueError):
+    """The example inputs, target or model cannot be trained as given (an empty batch, a
+    target whose batch differs from the inputs', a model with nothing to train)."""
+
+
+class LossError(InputError):
+    """No scalar loss: the model's output is not one and no ``loss_fn`` was given, or
+    ``loss_fn`` returned something other than a floating-point scalar tensor."""
+
+
+class OutputPathError(AutoparError, ValueError):
+    """A file or directory the CLI is asked to write cannot be written there."""
+
+
+class UserCodeError(AutoparError, RuntimeError):
+    """The user's own code (a model spec file or its function) raised an exception.
+
+    The message says where (``path:line in function``), what (type and message) and
+    that it is the user's error, not autopar's; the original exception is
+    ``__cause__`` (and ``original``), with its traceback.
+    """
+
+    def __init__(self, message: str, *, original: BaseException | None = None, path: str = "",
+                 line: int = 0) -> None:
+        super().__init__(message)
+        self.original = original
+        self.path = path
+        self.line = line

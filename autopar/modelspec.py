@@ -8,15 +8,22 @@ FILE is a path relative to the current directory; it is loaded as a fresh module
 pairs as string keyword arguments and returns `(model, example_inputs)`,
 `(model, example_inputs, loss_fn)` or `(model, example_inputs, loss_fn,
 example_target)`; the missing tail is filled with None.
+
+Errors in the user's file or function (a syntax error, an exception, a
+`sys.exit()`) are the user's, not autopar's: they come back as one
+`UserCodeError` that names the file, line and function where they were raised.
 """
 import hashlib
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch.nn as nn
+
+from autopar.errors import UserCodeError
 
 __all__ = ["load_model_spec"]
 
@@ -50,10 +57,40 @@ def _load_module(spec: str, path: str):
     sys.modules[module_name] = module
     try:
         import_spec.loader.exec_module(module)
-    except BaseException:
+    except (Exception, SystemExit) as e:
+        sys.modules.pop(module_name, None)
+        raise _user_error(e, spec, path, "loading the file") from e
+    except BaseException:  # Ctrl-C is the user's wish, not an error in their file
         sys.modules.pop(module_name, None)
         raise
     return module
+
+
+def _user_error(e: BaseException, spec: str, path: str, doing: str) -> UserCodeError:
+    """One line for an exception raised by the user's file: where, what, whose."""
+    abs_path = os.path.abspath(path)
+    where, line = path, 0
+    if isinstance(e, SyntaxError) and e.filename and os.path.abspath(e.filename) == abs_path:
+        line = e.lineno or 0
+        where = f"{path}:{line}"
+    else:
+        # The innermost frame in the user's file: their line, not the library call it made.
+        tb, frame = e.__traceback__, None
+        while tb is not None:
+            if os.path.abspath(tb.tb_frame.f_code.co_filename) == abs_path:
+                frame = tb
+            tb = tb.tb_next
+        if frame is not None:
+            line = frame.tb_lineno
+            where = f"{path}:{line} in {frame.tb_frame.f_code.co_name}"
+    hint = ""
+    if isinstance(e, SystemExit):
+        what, hint = f"called sys.exit({e.code!r})", "; a model spec function must return (model, example_inputs, ...)"
+    else:
+        text = e.msg if isinstance(e, SyntaxError) else str(e)
+        what = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return UserCodeError(f"{where}: {what} (raised by your model spec while {doing}, not by autopar){hint}",
+                         original=e, path=path, line=line)
 
 
 def load_model_spec(spec: str, args: Mapping[str, Any] | None = None) -> tuple[nn.Module, Any, Any, Any]:
@@ -64,8 +101,9 @@ def load_model_spec(spec: str, args: Mapping[str, Any] | None = None) -> tuple[n
     strings). Returns (model, example_inputs, loss_fn, example_target), the
     last two None when FN does not return them. Raises ValueError naming the
     spec for a spec without ':', a missing file or function, or a result that
-    is not a 2-, 3- or 4-tuple whose first item is an nn.Module; errors raised
-    by the file or by FN itself propagate unchanged.
+    is not a 2-, 3- or 4-tuple whose first item is an nn.Module; UserCodeError
+    (its __cause__ the original) for anything the file or FN raises, including
+    SyntaxError and SystemExit. KeyboardInterrupt propagates.
     """
     path, fn_name = _split_spec(spec)
     module = _load_module(spec, path)
@@ -75,7 +113,20 @@ def load_model_spec(spec: str, args: Mapping[str, Any] | None = None) -> tuple[n
         raise ValueError(
             f"model spec {spec!r}: {path!r} has no function {fn_name!r} (it has: {', '.join(available) or 'none'}); {_FORM}"
         )
-    result = fn(**dict(args or {}))
+    args = dict(args or {})
+    try:  # a wrong --arg is a usage mistake, not an error in the user's code
+        inspect.signature(fn).bind(**args)
+    except TypeError as e:
+        given = ", ".join(f"{k}={v!r}" for k, v in args.items()) or "no arguments"
+        raise ValueError(f"model spec {spec!r}: {fn_name}{inspect.signature(fn)} cannot take {given} ({e}); "
+                         f"check the --arg names") from None
+    except ValueError:  # no signature to check (a builtin): let the call say
+        pass
+    try:
+        result = fn(**args)
+    except (Exception, SystemExit) as e:
+        called = f"{fn_name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
+        raise _user_error(e, spec, path, f"calling {called}") from e
     if not isinstance(result, tuple) or not 2 <= len(result) <= 4:
         got = f"a {len(result)}-tuple" if isinstance(result, tuple) else type(result).__name__
         raise ValueError(

@@ -21,11 +21,55 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from autopar.cost.schedule import SCHEDULE_KINDS
 from autopar.errors import PlanError
 
 __all__ = ["Plan", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
+
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+
+_DICT_KEYS = ("mesh", "schedule", "layers", "ops", "predicted", "solver", "communication", "cluster", "model", "fixed")
+"""Top-level keys whose value is a JSON object."""
+
+
+def _kind(x: Any) -> str:
+    """How a JSON value reads in a message: "a string", "null", "a list"."""
+    if x is None:
+        return "null"
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number"}.get(type(x), type(x).__name__)
+
+
+def _structure_problems(data: dict[str, Any]) -> list[str]:
+    """Every value of the wrong JSON type, so that a hand-edited or truncated file is
+    rejected on load with what is wrong, not later with an AttributeError."""
+    problems = [f"{k!r} must be an object, got {_kind(data[k])}"
+                for k in _DICT_KEYS if k in data and not isinstance(data[k], dict)]
+    for k in ("layers", "ops"):
+        if isinstance(data.get(k), dict):
+            bad = sorted(name for name, v in data[k].items() if not isinstance(v, dict))
+            if bad:
+                problems.append(f"{k!r} entries must be objects, not {_kind(data[k][bad[0]])} ({bad[0]!r}"
+                                f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''})")
+    stages = data.get("stages")
+    if not isinstance(stages, list):
+        problems.append(f"'stages' must be a list, got {_kind(stages)}")
+    else:
+        for i, st in enumerate(stages):
+            if not isinstance(st, dict):
+                problems.append(f"stage {i} must be an object, got {_kind(st)}")
+                continue
+            for key, item, item_kind in (("layers", str, "strings"), ("devices", int, "integers")):
+                v = st.get(key)
+                if not isinstance(v, list) or not all(isinstance(x, item) and not isinstance(x, bool) for x in v):
+                    problems.append(f"stage {i} {key!r} must be a list of {item_kind}, got {_kind(v)}")
+            if "predicted" in st and not isinstance(st["predicted"], dict):
+                problems.append(f"stage {i} 'predicted' must be an object, got {_kind(st['predicted'])}")
+    if "zero" in data and (not isinstance(data["zero"], int) or isinstance(data["zero"], bool)):
+        problems.append(f"'zero' must be an integer 0-3, got {_kind(data['zero'])}")
+    return problems
 
 
 def _round(x: Any) -> Any:
@@ -96,6 +140,9 @@ class Plan:
         missing = sorted(n for n in names if n not in data and n not in ("fixed", "autopar_version"))
         if missing:
             raise PlanError(f"plan is missing keys: {', '.join(missing)}")
+        problems = _structure_problems(data)
+        if problems:
+            raise PlanError("invalid plan: " + "; ".join(problems))
         kwargs = {k: v for k, v in data.items() if k in names}
         kwargs["stages"] = tuple(kwargs["stages"])
         plan = cls(**kwargs)
@@ -112,8 +159,17 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
-        with open(path) as f:
-            return cls.from_json(f.read())
+        """Read a plan file: JSON only, so loading a plan never runs code (unlike a pickle).
+        Raises OSError when the file cannot be read, PlanError when it is not a plan."""
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise PlanError(f"{str(path)!r} is not a plan file: it is binary, not UTF-8 JSON text (a pickle or "
+                            f"checkpoint?); plan files are the JSON that `autopar plan --out` and Plan.save "
+                            f"write") from None
+        return cls.from_json(text)
 
     # -- checks ------------------------------------------------------------
 
@@ -143,6 +199,14 @@ class Plan:
                 problems.append(f"microbatches {m} x microbatch_size {b} x dp {self.mesh['dp']} != global batch {batch}")
         if self.zero not in (0, 1, 2, 3):
             problems.append(f"zero={self.zero!r} is not 0-3")
+        if self.schedule.get("kind") not in SCHEDULE_KINDS:
+            problems.append(f"schedule kind {self.schedule.get('kind')!r} is not one of {', '.join(SCHEDULE_KINDS)}")
+        for key in ("microbatches", "microbatch_size"):
+            v = self.schedule.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                problems.append(f"schedule {key}={v!r} must be an integer >= 1")
+        if self.recompute not in RECOMPUTE_POLICIES:
+            problems.append(f"recompute={self.recompute!r} is not one of {', '.join(RECOMPUTE_POLICIES)}")
         layer_paths = [p for s in self.stages for p in s.get("layers", [])]
         if len(layer_paths) != len(set(layer_paths)):
             problems.append("a layer appears in more than one stage")

@@ -114,9 +114,12 @@ def load_plan_file(path: str | os.PathLike) -> Plan:
         return Plan.load(path)
     except OSError as e:
         raise PlanError(f"cannot read plan file {str(path)!r}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise PlanError(f"{str(path)!r} is not an autopar plan file (not text)") from None
-    except (ValueError, TypeError, AttributeError, KeyError) as e:  # PlanError included
+    except PlanError as e:
+        message = str(e)
+        if message.startswith(repr(str(path))):  # Plan.load named the file already
+            raise
+        raise PlanError(f"{str(path)!r} is not an autopar plan file: {message}") from None
+    except (ValueError, TypeError, AttributeError, KeyError) as e:  # a shape the structural check missed
         raise PlanError(f"{str(path)!r} is not an autopar plan file: {e}") from None
 
 

@@ -41,9 +41,11 @@ def progress(what: str) -> Iterator[None]:
     timer.daemon = True
     start = time.perf_counter()
     timer.start()
+    ended = "stopped after"  # an error or Ctrl-C ended the phase: it is not "done"
     try:
         yield
+        ended = "done in"
     finally:
         timer.cancel()
         if shown.is_set():
-            print(f"autopar: {what} done in {time.perf_counter() - start:.1f} s", file=stream, flush=True)
+            print(f"autopar: {what} {ended} {time.perf_counter() - start:.1f} s", file=stream, flush=True)

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from autopar.errors import UserCodeError
 from autopar.modelspec import load_model_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,9 +102,14 @@ def test_bad_specs_raise_one_line_value_errors(spec_dir, spec, message):
     assert "\n" not in text
 
 
-def test_errors_from_the_function_propagate(spec_dir):
-    with pytest.raises(RuntimeError, match="boom"):
+def test_errors_from_the_function_are_reported_as_the_users(spec_dir):
+    with pytest.raises(UserCodeError) as info:
         load_model_spec("models.py:raises", {})
+    line = SPEC_FILE.splitlines().index('    raise RuntimeError("boom from the user\'s function")') + 1
+    assert str(info.value) == (f"models.py:{line} in raises: RuntimeError: boom from the user's function "
+                               f"(raised by your model spec while calling raises(), not by autopar)")
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert isinstance(info.value, RuntimeError)  # callers that caught the builtin still do
 
 
 def test_missing_function_lists_what_the_file_has(spec_dir):

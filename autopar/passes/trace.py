@@ -23,9 +23,7 @@ torch/_dynamo/functional_export.py.
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import linecache
 import logging
 import re
 import warnings
@@ -35,16 +33,14 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autopar.errors import TraceError
+from autopar.errors import LossError
 from autopar.passes import meta_keys as mk
+from autopar.passes.train_checks import check_trainable, checked_loss
+from autopar.passes.trace_errors import trace_error
 
 log = logging.getLogger(__name__)
 
 __all__ = ["trace_joint", "flatten_inputs", "LossError"]
-
-
-class LossError(ValueError):
-    """The model's output is not a loss and no ``loss_fn`` was given."""
 
 
 def trace_joint(
@@ -66,10 +62,14 @@ def trace_joint(
         ``(loss, *param_grads)`` in AOTAutograd's order; every node has
         ``meta["val"]`` and ``meta[TRACE]`` (:class:`NodeTrace`); the module has
         ``gm.meta[GRAPH]`` (:class:`GraphTrace`).
-      raises: :class:`LossError` when no loss can be found, :class:`TraceError`
-        naming the op or source line when the model cannot be traced.
+      raises: :class:`InputError` before tracing for an empty batch, a target
+        whose batch differs from the inputs' or a model with no trainable
+        parameter; :class:`LossError` when no loss can be found or ``loss_fn``
+        returns no floating-point scalar tensor; :class:`TraceError` naming the
+        op or source line when the model cannot be traced.
     """
     names, flat, kw_names = flatten_inputs(example_inputs)
+    check_trainable(model, names, flat, example_target)
     if example_target is not None:
         names, flat = names + ("target",), flat + [example_target]
     repeats = _find_repeats(model) if collapse_repeats else ()
@@ -140,7 +140,7 @@ class _TrainStep(nn.Module):
         kwargs = dict(zip(self.kw_names, flat[self.n_pos: self.n_pos + len(self.kw_names)]))
         out = self.user(*args, **kwargs)
         if self.loss_fn is not None:
-            return self.loss_fn(out, flat[-1] if self.has_target else None)
+            return checked_loss(self.loss_fn(out, flat[-1] if self.has_target else None))
         return _loss_of(out)
 
 
@@ -251,6 +251,12 @@ def _export(wrapper: nn.Module, fake_inputs: list[Any], model_name: str):
     from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
+    # A failing op makes the fake-tensor logger print its traceback to stderr; the exception
+    # carries the same story, which trace_error turns into one line (and keeps in .details).
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    if not log.isEnabledFor(logging.INFO):
+        fake_log.setLevel(logging.CRITICAL)
     try:
         captured = _dynamo_graph_capture_for_export(wrapper)(*fake_inputs)
         flat_to_fqn = dict(captured.meta.get("dynamo_flat_name_to_original_fqn", {}))
@@ -258,7 +264,9 @@ def _export(wrapper: nn.Module, fake_inputs: list[Any], model_name: str):
         with contextlib.ExitStack() as stack:
             joint = aot_export_joint_with_descriptors(stack, captured, tuple(fake_inputs))
     except Exception as e:  # translate torch's tracing errors into one that says what to do
-        raise _trace_error(e, model_name) from e
+        raise trace_error(e, model_name) from e
+    finally:
+        fake_log.setLevel(level)
     return joint, flat_to_fqn
 
 
@@ -273,53 +281,6 @@ def _canonical_names(captured: nn.Module, wrapper: nn.Module) -> dict[str, str]:
     canonical = {id(t): name for name, t in [*wrapper.named_parameters(), *wrapper.named_buffers()]}
     flat = [*captured.named_parameters(remove_duplicate=False), *captured.named_buffers(remove_duplicate=False)]
     return {name: canonical[id(t)] for name, t in flat if id(t) in canonical}
-
-
-def _trace_error(e: BaseException, model_name: str) -> Exception:
-    chain, cur = [], e
-    while cur is not None and len(chain) < 20:
-        chain.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    for c in chain:
-        if isinstance(c, LossError):
-            return c
-    # An exception raised in traced code reaches us as dynamo's "Observed<Name>Error"
-    # whose message is "raised exception Name('...')": recover the user's message.
-    observed = next(((m.group(1), m.group(2)) for c in chain
-                     if type(c).__name__.startswith("Observed")
-                     and (m := re.match(r"raised exception (\w+)\((.*)\)\s*$", str(c), re.S))), None)
-    if observed and observed[0] == LossError.__name__:
-        return LossError(_literal_message(observed[1]))
-    text = "\n".join(str(c) for c in chain)
-    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-    if observed:
-        first = f"{observed[0]}: {_literal_message(observed[1])}"
-    frames = [(f, ln) for f, ln in re.findall(r'File "([^"]+)", line (\d+)', text)
-              if "/torch/" not in f and "/autopar/passes/" not in f]
-    where = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
-    op = re.search(r"(aten\.\w+(?:\.\w+)?)", text)
-    what = f" (op {op.group(1)})" if op else ""
-    hint = ""
-    source = linecache.getline(frames[-1][0], int(frames[-1][1])) if frames else ""
-    if frames and "/transformers/" in frames[-1][0] and "expert" in source:
-        # Hugging Face's "eager" experts loop in Python over the experts that received tokens
-        hint = ("; for this Hugging Face mixture-of-experts model, load it with "
-                "experts_implementation='grouped_mm' (the default), which runs all experts as one grouped matmul")
-    err = TraceError(
-        f"could not trace {model_name}{where}{what}: {first[:200]}. Try: make the model's "
-        f"forward free of data-dependent Python control flow, return plain tensors "
-        f"(use_cache=False for Hugging Face models), or build it on 'cpu' with small shapes{hint}")
-    err.details = text
-    return err
-
-
-def _literal_message(args_repr: str) -> str:
-    """The first argument of an exception's repr ("'msg'" -> "msg"), or the text itself."""
-    try:
-        args = ast.literal_eval(f"({args_repr},)")
-    except (ValueError, SyntaxError):
-        return args_repr
-    return str(args[0]) if args else ""
 
 
 # -- node annotation ----------------------------------------------------------

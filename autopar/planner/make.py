@@ -48,6 +48,7 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
     """Plan ``model`` for ``cluster``; see :func:`autopar.plan`."""
     cluster = parse_cluster(cluster)
     fixed_ = Fixed.from_dict(fixed)
+    _tp_options(cluster, fixed_)  # a tp that cannot fit the cluster fails now, not after tracing
     t0 = time.perf_counter()
     gm, gm2 = trace_pair(model, example_inputs, cluster=cluster, loss_fn=loss_fn, example_target=example_target)
     t1 = time.perf_counter()
