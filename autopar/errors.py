@@ -12,6 +12,7 @@ __all__ = [
     "AutoparError",
     "ClusterSpecError",
     "InfeasibleError",
+    "PeerError",
     "PlanError",
     "TraceError",
 ]
@@ -35,3 +36,24 @@ class PlanError(AutoparError, ValueError):
 
 class InfeasibleError(PlanError):
     """No plan satisfies the constraints (memory, pinned decisions, divisibility)."""
+
+
+class PeerError(AutoparError, RuntimeError):
+    """A collective or pipeline receive failed or timed out: a peer rank is dead or stuck.
+
+    ``rank`` is the rank that raises it, ``action`` what it was waiting on, ``dead``
+    the ranks found dead (empty when every peer is alive but one did not answer).
+    """
+
+    def __init__(self, message: str, *, rank: int, action: str, dead: list[int]):
+        super().__init__(message)
+        self.rank = rank
+        self.action = action
+        self.dead = list(dead)
+
+    def __reduce__(self):  # picklable with its keywords (errors cross process boundaries in tests)
+        return _make_peer_error, (str(self), self.rank, self.action, self.dead)
+
+
+def _make_peer_error(message: str, rank: int, action: str, dead: list[int]) -> PeerError:
+    return PeerError(message, rank=rank, action=action, dead=dead)
