@@ -9,12 +9,32 @@ The steps of the first ``train_step``, in order:
 
 1. Check the world: the process count must equal the cluster's device count; this
    is read from ``WORLD_SIZE`` before any collective, so a mismatch is an error, not
-   a hang. Then the process group starts (NCCL with CUDA, gloo otherwise).
+   a hang. Then the process group starts (NCCL on ``device="cuda"``, the default for a
+   GPU cluster; gloo on ``"cpu"``, the default for a ``cpu`` cluster) with ``timeout_s``.
 2. Plan on rank 0 (or load the given plan) and broadcast it, so all ranks run the
    same plan; a plan for another model or cluster is an error on every rank.
 3. Trace the model at the global micro-batch size (micro-batch size x dp) on each
    rank, map the plan's placements onto that graph, and shard the parameters from
    rank 0's copy (:mod:`autopar.runtime.zero`).
+
+Waiting on other ranks is bounded. ``timeout_s`` (default 600 s) is the process
+group's timeout, so gloo collectives and pipeline receives give up after it (and at
+once when a peer's connection drops). Then :class:`~autopar.errors.PeerError` says
+which rank gave up, on what ("gradient reduction over dp group [0, 1, 2]",
+"pipeline recv of gradients for micro-batch 3 of stage 1 from rank 2"), and which
+peer is dead or silent, read from heartbeats in the c10d store
+(:mod:`autopar.runtime.watch`). A process group the caller created keeps its own
+timeout.
+
+Mistakes are one error each, before any step runs: a process count that is not
+the cluster's device count; a GPU cluster on a machine without CUDA (pass
+``device="cpu"`` to run it on CPU processes anyway); a plan file that is not JSON
+(plans are read with ``json``, never executed) or was made for another model,
+cluster or batch size; pinned ``microbatches`` or ``microbatch_size`` that do not
+divide the batch; a loss that is not a scalar. A later ``train_step`` whose batch
+size differs from the first's is a ``ValueError`` with both sizes. The first
+``train_step`` logs its phases (planning, tracing, sharding) and shows them with
+:func:`autopar.progress.enable`.
 
 ``train_step`` takes the global batch (every rank passes the same tensors) and
 each data-parallel rank keeps its slice; :meth:`ParallelModule.local_batch` returns

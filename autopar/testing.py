@@ -8,9 +8,12 @@ as a change) and fails with the readable diff. Run pytest with
 
 ``spawn_world(fn, world, *args)`` runs ``fn(rank, world, *args)`` in ``world`` fresh
 processes with a gloo process group over loopback and returns what each rank's
-``fn`` returned, in rank order; an exception on any rank is re-raised here with
-that rank's traceback. Every rank has a timeout, so a hang fails the test instead
-of stalling it.
+``fn`` returned, in rank order; an exception on any rank, or a rank's process dying,
+is re-raised here with that rank's traceback or exit code. Every rank has a timeout,
+so a hang fails the test instead of stalling it. With ``allow_failures=True`` it
+returns a :class:`RankOutcome` per rank instead (value, or error and exit code), for
+tests in which ranks are meant to fail; the launcher hosts the c10d store, as
+torchrun's agent does, so a rank's death (rank 0's included) does not take it along.
 """
 
 from __future__ import annotations

@@ -13,7 +13,10 @@ Each message is one buffer per dtype (the named tensors flattened and
 concatenated) sent with ``isend`` and received with ``irecv`` into a buffer sized
 from the program's shapes; the peer is the rank with the same dp and tp
 coordinates on the neighbouring stage. Sends are waited for at the end of the
-step (the buffers stay referenced until then).
+step (the buffers stay referenced until then). A receive waits at most
+``timeout_s``; every send, receive and compute piece (whose tp collectives wait on
+the tp group) runs under ``guard``, which turns a backend failure into an error
+naming the action and the peer (:mod:`autopar.runtime.watch`).
 
 Per stage and micro-batch a store maps value names to tensors; after F (and its
 send) it keeps only what B, W or a later send reads, after B only what W reads,
