@@ -11,8 +11,10 @@ and stops only when the process dies.
 When a guarded action fails (:meth:`PeerWatch.guard`), the rank
 
 1. records that it gave up, and on what, under ``autopar/failed/RANK``;
-2. reads every rank's counter, waits up to ``4 * interval_s`` and reads them again
-   (stopping early once every counter moved): a rank whose counter did not move is
+2. reads every rank's counter, waits up to ``window_s`` (4 beats, at least 5 s, so a
+   live rank whose thread a loaded machine starves for a beat or two is not called
+   dead) and reads them again (stopping early once every counter moved): a rank
+   whose counter did not move is
    *dead* (or frozen), unless it recorded a clean exit (``autopar/exited/RANK``) or
    a failure of its own, in which case it *gave up* (and its record says why);
 3. raises :class:`autopar.errors.PeerError` naming this rank, the action, the
@@ -73,6 +75,8 @@ class PeerWatch:
         self.timeout_s = timeout_s
         self.interval_s = min(2.0, max(0.5, timeout_s / 10))
         """Seconds between beats: a tenth of the timeout, within [0.5, 2]."""
+        self.window_s = max(5.0, 4 * self.interval_s)
+        """Seconds a failed rank watches the counters before it calls a silent one dead."""
         self._store = store
         self._beat_store = _own_connection(store)
         self._stop = threading.Event()
@@ -153,7 +157,7 @@ class PeerWatch:
     def _census(self) -> _Census:
         try:
             before = self._counters()
-            deadline = time.monotonic() + 4 * self.interval_s
+            deadline = time.monotonic() + self.window_s
             after = before
             while time.monotonic() < deadline:
                 time.sleep(self.interval_s / 2)
