@@ -162,8 +162,10 @@ def _check_batch_split(batch: int | None, fixed: dict) -> None:
     if batch is None:
         return
     dp = fixed.get("dp")
+    dp = int(dp) if isinstance(dp, str) and dp.strip().isdigit() else dp
     for key in ("microbatches", "microbatch_size"):
         n = fixed.get(key)
+        n = int(n) if isinstance(n, str) and n.strip().isdigit() else n  # --fix microbatches=3 gives "3"
         if not isinstance(n, int) or n < 1:
             continue
         parts = n * (dp if isinstance(dp, int) and key == "microbatches" else 1)

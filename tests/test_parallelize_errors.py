@@ -68,3 +68,5 @@ def test_batch_split_check_counts_pinned_dp():
         _check_batch_split(8, {"microbatches": 2, "dp": 3})
     with pytest.raises(ValueError, match=r"batch of 6 is not divisible by fixed microbatch_size=4"):
         _check_batch_split(6, {"microbatch_size": 4})
+    with pytest.raises(ValueError, match=r"batch of 8 is not divisible by fixed microbatches=3"):
+        _check_batch_split(8, {"microbatches": "3"})  # as examples/train.py --fix passes it
