@@ -14,7 +14,7 @@ import importlib
 # keeps a later `import autopar.plan` from rebinding the attribute to the module.
 import autopar.plan as _plan_module  # noqa: F401
 from autopar.errors import (AutoparError, ClusterSpecError, InfeasibleError, InputError, LossError, OutputPathError,
-                            PlanError, TraceError, UserCodeError)
+                            PeerError, PlanError, TraceError, UserCodeError)
 
 __version__ = "0.1.0"
 
@@ -31,8 +31,8 @@ _LAZY = {
 del plan  # the submodule bound by the import above; `autopar.plan` is the function (see __getattr__)
 
 __all__ = ["analyze", "plan", "Plan", "parallelize", "ParallelModule", "Cluster", "parse_cluster", "AutoparError", "ClusterSpecError",
-           "InfeasibleError", "InputError", "LossError", "OutputPathError", "PlanError", "TraceError", "UserCodeError",
-           "__version__"]
+           "InfeasibleError", "InputError", "LossError", "OutputPathError", "PeerError", "PlanError", "TraceError",
+           "UserCodeError", "__version__"]
 
 
 def __getattr__(name: str):

@@ -15,6 +15,7 @@ __all__ = [
     "InputError",
     "LossError",
     "OutputPathError",
+    "PeerError",
     "PlanError",
     "TraceError",
     "UserCodeError",
@@ -69,3 +70,24 @@ class UserCodeError(AutoparError, RuntimeError):
         self.original = original
         self.path = path
         self.line = line
+
+
+class PeerError(AutoparError, RuntimeError):
+    """A collective or pipeline receive failed or timed out: a peer rank is dead or stuck.
+
+    ``rank`` is the rank that raises it, ``action`` what it was waiting on, ``dead``
+    the ranks found dead (empty when every peer is alive but one did not answer).
+    """
+
+    def __init__(self, message: str, *, rank: int, action: str, dead: list[int]):
+        super().__init__(message)
+        self.rank = rank
+        self.action = action
+        self.dead = list(dead)
+
+    def __reduce__(self):  # picklable with its keywords (errors cross process boundaries in tests)
+        return _make_peer_error, (str(self), self.rank, self.action, self.dead)
+
+
+def _make_peer_error(message: str, rank: int, action: str, dead: list[int]) -> PeerError:
+    return PeerError(message, rank=rank, action=action, dead=dead)

@@ -9,12 +9,32 @@ The steps of the first ``train_step``, in order:
 
 1. Check the world: the process count must equal the cluster's device count; this
    is read from ``WORLD_SIZE`` before any collective, so a mismatch is an error, not
-   a hang. Then the process group starts (NCCL with CUDA, gloo otherwise).
+   a hang. Then the process group starts (NCCL on ``device="cuda"``, the default for a
+   GPU cluster; gloo on ``"cpu"``, the default for a ``cpu`` cluster) with ``timeout_s``.
 2. Plan on rank 0 (or load the given plan) and broadcast it, so all ranks run the
    same plan; a plan for another model or cluster is an error on every rank.
 3. Trace the model at the global micro-batch size (micro-batch size x dp) on each
    rank, map the plan's placements onto that graph, and shard the parameters from
    rank 0's copy (:mod:`autopar.runtime.zero`).
+
+Waiting on other ranks is bounded. ``timeout_s`` (default 600 s) is the process
+group's timeout, so gloo collectives and pipeline receives give up after it (and at
+once when a peer's connection drops). Then :class:`~autopar.errors.PeerError` says
+which rank gave up, on what ("gradient reduction over dp group [0, 1, 2]",
+"pipeline recv of gradients for micro-batch 3 of stage 1 from rank 2"), and which
+peer is dead or silent, read from heartbeats in the c10d store
+(:mod:`autopar.runtime.watch`). A process group the caller created keeps its own
+timeout.
+
+Mistakes are one error each, before any step runs: a process count that is not
+the cluster's device count; a GPU cluster on a machine without CUDA (pass
+``device="cpu"`` to run it on CPU processes anyway); a plan file that is not JSON
+(plans are read with ``json``, never executed) or was made for another model,
+cluster or batch size; pinned ``microbatches`` or ``microbatch_size`` that do not
+divide the batch; a loss that is not a scalar. A later ``train_step`` whose batch
+size differs from the first's is a ``ValueError`` with both sizes. The first
+``train_step`` logs its phases (planning, tracing, sharding) and shows them with
+:func:`autopar.progress.enable`.
 
 ``train_step`` takes the global batch (every rank passes the same tensors) and
 each data-parallel rank keeps its slice; :meth:`ParallelModule.local_batch` returns
@@ -32,9 +52,12 @@ gradient addends are summed between them once per step.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -48,23 +71,35 @@ from autopar.passes import meta_keys as mk
 from autopar.passes.layers import graph_hash
 from autopar.passes.trace import flatten_inputs
 from autopar.plan import Plan
+from autopar.progress import progress
 
 log = logging.getLogger(__name__)
 
-__all__ = ["parallelize", "ParallelModule"]
+__all__ = ["parallelize", "ParallelModule", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = 600.0
+"""Seconds a rank waits on a peer before :class:`~autopar.errors.PeerError` (also the
+process-group timeout). Generous: rank 0 may be planning or tracing a large model
+while the others wait for its plan."""
 
 
 def parallelize(model: nn.Module, *, cluster: str | Cluster, plan: Plan | str | os.PathLike | None = None,
                 loss_fn: Callable | None = None,
                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
-                fixed: dict | None = None, compile: bool = True) -> ParallelModule:
+                fixed: dict | None = None, compile: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
+                device: str | None = None) -> ParallelModule:
     """Wrap ``model`` for sharded training on ``cluster`` (see the module docstring).
 
     ``compile=True`` runs the per-rank program traced once (:mod:`autopar.passes.shard`);
     ``False`` interprets the joint graph over DTensors every step (slower, same numbers).
+    ``timeout_s`` bounds every wait on another rank (collectives, pipeline receives):
+    past it, or as soon as a peer's connection drops, :class:`PeerError` names the dead
+    or silent rank. ``device`` is ``"cuda"`` (NCCL) or ``"cpu"`` (gloo); by default
+    ``"cuda"`` for a GPU cluster, which is an error on a machine without CUDA, and
+    ``"cpu"`` for a ``cpu`` cluster.
     """
     return ParallelModule(model, cluster=cluster, plan=plan, loss_fn=loss_fn, optimizer=optimizer, fixed=fixed,
-                          compile=compile)
+                          compile=compile, timeout_s=timeout_s, device=device)
 
 
 def _check_world(cluster: Cluster) -> int:
@@ -80,11 +115,78 @@ def _check_world(cluster: Cluster) -> int:
     return world
 
 
-def _init_process_group() -> str:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend)
-    return backend
+def _resolve_device(cluster: Cluster, device: str | None) -> str:
+    gpu_cluster = cluster.device.name.lower() != "cpu"
+    if device is None:
+        device = "cuda" if gpu_cluster else "cpu"
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"cluster {cluster.spec} is a cluster of {cluster.device.name} GPUs, but this machine has no CUDA "
+            f"device (torch.cuda.is_available() is False); to run the plan on CPU processes anyway (gloo, for "
+            f"tests and debugging) pass device='cpu', or plan for CPUs with "
+            f"cluster='{cluster.nodes}x{cluster.devices_per_node}xcpu'")
+    return device
+
+
+def _init_process_group(device: str, timeout_s: float) -> None:
+    if dist.is_initialized():  # the caller's group keeps its own timeout; pipeline receives still use timeout_s
+        return
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+
+
+_WATCHES: dict[int, Any] = {}
+
+
+def _peer_watch(timeout_s: float):
+    """This process's :class:`~autopar.runtime.watch.PeerWatch` on the default process group (one per group)."""
+    from autopar.runtime.watch import PeerWatch
+
+    key = id(dist.group.WORLD)
+    if key not in _WATCHES:
+        _WATCHES.clear()
+        watch = PeerWatch(dist.distributed_c10d._get_default_store(), rank=dist.get_rank(),
+                          world=dist.get_world_size(), timeout_s=timeout_s)
+        atexit.register(watch.close)
+        _WATCHES[key] = watch
+    return _WATCHES[key]
+
+
+def _batch_size(values: dict[str, Any]) -> int | None:
+    return next((v.shape[0] for v in values.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+
+
+def _check_batch_split(batch: int | None, fixed: dict) -> None:
+    """Pinned micro-batching must divide the global batch: say so before planning."""
+    if batch is None:
+        return
+    dp = fixed.get("dp")
+    dp = int(dp) if isinstance(dp, str) and dp.strip().isdigit() else dp
+    for key in ("microbatches", "microbatch_size"):
+        n = fixed.get(key)
+        n = int(n) if isinstance(n, str) and n.strip().isdigit() else n  # --fix microbatches=3 gives "3"
+        if not isinstance(n, int) or n < 1:
+            continue
+        parts = n * (dp if isinstance(dp, int) and key == "microbatches" else 1)
+        if batch % parts:
+            divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+            what = f"{key}={n}" + (f" x dp={dp} = {parts}" if parts != n else "")
+            raise ValueError(
+                f"the global batch of {batch} is not divisible by fixed {what}; every micro-batch "
+                f"must hold the same number of samples: pin {key} to a divisor of {batch} "
+                f"({', '.join(map(str, divisors))}), or pass a batch that is a multiple of {parts}")
+
+
+def _check_scalar_loss(gm) -> None:
+    """The loss must be one number before the first step runs (not a float() failure after it)."""
+    from autopar.passes.trace import LossError
+
+    out = gm.graph.find_nodes(op="output")[0].args[0][gm.meta[mk.GRAPH].loss_output]
+    val = out.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dim() != 0:
+        raise LossError(f"the loss is a tensor of shape {tuple(val.shape)}, not a scalar; make loss_fn reduce it "
+                        f"to one number (.mean(), or reduction='mean' instead of reduction='none')")
 
 
 def _split_batch(values: dict[str, Any], parts: int, batch: int) -> list[dict[str, Any]]:
@@ -103,10 +205,14 @@ class ParallelModule:
     """A model sharded by a plan: ``train_step``, ``plan``, ``state_dict``, ``named_parameters``."""
 
     def __init__(self, model: nn.Module, *, cluster: str | Cluster, plan=None, loss_fn=None, optimizer=None,
-                 fixed=None, compile: bool = True):
+                 fixed=None, compile: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None):
         self.model = model
         self.compile = compile
         self.cluster = parse_cluster(cluster)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.device = _resolve_device(self.cluster, device)
         if any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("parallelize needs the model's weights: it is on 'meta'. Build or load it on 'cpu' "
                              "(rank 0's copy is what every rank's shards are cut from); planning alone works "
@@ -118,6 +224,15 @@ class ParallelModule:
         self.world = _check_world(self.cluster)
         self.plan: Plan | None = None
         self._compiled = False
+        self._watch = None
+        self._first_batch: int | None = None
+
+    def _guard(self, action: str, peers=None):
+        """Turn a backend failure inside the block into a PeerError naming ``action`` and the peers."""
+        return self._watch.guard(action, peers) if self._watch is not None else contextlib.nullcontext()
+
+    def _group_ranks(self, axis: str) -> list[int]:
+        return dist.get_process_group_ranks(self.mesh.get_group(axis))
 
     # -- compile --------------------------------------------------------------
 
@@ -127,15 +242,24 @@ class ParallelModule:
         if dist.get_rank() == 0:
             try:
                 inputs, target = self._as_user_inputs(names, values, has_target)
+                name = type(self.model).__name__
                 if self._given_plan is None:
                     from autopar.planner.make import make_plan
 
-                    plan = make_plan(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
-                                     example_target=target, fixed=self.fixed)
+                    log.info("planning %s for %s on rank 0", name, self.cluster.spec)
+                    with progress(f"planning {name} for {self.cluster.spec} (rank 0; the others wait)"):
+                        plan = make_plan(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
+                                         example_target=target, fixed=self.fixed)
                 else:
                     plan = self._given_plan
-                    gm = build_graph(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
-                                     example_target=target)
+                    planned, got = plan.model.get("global_batch"), _batch_size(values)
+                    if planned is not None and got is not None and planned != got:
+                        raise PlanError(f"the plan was made for a global batch of {planned}, but train_step got "
+                                        f"a batch of {got}; pass batches of {planned}, or re-plan for {got}")
+                    log.info("checking the given plan against %s on rank 0", name)
+                    with progress(f"tracing {name} to check the plan (rank 0)"):
+                        gm = build_graph(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
+                                         example_target=target)
                     plan.check_model(graph_hash(gm))
                     if plan.cluster.get("spec") != self.cluster.spec:
                         raise PlanError(f"the plan was made for cluster {plan.cluster.get('spec')}, not "
@@ -143,7 +267,9 @@ class ParallelModule:
                 payload[0] = ("ok", plan.to_json())
             except Exception as e:  # every rank must learn of it, or the others hang
                 payload[0] = ("error", f"{type(e).__name__}: {e}")
-        dist.broadcast_object_list(payload, src=0)
+        with self._guard("receiving the plan from rank 0 (rank 0 plans or checks it while the others wait; "
+                         "raise timeout_s if planning takes longer)", [0]):
+            dist.broadcast_object_list(payload, src=0)
         status, text = payload[0]
         if status == "error":
             raise PlanError(f"planning failed on rank 0: {text}")
@@ -161,20 +287,28 @@ class ParallelModule:
     def _compile(self, names, values, has_target) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        backend = _init_process_group()
+        if self._given_plan is None:
+            _check_batch_split(_batch_size(values), self.fixed)
+        _init_process_group(self.device, self.timeout_s)
+        self._watch = _peer_watch(self.timeout_s)
         self.plan = self._make_plan(names, values, has_target)
         dp, tp = self.plan.mesh["dp"], self.plan.mesh["tp"]
-        device = "cuda" if backend == "nccl" else "cpu"
+        device = self.device
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         pp = self.plan.mesh["pp"]
-        if pp > 1:
-            self.pp_mesh = init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-            self.mesh = self.pp_mesh["dp", "tp"]
-            self._build_pipeline(names, values, has_target)
-        else:
-            self.mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
-            self._build(names, values, has_target)
+        mesh_text = " x ".join(f"{a}={self.plan.mesh[a]}" for a in ("pp", "dp", "tp"))
+        log.info("rank %d: building the %s mesh, tracing and sharding %s", dist.get_rank(), mesh_text,
+                 type(self.model).__name__)
+        with progress(f"tracing and sharding {type(self.model).__name__} on a {mesh_text} mesh"), \
+                self._guard("building the device mesh and sharding the parameters from rank 0"):
+            if pp > 1:
+                self.pp_mesh = init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+                self.mesh = self.pp_mesh["dp", "tp"]
+                self._build_pipeline(names, values, has_target)
+            else:
+                self.mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+                self._build(names, values, has_target)
 
     def _build(self, names, values, has_target) -> None:
         """Trace at the micro-batch size, map the plan, shard the parameters, generate the program."""
@@ -188,6 +322,7 @@ class ParallelModule:
         assert got == micro, (got, micro)
         self.gm = build_graph(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
                               example_target=target, collapse_repeats=False)
+        _check_scalar_loss(self.gm)
         self.ops, tp_params = placements_for_graph(self.gm, self.plan)
         info: mk.GraphTrace = self.gm.meta[mk.GRAPH]
         trainable = [f for f in info.param_fqns if f in info.grad_outputs]
@@ -235,6 +370,7 @@ class ParallelModule:
         inputs, target = self._as_user_inputs(names, first, has_target)
         self.gm = build_graph(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
                               example_target=target, collapse_repeats=False)
+        _check_scalar_loss(self.gm)
         self.ops, tp_params = placements_for_graph(self.gm, plan)
         stages = tag_stages(self.gm, stage_of_layers([st["layers"] for st in plan.stages]))
         tied = split_tied_gradients(self.gm, stages)
@@ -279,7 +415,8 @@ class ParallelModule:
                         self.tied_groups[fqn] = group
         self.runner = PipelineRunner(self.pipeline, pp=pp, pp_rank=pp_rank, schedule=plan.schedule["kind"],
                                      n_micro=m, n_virtual=n_stages // pp,
-                                     rank_of_stage=lambda s: int(coords[s % pp, dp_rank, tp_rank]))
+                                     rank_of_stage=lambda s: int(coords[s % pp, dp_rank, tp_rank]),
+                                     guard=self._guard, timeout_s=self.timeout_s, tp_ranks=self._group_ranks("tp"))
         self.last_stage_rank = int(coords[(n_stages - 1) % pp, 0, 0])
         self.step_program = None
         self.optimizer = self.optimizer_factory(self.params.optimizer_params())
@@ -290,14 +427,15 @@ class ParallelModule:
         micro = _split_batch(values, m, self.plan.model["global_batch"])
         loss, grads = self.runner.run(micro, self.params.local_params())
         for fqn, group in self.tied_groups.items():  # the stages sharing a parameter add their addends
-            dist.all_reduce(grads[fqn], group=group)
-        self.params.reduce_gradients(grads)
-        self.optimizer.step()
-        self.params.after_step()
+            ranks = dist.get_process_group_ranks(group)
+            with self._guard(f"all-reduce of tied parameter {fqn}'s gradient over ranks {ranks}", ranks):
+                dist.all_reduce(grads[fqn], group=group)
+        self._reduce_and_step(grads)
         total = torch.zeros(())
         if dist.get_rank() == self.last_stage_rank:
             total += loss
-        dist.all_reduce(total)  # every rank returns the loss the last stage computed
+        with self._guard(f"all-reduce of the loss from the last stage's rank {self.last_stage_rank}"):
+            dist.all_reduce(total)  # every rank returns the loss the last stage computed
         return float(total) / m
 
     def _frozen_state(self, trainable: set[str]) -> dict[str, Any]:
@@ -321,10 +459,16 @@ class ParallelModule:
         values = dict(zip(names, flat))
         if target is not None:
             names, values["target"] = names + ("target",), target
+        got = _batch_size(values)
+        if self._first_batch is not None and got != self._first_batch:
+            raise ValueError(
+                f"train_step got a batch of {got}, but the first call had a batch of {self._first_batch} (the plan, "
+                f"the traced program and the micro-batches are built for it); pass batches of {self._first_batch} "
+                f"on every step (drop or pad a last partial batch), or parallelize again for a batch of {got}")
         if not self._compiled:
             self._compile(names, values, target is not None)
+            self._first_batch = got
         batch = self.plan.model["global_batch"]
-        got = next((v.shape[0] for v in values.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
         if got != batch:
             raise ValueError(f"train_step got a batch of {got} but the plan is for a global batch of {batch}; "
                              f"pass the global batch (every rank the same), or re-plan for this batch size")
@@ -333,10 +477,14 @@ class ParallelModule:
         m = self.plan.schedule["microbatches"]
         total_loss = 0.0
         acc: dict[str, torch.Tensor] = {}
-        for micro in _split_batch(values, m, batch):
+        tp_ranks = self._group_ranks("tp")
+        for i, micro in enumerate(_split_batch(values, m, batch)):
             if self.step_program is not None:
                 local = self.params.local_params()
-                out = self.step_program(*[local[n] for n in self.trainable], *[micro[n] for n in self.input_names])
+                with self._guard(f"forward and backward of micro-batch {i} (tp collectives over tp group "
+                                 f"{tp_ranks})", tp_ranks):
+                    out = self.step_program(*[local[n] for n in self.trainable],
+                                            *[micro[n] for n in self.input_names])
                 loss, partials = out[0], dict(zip(self.trainable, out[1:]))
             else:
                 params = self.params.compute_params()
@@ -348,10 +496,17 @@ class ParallelModule:
             total_loss += float(loss) / m
             for fqn, g in partials.items():
                 acc[fqn] = g if fqn not in acc else acc[fqn] + g
-        self.params.reduce_gradients(acc)
-        self.optimizer.step()
-        self.params.after_step()
+        self._reduce_and_step(acc)
         return total_loss
+
+    def _reduce_and_step(self, grads: dict[str, torch.Tensor]) -> None:
+        """dp gradient reduction, the optimizer on the local slices, ZeRO's parameter all-gather."""
+        dp_ranks = self._group_ranks("dp")
+        with self._guard(f"gradient reduction over dp group {dp_ranks}", dp_ranks):
+            self.params.reduce_gradients(grads)
+        self.optimizer.step()
+        with self._guard(f"parameter all-gather over dp group {dp_ranks}", dp_ranks):
+            self.params.after_step()
 
     def set_schedule(self, kind: str) -> None:
         """Run later steps under another pipeline schedule, without recompiling.
@@ -379,7 +534,8 @@ class ParallelModule:
                             f"several stages per rank); re-plan with fixed={{'schedule': {kind!r}}}")
         old = self.runner
         self.runner = PipelineRunner(self.pipeline, pp=pp, pp_rank=old.pp_rank, schedule=kind,
-                                     n_micro=old.n_micro, n_virtual=n_stages // pp, rank_of_stage=old.rank_of_stage)
+                                     n_micro=old.n_micro, n_virtual=n_stages // pp, rank_of_stage=old.rank_of_stage,
+                                     guard=old.guard, timeout_s=old.timeout_s, tp_ranks=old.tp_ranks)
         self.plan = replace(self.plan, schedule={**self.plan.schedule, "kind": kind})
 
     def local_batch(self, value: torch.Tensor) -> torch.Tensor:
@@ -393,7 +549,8 @@ class ParallelModule:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) parameters, keys as ``model.state_dict()``; a collective on every rank."""
         self._require_compiled()
-        out = self._across_stages({fqn: self.params.full_tensor(fqn) for fqn in self.params.entries})
+        with self._guard("gathering the full parameters (state_dict) from every rank"):
+            out = self._across_stages({fqn: self.params.full_tensor(fqn) for fqn in self.params.entries})
         canonical = {id(p): fqn for fqn, p in self.model.named_parameters()}
         for name, p in self.model.named_parameters(remove_duplicate=False):  # tied aliases (lm_head.weight)
             if name not in out and canonical.get(id(p)) in out:
@@ -407,7 +564,8 @@ class ParallelModule:
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The last step's reduced gradients, gathered whole (a collective on every rank)."""
         self._require_compiled()
-        return self._across_stages({fqn: self.params.full_grad(fqn) for fqn in self.params.entries})
+        with self._guard("gathering the full gradients from every rank"):
+            return self._across_stages({fqn: self.params.full_grad(fqn) for fqn in self.params.entries})
 
     def _across_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """With pp > 1 each stage holds its own parameters: gather every stage's (a collective)."""

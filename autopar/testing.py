@@ -8,25 +8,31 @@ as a change) and fails with the readable diff. Run pytest with
 
 ``spawn_world(fn, world, *args)`` runs ``fn(rank, world, *args)`` in ``world`` fresh
 processes with a gloo process group over loopback and returns what each rank's
-``fn`` returned, in rank order; an exception on any rank is re-raised here with
-that rank's traceback. Every rank has a timeout, so a hang fails the test instead
-of stalling it.
+``fn`` returned, in rank order; an exception on any rank, or a rank's process dying,
+is re-raised here with that rank's traceback or exit code. Every rank has a timeout,
+so a hang fails the test instead of stalling it. With ``allow_failures=True`` it
+returns a :class:`RankOutcome` per rank instead (value, or error and exit code), for
+tests in which ranks are meant to fail; the launcher hosts the c10d store, as
+torchrun's agent does, so a rank's death (rank 0's included) does not take it along.
 """
 
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
 import sys
+import time
 import traceback
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from autopar.plan import Plan
 
-__all__ = ["assert_plan_matches", "update_golden_requested", "spawn_world", "free_port", "fast_cluster",
+__all__ = ["assert_plan_matches", "update_golden_requested", "spawn_world", "RankOutcome", "free_port", "fast_cluster",
            "tp_friendly_cluster", "tp_only_cluster"]
 
 UPDATE_ENV = "AUTOPAR_UPDATE_GOLDEN"
@@ -86,54 +92,117 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    # TORCHELASTIC_USE_AGENT_STORE: every rank is a client of the store the parent hosts, as under
+    # torchrun, so the store outlives any rank (a killed rank 0 included).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), TORCHELASTIC_USE_AGENT_STORE="True")
     import torch.distributed as dist
 
     try:
         result = fn(rank, world, *args)
         queue.put((rank, "ok", result))
-    except BaseException:  # report every failure to the parent
-        queue.put((rank, "error", traceback.format_exc()))
+    except BaseException as e:  # report every failure to the parent
+        queue.put((rank, "error", (f"{type(e).__name__}: {e}", traceback.format_exc())))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def spawn_world(fn: Callable, world: int, *args: Any, timeout_s: float = 900.0) -> list[Any]:
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank of :func:`spawn_world` ended (with ``allow_failures=True``)."""
+
+    rank: int
+    ok: bool
+    value: Any = None
+    """What ``fn`` returned (when ``ok``)."""
+    error: str = ""
+    """``"TypeName: message"`` of the exception ``fn`` raised, or how the process died."""
+    traceback: str = ""
+    exitcode: int | None = None
+    """The process exit code; negative for a signal (``-9``: SIGKILL), None if it was still running."""
+
+
+def spawn_world(fn: Callable, world: int, *args: Any, timeout_s: float = 900.0,
+                allow_failures: bool = False) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; their results in rank order.
 
-    ``timeout_s`` bounds the wait for each rank's result: long enough for a world that
+    The parent hosts the c10d store (as torchrun's agent does), so it outlives every rank.
+    ``timeout_s`` bounds the wait for the next rank to finish: long enough for a world that
     compiles several plans while another test process shares the two CPU cores (the
     4-rank pipeline world takes ~100 s alone and has needed over 300 s under load), short
-    enough that a hang fails the run well inside CI's limit.
+    enough that a hang fails the run well inside CI's limit. A rank that raises, or whose
+    process dies without reporting (``os._exit``, a signal), fails the call at once with
+    its traceback or exit code; with ``allow_failures=True`` every rank runs to its end and
+    the call returns one :class:`RankOutcome` per rank instead (a rank still running after
+    ``timeout_s`` without progress is killed and reported as hung).
     """
+    import torch.distributed as dist
     import torch.multiprocessing as mp  # here, not at the top: golden-plan tests need no torch import
 
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, store.port, fn, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    errors = []
+    outcomes: dict[int, RankOutcome] = {}
+    failed = False
     try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout_s)
-            if status == "ok":
-                results[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-                break
+        deadline = time.monotonic() + timeout_s
+        while len(outcomes) < world and not (failed and not allow_failures):
+            try:
+                rank, status, value = queue.get(timeout=0.5)
+            except queue_module.Empty:
+                for r, p in enumerate(procs):
+                    if r not in outcomes and p.exitcode is not None and not _drain(queue, outcomes, procs):
+                        outcomes[r] = RankOutcome(r, ok=False, exitcode=p.exitcode,
+                                                  error=f"the process died with exit code {p.exitcode} "
+                                                        f"without reporting (killed, or os._exit)")
+                        failed = True
+                if time.monotonic() > deadline:
+                    break
+                continue
+            outcomes[rank] = _outcome(rank, status, value, procs)
+            failed = failed or status != "ok"
+            deadline = time.monotonic() + timeout_s
     finally:
         for p in procs:
-            p.join(timeout=5 if errors else timeout_s)
+            p.join(timeout=5 if failed or len(outcomes) < world else timeout_s)
             if p.is_alive():
                 p.kill()
-    if errors:
-        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
-    return [results[r] for r in range(world)]
+                p.join(timeout=5)
+        del store
+    for r, p in enumerate(procs):
+        if r not in outcomes:
+            outcomes[r] = RankOutcome(r, ok=False, exitcode=p.exitcode,
+                                      error=f"did not finish within {timeout_s:g} s (hung; killed)")
+    if allow_failures:
+        return [outcomes[r] for r in range(world)]
+    bad = [o for o in outcomes.values() if not o.ok]
+    if bad:
+        first = min(bad, key=lambda o: (o.error.startswith("did not finish"), o.rank))
+        raise RuntimeError(f"a rank failed:\nrank {first.rank}: {first.error}\n{first.traceback}")
+    return [outcomes[r].value for r in range(world)]
+
+
+def _outcome(rank: int, status: str, value: Any, procs) -> RankOutcome:
+    if status == "ok":
+        return RankOutcome(rank, ok=True, value=value)
+    error, tb = value
+    return RankOutcome(rank, ok=False, error=error, traceback=tb, exitcode=procs[rank].exitcode)
+
+
+def _drain(queue, outcomes: dict, procs) -> bool:
+    """Read any result already in the pipe (a rank that reported, then exited); True if one came."""
+    got = False
+    while True:
+        try:
+            rank, status, value = queue.get(timeout=0.5)
+        except queue_module.Empty:
+            return got
+        outcomes[rank] = _outcome(rank, status, value, procs)
+        got = True
 
 
 def fast_cluster(spec: str):

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import autopar  # noqa: E402
+import autopar.progress  # noqa: E402
 import gpt  # noqa: E402
 
 
@@ -42,15 +43,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--timeout-s", type=float, default=600.0,
+                        help="seconds a rank waits on a dead or stuck peer before it stops with an error naming it")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     fixed = dict(kv.split("=", 1) for kv in args.fix)
+    if rank == 0:
+        autopar.progress.enable()  # "autopar: planning GPT for 1x4xcpu ..." while the first step compiles
 
     torch.manual_seed(0)
     model, _, loss_fn, _ = gpt.build(size=args.size, batch=args.batch, seq=args.seq)
     vocab = model.config.vocab_size if hasattr(model, "config") else 256
     pm = autopar.parallelize(model, cluster=args.cluster, loss_fn=loss_fn, fixed=fixed or None,
-                             optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr))
+                             optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr), timeout_s=args.timeout_s)
     data = batches(batch=args.batch, seq=args.seq, vocab=vocab, seed=1)
     first = None
     start = time.perf_counter()

@@ -13,7 +13,10 @@ Each message is one buffer per dtype (the named tensors flattened and
 concatenated) sent with ``isend`` and received with ``irecv`` into a buffer sized
 from the program's shapes; the peer is the rank with the same dp and tp
 coordinates on the neighbouring stage. Sends are waited for at the end of the
-step (the buffers stay referenced until then).
+step (the buffers stay referenced until then). A receive waits at most
+``timeout_s``; every send, receive and compute piece (whose tp collectives wait on
+the tp group) runs under ``guard``, which turns a backend failure into an error
+naming the action and the peer (:mod:`autopar.runtime.watch`).
 
 Per stage and micro-batch a store maps value names to tensors; after F (and its
 send) it keeps only what B, W or a later send reads, after B only what W reads,
@@ -24,7 +27,10 @@ its B, and only W's inputs from its B to its W.
 from __future__ import annotations
 
 import re
+import contextlib
 from collections.abc import Callable
+from datetime import timedelta
+from typing import ContextManager
 
 import torch
 import torch.distributed as dist
@@ -38,6 +44,10 @@ __all__ = ["PipelineRunner"]
 _COMM = re.compile(r"(\d+)(SEND|RECV)_([FB])(\d+)")
 
 
+def _no_guard(action: str, peers: list[int] | None = None) -> ContextManager:
+    return contextlib.nullcontext()
+
+
 class PipelineRunner:
     """Execute ``schedule`` for the stages of one pipeline rank (see the module docstring).
 
@@ -47,8 +57,16 @@ class PipelineRunner:
     """
 
     def __init__(self, program: PipelineProgram, *, pp: int, pp_rank: int, schedule: str, n_micro: int,
-                 rank_of_stage: Callable[[int], int], n_virtual: int = 1):
+                 rank_of_stage: Callable[[int], int], n_virtual: int = 1,
+                 guard: Callable[[str, list[int] | None], ContextManager] = _no_guard, timeout_s: float | None = None,
+                 tp_ranks: list[int] | None = None):
         self.program = program
+        self.guard = guard
+        """``guard(action, peers)``: a context that turns a failed wait on ``peers`` into an error naming them."""
+        self.timeout_s = timeout_s
+        """Seconds a receive waits for its message (None: the process group's timeout)."""
+        self.tp_ranks = tp_ranks or []
+        """The ranks of this rank's tp group (their collectives run inside F, B and W)."""
         self.n_stages = len(program.stages)
         self.pp_rank = pp_rank
         self.n_micro = n_micro
@@ -65,7 +83,7 @@ class PipelineRunner:
         self._inputs, self._params = micro_inputs, params
         self._store: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._grads: dict[str, torch.Tensor] = {}
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
         self._loss: torch.Tensor | None = None
         self._sent_b: set[tuple[int, int]] = set()
         self._done_w: set[tuple[int, int]] = set()
@@ -86,8 +104,10 @@ class PipelineRunner:
                         self._compute(a.stage, "W", a.microbatch)
                     self.peak_stored_bytes = max(self.peak_stored_bytes, self._stored_bytes())
                 self.log.append(text)
-            for work, _ in self._pending:
-                work.wait()
+            peers = sorted({peer for _, _, peer in self._pending})
+            with self.guard(f"completion of this step's pipeline sends to {_ranks(peers)}", peers):
+                for work, _, _ in self._pending:
+                    work.wait()
         finally:
             leftover = {k: sorted(v) for k, v in self._store.items() if v}
             self._store, self._pending = {}, []
@@ -113,7 +133,10 @@ class PipelineRunner:
         st = self.program.stages[stage]
         piece = {"F": st.forward, "B": st.backward_input, "W": st.backward_weight}[kind]
         store = self._store.setdefault((stage, mb), {})
-        for name, value in zip(piece.outputs, piece(self._values(piece, stage, mb))):
+        what = f"stage {stage} {kind} of micro-batch {mb} (tp collectives over ranks {self.tp_ranks})"
+        with self.guard(what, self.tp_ranks):
+            values = piece(self._values(piece, stage, mb))
+        for name, value in zip(piece.outputs, values):
             fqn = st.grads.get(name)
             if fqn is not None:
                 self._grads[fqn] = value if fqn not in self._grads else self._grads[fqn] + value
@@ -159,7 +182,9 @@ class PipelineRunner:
         peer = self.rank_of_stage(peer_stage)
         for part, (dtype, names) in enumerate(_by_dtype(msg)):
             buf = torch.cat([store[n].reshape(-1) for n in names]) if names else torch.empty(0, dtype=dtype)
-            self._pending.append((dist.isend(buf, peer, tag=self._tag(channel, cut, mb, part)), buf))
+            what = f"pipeline send of {_WHAT[channel]} for micro-batch {mb} from stage {stage} to rank {peer}"
+            with self.guard(what, [peer]):
+                self._pending.append((dist.isend(buf, peer, tag=self._tag(channel, cut, mb, part)), buf, peer))
         if channel == "F":
             self._prune(stage, mb, st.keep_after_forward)
         else:  # after a fused BW, W already ran: nothing is left to keep
@@ -176,9 +201,23 @@ class PipelineRunner:
         for part, (dtype, names) in enumerate(_by_dtype(msg)):
             sizes = [_numel(shapes[n]) for n in names]
             buf = torch.empty(sum(sizes), dtype=dtype)
-            dist.irecv(buf, peer, tag=self._tag(channel, cut, mb, part)).wait()
+            what = (f"pipeline recv of {_WHAT[channel]} for micro-batch {mb} of stage {stage} from rank {peer} "
+                    f"(stage {peer_stage})")
+            with self.guard(what, [peer]):
+                work = dist.irecv(buf, peer, tag=self._tag(channel, cut, mb, part))
+                if self.timeout_s is None:
+                    work.wait()
+                else:
+                    work.wait(timedelta(seconds=self.timeout_s))
             for name, chunk in zip(names, buf.split(sizes)):
                 store[name] = chunk.view(shapes[name])
+
+
+_WHAT = {"F": "activations", "B": "gradients"}
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 def _numel(shape: tuple[int, ...]) -> int:
