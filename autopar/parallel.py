@@ -206,6 +206,7 @@ class ParallelModule:
                 self.gm, mesh=self.mesh, ops=self.ops, params=self.params.compute_params(), frozen=self.frozen,
                 trainable=trainable, tp_placements=tp_params, inputs=micro_inputs,
                 loss_scale=1.0 / self.plan.schedule["microbatches"])
+            self.grad_returns = self.step_program.meta[mk.GRAD_RETURNS]
         self.optimizer = self.optimizer_factory(self.params.optimizer_params())
         self._compiled = True
 
@@ -252,6 +253,7 @@ class ParallelModule:
         program = shard_joint_graph(self.gm, mesh=self.mesh, ops=self.ops, params=whole, frozen=self.frozen,
                                     trainable=trainable, tp_placements=tp_params, inputs=dict(first),
                                     loss_scale=1.0 / m, addends=addends, keep_tags=True)
+        self.grad_returns = program.meta[mk.GRAD_RETURNS]
         del whole
         pp, pp_rank = plan.mesh["pp"], self.pp_mesh.get_local_rank("pp")
         n_stages = len(plan.stages)
@@ -291,7 +293,7 @@ class ParallelModule:
         loss, grads = self.runner.run(micro, self.params.local_params())
         for fqn, group in self.tied_groups.items():  # the stages sharing a parameter add their addends
             dist.all_reduce(grads[fqn], group=group)
-        self.params.reduce_gradients(grads)
+        self.params.reduce_gradients(grads, tp_returns=self.grad_returns)
         self.optimizer.step()
         self.params.after_step()
         total = torch.zeros(())
@@ -315,7 +317,7 @@ class ParallelModule:
 
     def train_step(self, inputs: Any, target: Any = None) -> float:
         """Forward, backward and one optimizer step on one global batch; the global mean loss."""
-        from autopar.passes.shard import grad_partial, run_joint
+        from autopar.passes.shard import grad_addends, run_joint
 
         names, flat, _ = flatten_inputs(inputs)
         values = dict(zip(names, flat))
@@ -343,12 +345,13 @@ class ParallelModule:
                 dloss, grads = run_joint(self.gm, mesh=self.mesh, ops=self.ops, params={**params, **self.frozen},
                                          inputs=micro, loss_scale=1.0 / m)
                 loss = dloss.full_tensor()
-                partials = {n: grad_partial(grads[n], mesh=self.mesh, tp_placement=self.tp_params.get(n, "R"))
-                            for n in self.trainable}
+                local, self.grad_returns = grad_addends([(n, grads[n]) for n in self.trainable], mesh=self.mesh,
+                                                        tp_placements=self.tp_params)
+                partials = dict(zip(self.trainable, local))
             total_loss += float(loss) / m
             for fqn, g in partials.items():
                 acc[fqn] = g if fqn not in acc else acc[fqn] + g
-        self.params.reduce_gradients(acc)
+        self.params.reduce_gradients(acc, tp_returns=self.grad_returns)
         self.optimizer.step()
         self.params.after_step()
         return total_loss
