@@ -17,6 +17,8 @@ whole tp shard at stage 0, its slice otherwise; slices are views into the full
 parameter storage at stages 1-2, so no second copy exists, and after the step the
 slices are all-gathered back into it. Gradients are reduced over dp once per step
 (after micro-batch accumulation): all-reduce at stages 0-1, reduce-scatter at 2-3.
+Before that, gradients the program left Partial or sharded on tp (their parameter is
+replicated there) are summed or gathered over tp, one bucket per collective and dtype.
 Stage 3 all-gathers each parameter for every micro-batch.
 
 Weights come from rank 0's copy of the model (``distribute_tensor`` with source rank
