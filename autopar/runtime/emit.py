@@ -75,9 +75,11 @@ def _programs(pm, pp_rank) -> list[tuple[str, Any]]:
 
 def _code(pm, pp_rank) -> str:
     programs = _programs(pm, pp_rank)
+    buckets = "".join(f"# then once per step, in the runtime: one tp {b['kind']} ({b['dtype']}, {b['bytes']} bytes) "
+                      f"returning the gradients of {', '.join(b['grads'])}\n" for b in _census(pm, pp_rank)["buckets"])
     if pm.plan.mesh["pp"] == 1:
-        return programs[0][1].code
-    return "\n".join(f"# ---- {heading}\n# reads  {', '.join(piece.inputs) or '-'}\n"
+        return buckets + programs[0][1].code
+    return buckets + "\n".join(f"# ---- {heading}\n# reads  {', '.join(piece.inputs) or '-'}\n"
                      f"# writes {', '.join(piece.outputs) or '-'}{piece.gm.code}" for heading, piece in programs)
 
 
