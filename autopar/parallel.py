@@ -341,6 +341,7 @@ class ParallelModule:
                 self.gm, mesh=self.mesh, ops=self.ops, params=self.params.compute_params(), frozen=self.frozen,
                 trainable=trainable, tp_placements=tp_params, inputs=micro_inputs,
                 loss_scale=1.0 / self.plan.schedule["microbatches"])
+            self.grad_returns = self.step_program.meta[mk.GRAD_RETURNS]
         self.optimizer = self.optimizer_factory(self.params.optimizer_params())
         self._compiled = True
 
@@ -388,6 +389,7 @@ class ParallelModule:
         program = shard_joint_graph(self.gm, mesh=self.mesh, ops=self.ops, params=whole, frozen=self.frozen,
                                     trainable=trainable, tp_placements=tp_params, inputs=dict(first),
                                     loss_scale=1.0 / m, addends=addends, keep_tags=True)
+        self.grad_returns = program.meta[mk.GRAD_RETURNS]
         del whole
         pp, pp_rank = plan.mesh["pp"], self.pp_mesh.get_local_rank("pp")
         n_stages = len(plan.stages)
@@ -453,7 +455,7 @@ class ParallelModule:
 
     def train_step(self, inputs: Any, target: Any = None) -> float:
         """Forward, backward and one optimizer step on one global batch; the global mean loss."""
-        from autopar.passes.shard import grad_partial, run_joint
+        from autopar.passes.shard import grad_addends, run_joint
 
         names, flat, _ = flatten_inputs(inputs)
         values = dict(zip(names, flat))
@@ -491,8 +493,9 @@ class ParallelModule:
                 dloss, grads = run_joint(self.gm, mesh=self.mesh, ops=self.ops, params={**params, **self.frozen},
                                          inputs=micro, loss_scale=1.0 / m)
                 loss = dloss.full_tensor()
-                partials = {n: grad_partial(grads[n], mesh=self.mesh, tp_placement=self.tp_params.get(n, "R"))
-                            for n in self.trainable}
+                local, self.grad_returns = grad_addends([(n, grads[n]) for n in self.trainable], mesh=self.mesh,
+                                                        tp_placements=self.tp_params)
+                partials = dict(zip(self.trainable, local))
             total_loss += float(loss) / m
             for fqn, g in partials.items():
                 acc[fqn] = g if fqn not in acc else acc[fqn] + g
@@ -502,8 +505,8 @@ class ParallelModule:
     def _reduce_and_step(self, grads: dict[str, torch.Tensor]) -> None:
         """dp gradient reduction, the optimizer on the local slices, ZeRO's parameter all-gather."""
         dp_ranks = self._group_ranks("dp")
-        with self._guard(f"gradient reduction over dp group {dp_ranks}", dp_ranks):
-            self.params.reduce_gradients(grads)
+        with self._guard(f"gradient reduction (tp buckets, then dp group {dp_ranks})", None):
+            self.params.reduce_gradients(grads, tp_returns=self.grad_returns)
         self.optimizer.step()
         with self._guard(f"parameter all-gather over dp group {dp_ranks}", dp_ranks):
             self.params.after_step()

@@ -15,6 +15,8 @@ Graph keys (``gm.meta[KEY]``):
 
 - ``GRAPH`` (:class:`GraphTrace`, set by ``trace_joint``).
 - ``LAYERS`` (``tuple[LayerInfo, ...]``, set by ``group_layers``).
+- ``GRAD_RETURNS`` (``tuple[GradReturn, ...]``, set by ``shard_joint_graph`` on the
+  per-rank program): the tensor-parallel gradient collectives left to the runtime.
 
 Shapes always come from ``node.meta["val"]`` (a FakeTensor), never from here.
 """
@@ -29,6 +31,7 @@ COST = "autopar.cost"
 LAYER = "autopar.layer"
 GRAPH = "autopar.graph"
 LAYERS = "autopar.layers"
+GRAD_RETURNS = "autopar.grad_returns"
 
 
 class Role(str, enum.Enum):
@@ -141,3 +144,22 @@ class LayerInfo:
     """Activation bytes the backward reads (what a stage holds per micro-batch in flight)."""
     boundary_bytes: float
     """Bytes of forward outputs later layers read (what a pipeline cut after it sends)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradReturn:
+    """A parameter gradient the per-rank program returns before its tensor-parallel
+    collective: the runtime issues that collective, bucketed with the others of its
+    kind and dtype, once per step."""
+
+    fqn: str
+    """The parameter."""
+    kind: str
+    """"all_reduce" (the addend is Partial on tp, the parameter replicated) or
+    "all_gather" (the addend is a Shard(dim) piece, the parameter replicated)."""
+    dim: int | None
+    """The sharded dim for "all_gather"; None for "all_reduce"."""
+    shape: tuple[int, ...]
+    """The parameter's (and gradient's) global shape."""
+    nbytes: int
+    """Bytes of the whole gradient: what the plan prices for its collective."""

@@ -29,12 +29,20 @@ Contract of ``shard_joint_graph(gm, ...)``:
     ``loss`` the micro-batch's global mean loss, replicated; ``grad_addends``
     per parameter this rank's addend of the gradient on its tp shard, to be
     summed over dp (all-reduce or reduce-scatter by ZeRO stage) once per step
-    after micro-batch accumulation. ``gm`` is not modified.
+    after micro-batch accumulation; ``meta[GRAD_RETURNS]`` on the program lists
+    the addends that are still Partial (to sum) or Shard(dim) pieces (to gather)
+    on tp, because their parameter is replicated there. ``gm`` is not modified.
   raises: whatever DTensor raises for a placement it cannot run.
 
-The data-parallel gradient reduction and ZeRO's parameter gathers are not in
-this program on purpose: they happen once per step (after accumulating
-micro-batches), bucketed, in :mod:`autopar.runtime.zero`.
+Each value is redistributed once per target placement, and that copy serves every
+consumer that needs it, as the planner prices it ("a tensor resharded once serves
+all its consumers").
+
+The data-parallel gradient reduction, ZeRO's parameter gathers and the tp
+collectives that return gradients to replicated parameters are not in this program
+on purpose: they happen once per step (after accumulating micro-batches), bucketed,
+in :mod:`autopar.runtime.zero`, as the planner prices gradient returns (bandwidth,
+no per-tensor latency).
 """
 
 from __future__ import annotations
@@ -54,7 +62,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from autopar.passes import meta_keys as mk
 from autopar.passes.dtensor_rules import dtensor_dispatches
 
-__all__ = ["OpPlacements", "placement", "run_joint", "interpret", "grad_partial", "shard_joint_graph"]
+__all__ = ["OpPlacements", "placement", "run_joint", "interpret", "grad_partial", "grad_addends",
+           "shard_joint_graph"]
 
 
 @dataclass(frozen=True)
@@ -79,8 +88,38 @@ def _wrap_replicated(value: Any, mesh: DeviceMesh) -> Any:
     return value
 
 
-def _redistribute(args: Any, wanted: tuple[str, ...], mesh: DeviceMesh, tp_dim: int) -> Any:
+class _Reshards:
+    """Each value's redistributed copies, one per target placement, shared by all its consumers.
+
+    The planner prices "a tensor resharded once serves all its consumers" (the coverage
+    form in :mod:`autopar.planner.ilp`); redistributing per consumer would issue the
+    collective again for each (the norm output of a Llama block gathered once for each of
+    wq, wk and wv). Copies are keyed by the source DTensor (held here, so its ``id`` stays
+    unique) and its target placements, and dropped with :meth:`drop` after the source's
+    last consumer has run.
+    """
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[DTensor, dict[tuple, DTensor]]] = {}
+
+    def get(self, v: DTensor, want: tuple, make) -> DTensor:
+        source, copies = self._copies.setdefault(id(v), (v, {}))
+        assert source is v, "a cached source was released before its last consumer"
+        if want not in copies:
+            copies[want] = make()
+        return copies[want]
+
+    def drop(self, value: Any) -> None:
+        """Forget ``value``'s copies. (A tuple's elements are read through getitem nodes,
+        whose values they are: those are dropped after their own last consumer.)"""
+        if isinstance(value, DTensor):
+            self._copies.pop(id(value), None)
+
+
+def _redistribute(args: Any, wanted: tuple[str, ...], mesh: DeviceMesh, tp_dim: int,
+                  reshards: _Reshards | None = None) -> Any:
     it = iter(wanted)
+    reshards = reshards if reshards is not None else _Reshards()
 
     def move(v):
         if not isinstance(v, DTensor):
@@ -90,8 +129,8 @@ def _redistribute(args: Any, wanted: tuple[str, ...], mesh: DeviceMesh, tp_dim: 
         if tuple(want) == tuple(v.placements):
             return v
         if want[tp_dim].is_partial() and not v.placements[tp_dim].is_partial():
-            return _to_partial(v, mesh, tp_dim, want)
-        return v.redistribute(mesh, want)
+            return reshards.get(v, tuple(want), lambda: _to_partial(v, mesh, tp_dim, want))
+        return reshards.get(v, tuple(want), lambda: v.redistribute(mesh, want))
 
     return tree_map(move, args)
 
@@ -201,17 +240,27 @@ def interpret(gm: fx.GraphModule, *, mesh: DeviceMesh, ops: dict[str, OpPlacemen
     """
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
     env: dict[fx.Node, Any] = {}
+    reshards = _Reshards()
+    last_reader: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        for a in node.all_input_nodes:
+            last_reader[a] = node
+    done_after: dict[fx.Node, list[fx.Node]] = {}
+    for a, reader in last_reader.items():
+        done_after.setdefault(reader, []).append(a)
     for node in gm.graph.nodes:
         with fx_traceback.set_current_meta(node):
             if node.op == "output":
                 return fx.node.map_arg(node.args[0], lambda a: env[a])
             _run_node(node, env, info, mesh=mesh, ops=ops, params=params, inputs=inputs, loss_scale=loss_scale,
-                      tp_dim=tp_dim, dp_dim=dp_dim)
+                      tp_dim=tp_dim, dp_dim=dp_dim, reshards=reshards)
+        for a in done_after.get(node, ()):  # no consumer left: its resharded copies can go
+            reshards.drop(env[a])
     raise ValueError("the joint graph has no output node")
 
 
 def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, mesh, ops, params, inputs,
-              loss_scale, tp_dim, dp_dim) -> None:
+              loss_scale, tp_dim, dp_dim, reshards: _Reshards) -> None:
     trace = node.meta[mk.TRACE]
     if node.op == "placeholder":
         if trace.role in (mk.Role.PARAM, mk.Role.BUFFER):
@@ -238,7 +287,7 @@ def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, me
         return
     rule = ops.get(node.name)
     if rule is not None:
-        args, kwargs = _redistribute((args, kwargs), rule.ins, mesh, tp_dim)
+        args, kwargs = _redistribute((args, kwargs), rule.ins, mesh, tp_dim, reshards)
     if node.target in _VIEWS:  # a resharded local shard may be strided; view needs contiguous
         args = tree_map(_contiguous, args)
     has_dtensor = any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs)))
@@ -254,12 +303,17 @@ def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, me
                            f"arguments {pls}, plan {rule}) failed: {e}") from e
 
 
-def grad_partial(g: DTensor, *, mesh: DeviceMesh, tp_placement: str, dp_dim: int = 0, tp_dim: int = 1):
-    """A gradient as this rank's local addend: tp placed like its parameter, Partial on dp."""
+def grad_partial(g: DTensor, *, mesh: DeviceMesh, tp_placement: str, dp_dim: int = 0, tp_dim: int = 1,
+                 keep_tp: bool = False):
+    """A gradient as this rank's local addend: tp placed like its parameter, Partial on dp.
+
+    ``keep_tp`` leaves the tp placement as it is (the runtime finishes it, see
+    :func:`grad_addends`)."""
     want = list(g.placements)
-    want[tp_dim] = placement(tp_placement)
-    if want[tp_dim].is_partial() and not g.placements[tp_dim].is_partial():
-        want[tp_dim] = Replicate()  # a partial parameter placement is not a thing; keep it whole
+    if not keep_tp:
+        want[tp_dim] = placement(tp_placement)
+        if want[tp_dim].is_partial() and not g.placements[tp_dim].is_partial():
+            want[tp_dim] = Replicate()  # a partial parameter placement is not a thing; keep it whole
     if want[dp_dim].is_shard():
         want[dp_dim] = Replicate()
     if tuple(want) != tuple(g.placements):
@@ -268,6 +322,42 @@ def grad_partial(g: DTensor, *, mesh: DeviceMesh, tp_placement: str, dp_dim: int
     if not g.placements[dp_dim].is_partial() and mesh.get_local_rank(dp_dim) != 0:
         local = torch.zeros_like(local)  # replicated on dp: one rank contributes the value
     return local
+
+
+def _grad_return(fqn: str, g: DTensor, tp_placement: str, tp_dim: int) -> mk.GradReturn | None:
+    """The tp collective that takes ``g`` to its parameter's placement, when the runtime
+    can issue it bucketed: Partial -> Replicate (all-reduce) or Shard(dim) -> Replicate
+    (all-gather of torch.chunk pieces). Anything else stays in the program."""
+    have = g.placements[tp_dim]
+    if tp_placement != "R" or g.device_mesh.size(tp_dim) == 1:
+        return None
+    nbytes = g.numel() * g.element_size()
+    if have.is_partial() and have.reduce_op == "sum":
+        return mk.GradReturn(fqn=fqn, kind="all_reduce", dim=None, shape=tuple(g.shape), nbytes=nbytes)
+    if type(have) is Shard:  # (not a _StridedShard: its pieces are not plain chunks)
+        return mk.GradReturn(fqn=fqn, kind="all_gather", dim=have.dim, shape=tuple(g.shape), nbytes=nbytes)
+    return None
+
+
+def grad_addends(grads: list[tuple[str, DTensor]], *, mesh: DeviceMesh, tp_placements: dict[str, str],
+                 dp_dim: int = 0, tp_dim: int = 1) -> tuple[list[torch.Tensor], tuple[mk.GradReturn, ...]]:
+    """This rank's local addend of each (parameter, gradient) and the tp collectives left to the runtime.
+
+    The planner prices gradients returning to their parameters bucketed (bandwidth, no
+    per-tensor latency), so a gradient that is Partial or Shard(dim) on tp while its
+    parameter is replicated leaves the program as it is; the runtime sums or gathers
+    such gradients in one bucket per (collective, dtype) once per step
+    (:meth:`autopar.runtime.zero.ShardedParams.reduce_gradients`). A parameter with
+    several addends (a tied embedding's, one per pipeline stage) is deferred only if
+    all its addends need the same collective, since the runtime adds them first.
+    """
+    found: dict[str, set] = {}
+    for fqn, g in grads:
+        found.setdefault(fqn, set()).add(_grad_return(fqn, g, tp_placements.get(fqn, "R"), tp_dim))
+    returns = {fqn: next(iter(rs)) for fqn, rs in found.items() if len(rs) == 1 and None not in rs}
+    local = [grad_partial(g, mesh=mesh, tp_placement=tp_placements.get(fqn, "R"), dp_dim=dp_dim, tp_dim=tp_dim,
+                          keep_tp=fqn in returns) for fqn, g in grads]
+    return local, tuple(returns.values())
 
 
 def shard_joint_graph(gm: fx.GraphModule, *, mesh: DeviceMesh, ops: dict[str, OpPlacements],
@@ -293,8 +383,11 @@ def shard_joint_graph(gm: fx.GraphModule, *, mesh: DeviceMesh, ops: dict[str, Op
               for n, local in zip(trainable, shards)}
         outputs = interpret(gm, mesh=mesh, ops=ops, params={**ps, **frozen}, inputs=dict(zip(names, values)),
                             loss_scale=loss_scale)
-        partials = [grad_partial(outputs[i], mesh=mesh, tp_placement=tp_placements.get(n, "R")) for n, i in addends]
+        partials, found = grad_addends([(n, outputs[i]) for n, i in addends], mesh=mesh, tp_placements=tp_placements)
+        returns[:] = found
         return (outputs[info.loss_output].full_tensor(), *partials)
+
+    returns: list[mk.GradReturn] = []
 
     example = [params[n].to_local() for n in trainable] + [inputs[n] for n in names]
     if keep_tags:
@@ -304,4 +397,5 @@ def shard_joint_graph(gm: fx.GraphModule, *, mesh: DeviceMesh, ops: dict[str, Op
         program = make_fx(step, tracing_mode=tracing_mode)(*example)
     program.graph.eliminate_dead_code()
     program.recompile()
+    program.meta[mk.GRAD_RETURNS] = tuple(returns)
     return program

@@ -17,6 +17,8 @@ whole tp shard at stage 0, its slice otherwise; slices are views into the full
 parameter storage at stages 1-2, so no second copy exists, and after the step the
 slices are all-gathered back into it. Gradients are reduced over dp once per step
 (after micro-batch accumulation): all-reduce at stages 0-1, reduce-scatter at 2-3.
+Before that, gradients the program left Partial or sharded on tp (their parameter is
+replicated there) are summed or gathered over tp, one bucket per collective and dtype.
 Stage 3 all-gathers each parameter for every micro-batch.
 
 Weights come from rank 0's copy of the model (``distribute_tensor`` with source rank
@@ -26,6 +28,7 @@ Weights come from rank 0's copy of the model (``distribute_tensor`` with source 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +37,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from autopar.passes.meta_keys import GradReturn
 from autopar.passes.shard import placement
 
-__all__ = ["ShardedParams", "StateBytes"]
+__all__ = ["ShardedParams", "StateBytes", "TpBucket", "tp_buckets"]
 
 # torch 2.13 renamed these (the old names warn); 2.11 has only the old ones.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -121,14 +125,18 @@ class ShardedParams:
 
     # -- gradients ------------------------------------------------------------
 
-    def reduce_gradients(self, partials: dict[str, torch.Tensor]) -> None:
+    def reduce_gradients(self, partials: dict[str, torch.Tensor], *,
+                         tp_returns: Sequence[GradReturn] = ()) -> None:
         """Sum each gradient's per-rank addends over dp, into the parameter's gradient buffer.
 
         ``partials[fqn]`` is this rank's addend on the parameter's tp shard (see
-        :func:`autopar.passes.shard.grad_partial`), accumulated over micro-batches.
+        :func:`autopar.passes.shard.grad_addends`), accumulated over micro-batches;
+        for the parameters in ``tp_returns`` it is still Partial or a Shard(dim) piece
+        on tp, and is first summed or gathered over tp (:meth:`finish_tp`).
         All parameters of a dtype travel in one bucket: one collective per step, as
         DDP's and FSDP's buckets do, instead of one per parameter.
         """
+        partials = self.finish_tp(partials, tp_returns)
         for group in self._by_dtype():
             if self.zero <= 1:  # all-reduce over dp: each rank gets the full tp-shard gradient
                 bucket = torch.zeros(sum(e.padded for e in group), dtype=group[0].dtype)
@@ -162,6 +170,44 @@ class ShardedParams:
                 e.opt_param.grad = e.grad[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk]
             else:
                 e.opt_param.grad = e.grad
+
+    def finish_tp(self, partials: dict[str, torch.Tensor], returns: Sequence[GradReturn]) -> dict[str, torch.Tensor]:
+        """The tp collectives the program left to the runtime, one per bucket of :func:`tp_buckets`:
+        Partial addends summed (all-reduce), Shard(dim) pieces gathered whole (all-gather)."""
+        returns = [r for r in returns if r.fqn in partials]
+        if not returns:
+            return partials
+        out = dict(partials)
+        tp, group = self.mesh.size(self.tp_dim), self.mesh.get_group(self.tp_dim)
+        dtypes = {r.fqn: partials[r.fqn].dtype for r in returns}
+        for bucket in tp_buckets(returns, dtypes):
+            if bucket.kind == "all_reduce":
+                flat = torch.cat([partials[r.fqn].reshape(-1) for r in bucket.grads])
+                dist.all_reduce(flat, group=group)
+                offset = 0
+                for r in bucket.grads:
+                    n = partials[r.fqn].numel()
+                    out[r.fqn] = flat[offset: offset + n].view(r.shape)
+                    offset += n
+                continue
+            # all-gather: every rank sends its torch.chunk piece of each gradient, padded to the largest
+            widths = [_piece_numel(r, tp, 0) for r in bucket.grads]  # rank 0 holds the largest piece
+            send = torch.zeros(sum(widths), dtype=bucket.dtype)
+            offset = 0
+            for r, w in zip(bucket.grads, widths):
+                piece = partials[r.fqn].reshape(-1)
+                send[offset: offset + piece.numel()] = piece
+                offset += w
+            recv = torch.empty(tp * send.numel(), dtype=send.dtype)
+            _all_gather(recv, send, group=group)
+            table = recv.view(tp, send.numel())
+            offset = 0
+            for r, w in zip(bucket.grads, widths):
+                pieces = [table[k, offset: offset + _piece_numel(r, tp, k)].view(_piece_shape(r, tp, k))
+                          for k in range(tp)]
+                out[r.fqn] = torch.cat(pieces, dim=r.dim)
+                offset += w
+        return out
 
     def after_step(self) -> None:
         """Stages 1-2: all-gather the updated slices back into the full parameters."""
@@ -225,6 +271,42 @@ class ShardedParams:
             local = e.grad.reshape(-1)[: e.numel].view(e.local_shape)
         return DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
                                   shape=e.shape, stride=_contiguous_stride(e.shape)).full_tensor()
+
+
+@dataclass(frozen=True)
+class TpBucket:
+    """One collective on the tp axis per step: the gradients it returns to their parameters."""
+
+    kind: str
+    """"all_reduce" or "all_gather"."""
+    dtype: torch.dtype
+    grads: tuple[GradReturn, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Whole-gradient bytes, as the plan prices them (the all-gather's padding aside)."""
+        return sum(r.nbytes for r in self.grads)
+
+
+def tp_buckets(returns: Sequence[GradReturn], dtypes: dict[str, torch.dtype]) -> list[TpBucket]:
+    """The gradient returns grouped into one bucket per (collective, dtype), in their order."""
+    groups: dict[tuple[str, torch.dtype], list[GradReturn]] = {}
+    for r in returns:
+        groups.setdefault((r.kind, dtypes[r.fqn]), []).append(r)
+    return [TpBucket(kind=kind, dtype=dtype, grads=tuple(rs)) for (kind, dtype), rs in groups.items()]
+
+
+def _piece_shape(r: GradReturn, tp: int, k: int) -> tuple[int, ...]:
+    """Shape of tp rank ``k``'s piece of ``r`` (torch.chunk's split, as DTensor's Shard)."""
+    size = r.shape[r.dim]
+    chunk = math.ceil(size / tp)
+    shape = list(r.shape)
+    shape[r.dim] = max(0, min(chunk, size - k * chunk))
+    return tuple(shape)
+
+
+def _piece_numel(r: GradReturn, tp: int, k: int) -> int:
+    return math.prod(_piece_shape(r, tp, k))
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:
