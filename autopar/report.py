@@ -7,8 +7,9 @@ The timeline is the planner's own simulation, redone from the plan file: each
 stage's F, B, W times and the p2p time of the cut after it (``plan.stages[s]["predicted"]``)
 through :func:`autopar.planner.search.simulate_stages`,
 so its bubbles are the ones the search ranked by. After the pipeline drains each
-stage synchronises gradients over dp and steps the optimizer (not overlapped,
-as the search assumes); the chart ends at the predicted step time.
+pipeline rank synchronises gradients over dp and steps the optimizer for every stage
+it holds (not overlapped, as the search assumes); the chart ends at the predicted
+step time.
 
 The HTML page has no external resources (inline CSS, the timeline as inline SVG)
 and no JavaScript. matplotlib is needed for the pictures: ``pip install 'autopar[report]'``.
