@@ -221,3 +221,21 @@ def test_planner_and_runtime_split_every_backward_op_alike(example):
     assert sum(planned[n] == "B" for n in common) > 0 and sum(planned[n] == "W" for n in common) > 0
     differ = [(n, planned[n], ran[n]) for n in common if planned[n] != ran[n]]
     assert not differ, differ[:10]
+
+
+def test_split_backward_by_dataflow_on_a_hand_built_graph():
+    """B: what an earlier group depends on, through any group's backward; a tied sum is no reader."""
+    from autopar.passes.backward_split import split_backward
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.neg, (x,))  # group 2; flows to group 3 and back into group 2's input gradient
+    b = g.call_function(torch.neg, (a,))  # group 3
+    c = g.call_function(torch.add, (b, x))  # group 2; its input gradient, read by group 1
+    d = g.call_function(torch.neg, (c,))  # group 1; nothing earlier reads it
+    w = g.call_function(torch.neg, (x,))  # group 2; a weight gradient, summed with group 1's addend
+    tied = g.call_function(torch.add, (w, d))  # group 1: the tied sum
+    g.output((tied,))
+    backward = {a: 2, b: 3, c: 2, d: 1, w: 2, tied: 1}
+    assert split_backward(backward, backward, ignore_readers={tied}) == {a, b, c}
+    assert split_backward(backward, backward) == {a, b, c, w}  # the sum read as an ordinary reader

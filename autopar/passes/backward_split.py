@@ -11,10 +11,15 @@ autopar decides the split by dataflow on the graph, in one place for both users:
   *layer*'s B and W before any cut is chosen: groups are layers in forward order.
 
 The rule, for groups numbered in forward order: a backward node of group ``g`` is
-B when a node of an earlier group reads it, or when such a value depends on it
-through backward nodes of ``g``; every other backward node is W. For a linear
+B when a node of an earlier group depends on it (reads it, or reads a value
+computed from it); every other backward node is W. For a linear
 layer B holds ``dX = dY W`` and W holds ``dW = dY^T X``; no op-specific rule is
-needed. With one stage per layer the two users agree node for node.
+needed. With one stage per layer the two users agree node for node. (For the
+runtime this is "the stage's backward nodes that what earlier stages read depends
+on": a backward value never flows to a later stage, ``split_program`` refuses that,
+so a path to an earlier stage stays inside the stage until it leaves. Per layer the
+path may pass through a later layer of the same stage-to-be: Mixtral's routing-weight
+gradient goes through the loss layer's backward and back into its block.)
 
 A parameter read by several groups (GPT's embedding tied to its output head) has
 a gradient that sums one addend per group. The runtime splits that sum into one
@@ -40,23 +45,28 @@ _ADDS = (torch.ops.aten.add.Tensor,)
 
 def split_backward(backward: Mapping[fx.Node, int], group_of: Mapping[fx.Node, int], *,
                    ignore_readers: Collection[fx.Node] = ()) -> set[fx.Node]:
-    """The B nodes among ``backward`` (backward node -> its group); the others are W.
+    """The B nodes among ``backward`` (backward node -> its group, in graph order); the others are W.
 
-    ``group_of`` gives the group of every node that may read a backward value (nodes
-    it lacks count as readers of the value's own group); readers in ``ignore_readers``
-    do not count (the tied-gradient sums of :func:`tied_gradient_sums`).
+    A backward node is B when a node of an earlier group depends on it: reads it, or
+    reads a value computed from it (through backward nodes of any group). ``group_of``
+    gives the group of every node that may read a backward value; other readers (the
+    output) do not count, nor do readers in ``ignore_readers`` (the tied-gradient sums
+    of :func:`tied_gradient_sums`), which are not followed either.
     """
-    b_nodes: set[fx.Node] = set()
-    todo = [n for n, g in backward.items()
-            if any(u not in ignore_readers and group_of.get(u, g) < g for u in n.users)]
-    while todo:  # everything those values depend on, within their own group's backward
-        n = todo.pop()
-        if n in b_nodes:
-            continue
-        b_nodes.add(n)
-        g = backward[n]
-        todo.extend(a for a in n.all_input_nodes if backward.get(a) == g and a not in b_nodes)
-    return b_nodes
+    # ``backward`` is in graph order, so a node's users come after it: one sweep from the last
+    # node back gives each node the earliest group among the nodes that depend on it
+    lowest: dict[fx.Node, float] = {}
+    for n in reversed(list(backward)):
+        low = float("inf")
+        for u in n.users:
+            if u in ignore_readers:
+                continue
+            if u in group_of:
+                low = min(low, group_of[u])
+            if u in lowest:
+                low = min(low, lowest[u])
+        lowest[n] = low
+    return {n for n, g in backward.items() if lowest[n] < g}
 
 
 def tied_gradient_sums(gm: fx.GraphModule, group_of: Mapping[fx.Node, int]
