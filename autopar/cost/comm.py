@@ -36,8 +36,8 @@ __all__ = [
     "group_link",
     "p2p_s",
     "pipeline_links",
-    "stage_ranks",
     "reduce_scatter_s",
+    "stage_ranks",
 ]
 
 

@@ -449,7 +449,7 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
                      stages=tuple(stages))
 
 
-def tail_s(stages, pp: int) -> float:
+def tail_s(stages: Sequence[StagePlan], pp: int) -> float:
     """Time after the pipeline drains: each rank syncs gradients over dp and steps the
     optimizer for every stage it holds (stage s on pipeline rank s % pp), one after the
     other; the slowest rank sets the step. (The max over stages would drop the second
@@ -475,7 +475,7 @@ def simulate_stages(kind: str, *, microbatches: int, f_s: list[float], b_s: list
                     w_s=[0.0 if fused else w for w in w_s], p2p_s=p2p_s)
 
 
-def cut_times(stages, links) -> tuple[float, ...]:
+def cut_times(stages: Sequence[StagePlan], links: Sequence[comm.Link]) -> tuple[float, ...]:
     """Per cut, one transfer of the activations the stage before it sends, over the cut's link."""
     return tuple(comm.p2p_s(st.send_bytes, link) for st, link in zip(stages, links))
 
