@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autopar.cost.comm import Link, group_link
+from autopar.cost.comm import Link, group_link, pipeline_links
 from autopar.cost.devices import DEVICES, DeviceSpec, lookup_device
 from autopar.errors import ClusterSpecError
 
@@ -85,6 +85,13 @@ class Cluster:
             return group_link(group_size=1, stride=1, devices_per_node=1, device=self.device)
         return group_link(group_size=group_size, stride=stride,
                           devices_per_node=self.devices_per_node, device=self.device)
+
+    def pipeline_links(self, *, pp: int, dp: int, tp: int, n_stages: int | None = None) -> tuple[Link, ...]:
+        """The link of each cut between consecutive pipeline stages (``n_stages`` stages,
+        default ``pp``; stage ``s`` on pipeline rank ``s % pp``), from the ranks on either
+        side as the runtime lays them out (see :func:`autopar.cost.comm.pipeline_links`)."""
+        return pipeline_links(pp=pp, dp=dp, tp=tp, n_stages=n_stages or pp,
+                              devices_per_node=self.devices_per_node, device=self.device)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict with every device figure; :meth:`from_dict` reads it back."""

@@ -200,7 +200,7 @@ def render_summary(plan: Plan) -> str:
                                initial_indent="    ", subsequent_indent="        ", break_on_hyphens=False)
     comm = communication_rows(plan)
     if comm:
-        lines += ["", "  communication per step (tp and pp: summed over stages; dp: the slowest stage):",
+        lines += ["", "  communication per step (tp and pp: summed over stages; dp: the slowest pipeline rank):",
                   f"    {'collective':<15} {'axis':<4} {'calls':>8} {'bytes':>9} {'time':>9}"]
         for r in comm:
             lines.append(f"    {r['kind']:<15} {r['axis']:<4} {r['count']:>8.4g} {fmt_bytes(r['bytes']):>9} "

@@ -4,11 +4,12 @@
         --timeline timeline.png --html report.html
 
 The timeline is the planner's own simulation, redone from the plan file: each
-stage's F, B, W times and the p2p time (``plan.stages[s]["predicted"]`` and
-``plan.predicted["p2p_s"]``) through :func:`autopar.planner.search.simulate_stages`,
+stage's F, B, W times and the p2p time of the cut after it (``plan.stages[s]["predicted"]``)
+through :func:`autopar.planner.search.simulate_stages`,
 so its bubbles are the ones the search ranked by. After the pipeline drains each
-stage synchronises gradients over dp and steps the optimizer (not overlapped,
-as the search assumes); the chart ends at the predicted step time.
+pipeline rank synchronises gradients over dp and steps the optimizer for every stage
+it holds (not overlapped, as the search assumes); the chart ends at the predicted
+step time.
 
 The HTML page has no external resources (inline CSS, the timeline as inline SVG)
 and no JavaScript. matplotlib is needed for the pictures: ``pip install 'autopar[report]'``.
@@ -47,10 +48,11 @@ def resimulate(plan: Plan) -> SimResult:
     if missing:
         raise ValueError(f"stages {missing} of this plan have no f_s/b_s/w_s times (a plan file from an older "
                          f"autopar?); re-plan to draw its timeline")
+    cuts = [p.get("p2p_s") for p in preds[:-1]]  # per cut, over its own link; older plans: one time for all
+    p2p = cuts if all(t is not None for t in cuts) else plan.predicted.get("p2p_s", 0.0)
     return simulate_stages(plan.schedule["kind"], microbatches=plan.schedule["microbatches"],
                            f_s=[p["f_s"] for p in preds], b_s=[p["b_s"] for p in preds],
-                           w_s=[p["w_s"] for p in preds], p2p_s=plan.predicted.get("p2p_s", 0.0),
-                           pp=plan.mesh["pp"])
+                           w_s=[p["w_s"] for p in preds], p2p_s=p2p, pp=plan.mesh["pp"])
 
 
 def _figure_class():
@@ -218,7 +220,7 @@ def render_html(plan: Plan) -> str:
     out.append("</table>")
     comm = communication_rows(plan)
     if comm:
-        out += ["<h2>Communication per step (tp and pp: summed over stages; dp: the slowest stage)</h2>",
+        out += ["<h2>Communication per step (tp and pp: summed over stages; dp: the slowest pipeline rank)</h2>",
                 "<table><tr><th>collective</th><th>mesh axis</th><th>calls</th><th>bytes</th><th>time</th></tr>"]
         out += [f'<tr><td>{_e(r["kind"])}</td><td>{_e(r["axis"])}</td><td class="num">{r["count"]:.4g}</td>'
                 f'<td class="num">{_e(fmt_bytes(r["bytes"]))}</td><td class="num">{_e(fmt_s(r["time_s"]))}</td></tr>'

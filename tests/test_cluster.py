@@ -90,6 +90,30 @@ def test_link_for_group():
     assert cluster.link_for_group(2, 4) == nvlink
 
 
+def test_pipeline_links_follow_the_runtime_rank_layout():
+    """Issue 10: 2x8 H100s, tp=4, dp=1, pp=4: pipeline ranks hold ranks 0-3, 4-7, 8-11, 12-15, so only
+    the cut between stages 1 and 2 crosses nodes (link_for_group(2, stride=4) called every cut NVLink)."""
+    torch = pytest.importorskip("torch")
+    from autopar.cost.comm import stage_ranks
+
+    cluster = parse_cluster("2x8xH100")
+    h100 = DEVICES["H100"]
+    nvlink = Link(bytes_per_s=h100.intra_node_bytes_per_s, latency_s=h100.intra_node_latency_s)
+    network = Link(bytes_per_s=h100.inter_node_bytes_per_s, latency_s=h100.inter_node_latency_s)
+    assert cluster.pipeline_links(pp=4, dp=1, tp=4) == (nvlink, network, nvlink)
+    # interleaved, 2 stages per rank: stage 3 (ranks 12-15) hands on to stage 4 (ranks 0-3) across nodes
+    assert cluster.pipeline_links(pp=4, dp=1, tp=4, n_stages=8) == (nvlink, network, nvlink, network,
+                                                                    nvlink, network, nvlink)
+    assert cluster.pipeline_links(pp=2, dp=2, tp=4) == (network,)  # ranks 0-7 -> 8-15
+    assert cluster.pipeline_links(pp=8, dp=1, tp=2) == (nvlink,) * 3 + (network,) + (nvlink,) * 3
+    assert parse_cluster("1x8xH100").pipeline_links(pp=8, dp=1, tp=1) == (nvlink,) * 7
+    # the layout is init_device_mesh's for mesh shape (pp, dp, tp): torch.arange(world).view(pp, dp, tp)
+    pp, dp, tp = 2, 4, 2
+    mesh = torch.arange(pp * dp * tp).view(pp, dp, tp)
+    for p in range(pp):
+        assert list(stage_ranks(p, dp=dp, tp=tp)) == mesh[p].flatten().tolist()
+
+
 def test_single_node_never_uses_network():
     cluster = parse_cluster("1x4xcpu")
     cpu = DEVICES["cpu"]

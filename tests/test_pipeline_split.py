@@ -158,3 +158,87 @@ def test_a_layer_outside_every_stage_is_an_error():
     stage_layers[1] = stage_layers[1][:-1]
     with pytest.raises(PlanError, match="do not place layer"):
         tag_stages(gm, stage_of_layers(stage_layers))
+
+
+# ---------------------------------------------------------------- one B/W rule for planner and runtime
+
+
+def _planner_phases(gm) -> dict[str, str]:
+    """The phase the planner prices each op in (F, B or W), by node name."""
+    from autopar.passes.strategies import build_strategy_graph
+
+    return {n.name: n.phase for n in build_strategy_graph(gm, axis_size=1).nodes if n.kind == "op"}
+
+
+def _runtime_phases(program) -> dict[str, str]:
+    """The piece (F, B or W) each op of the split program runs in, by node name."""
+    out = {}
+    for st in program.stages:
+        for kind, piece in (("F", st.forward), ("B", st.backward_input), ("W", st.backward_weight)):
+            for n in piece.gm.graph.nodes:
+                if n.op == "call_function" and "getitem" not in n.name:
+                    out.setdefault(n.name, set()).add(kind)
+    return {name: kinds.pop() for name, kinds in out.items() if len(kinds) == 1}  # free nodes are copied
+
+
+def _head_weight_gradient(gm):
+    """GPT's dW = dY^T X of the output head: the backward mm of lm_head that feeds the tied gradient."""
+    info: mk.GraphTrace = gm.meta[mk.GRAPH]
+    out = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    todo, seen = [out[info.grad_outputs["transformer.wte.weight"]]], set()
+    while todo:  # up from the gradient (the tied sum) through lm_head's backward only
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if n.target == torch.ops.aten.mm.default:
+            return n
+        todo.extend(a for a in n.all_input_nodes if a.meta.get(mk.LAYER) == "lm_head")
+    raise AssertionError("no weight-gradient matmul of lm_head feeds transformer.wte.weight's gradient")
+
+
+def test_tied_head_weight_gradient_is_w_for_the_planner_and_the_runtime():
+    """Issue 10: the planner priced the tied head's dW as B (it feeds the embedding's gradient, another
+    layer), the runtime runs it in W (the tied sum is split per stage); one rule now says W for both."""
+    gm, _ = _graph("gpt")
+    head_dw = _head_weight_gradient(gm)
+    assert _planner_phases(gm)[head_dw.name] == "W"
+    stage_layers = _cut(gm, 2)
+    program, _, tied = _split(gm, stage_layers)
+    assert "transformer.wte.weight" in tied
+    head = next(s for s, layers in enumerate(stage_layers) if "lm_head" in layers)
+    st = program.stages[head]
+    assert head_dw.name in {n.name for n in st.backward_weight.gm.graph.nodes}
+    assert head_dw.name not in {n.name for n in st.backward_input.gm.graph.nodes}
+
+
+@pytest.mark.parametrize("example", ["gpt", "llama"])
+def test_planner_and_runtime_split_every_backward_op_alike(example):
+    """With one stage per layer the runtime's per-stage B/W split is the planner's per-layer one."""
+    gm, _ = _graph(example)
+    planned = _planner_phases(gm)
+    program, _, _ = _split(gm, [[x.path] for x in gm.meta[mk.LAYERS]])
+    ran = _runtime_phases(program)
+    common = sorted(set(planned) & set(ran))
+    assert len(common) > 0.9 * len(planned)
+    assert sum(planned[n] == "B" for n in common) > 0 and sum(planned[n] == "W" for n in common) > 0
+    differ = [(n, planned[n], ran[n]) for n in common if planned[n] != ran[n]]
+    assert not differ, differ[:10]
+
+
+def test_split_backward_by_dataflow_on_a_hand_built_graph():
+    """B: what an earlier group depends on, through any group's backward; a tied sum is no reader."""
+    from autopar.passes.backward_split import split_backward
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.neg, (x,))  # group 2; flows to group 3 and back into group 2's input gradient
+    b = g.call_function(torch.neg, (a,))  # group 3
+    c = g.call_function(torch.add, (b, x))  # group 2; its input gradient, read by group 1
+    d = g.call_function(torch.neg, (c,))  # group 1; nothing earlier reads it
+    w = g.call_function(torch.neg, (x,))  # group 2; a weight gradient, summed with group 1's addend
+    tied = g.call_function(torch.add, (w, d))  # group 1: the tied sum
+    g.output((tied,))
+    backward = {a: 2, b: 3, c: 2, d: 1, w: 2, tied: 1}
+    assert split_backward(backward, backward, ignore_readers={tied}) == {a, b, c}
+    assert split_backward(backward, backward) == {a, b, c, w}  # the sum read as an ordinary reader

@@ -179,3 +179,48 @@ def test_pinned_configuration_is_priced(gpt_small_build):
     assert (plan.mesh["tp"], plan.mesh["pp"], plan.schedule["kind"], plan.recompute,
             plan.schedule["microbatch_size"]) == (2, 2, "1f1b", "full", 1)
     assert plan.predicted["hardware_flops_per_step"] > plan.predicted["model_flops_per_step"]
+
+
+def test_each_pipeline_cut_priced_on_its_own_link(gpt_small_build):
+    """Issue 10: on 2x8xH100 with tp=4, dp=1, pp=4 the cut from stage 1 (ranks 4-7) to stage 2
+    (ranks 8-11) crosses nodes and pays the network; the other two cuts stay on NVLink."""
+    model, inputs, loss_fn, target = gpt_small_build
+    cluster = parse_cluster("2x8xH100")
+    plan = autopar.plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target,
+                        fixed={"tp": 4, "pp": 4, "dp": 1, "schedule": "1f1b"})
+    assert [st["devices"] for st in plan.stages] == [list(range(4 * p, 4 * p + 4)) for p in range(4)]
+    dev = cluster.device
+    nvlink = comm.Link(bytes_per_s=dev.intra_node_bytes_per_s, latency_s=dev.intra_node_latency_s)
+    network = comm.Link(bytes_per_s=dev.inter_node_bytes_per_s, latency_s=dev.inter_node_latency_s)
+    preds = [st["predicted"] for st in plan.stages]
+    sends = [p["send_bytes"] for p in preds[:-1]]
+    assert all(b > 0 for b in sends) and "p2p_s" not in preds[-1]
+    assert [p["p2p_s"] for p in preds[:-1]] == [comm.p2p_s(sends[0], nvlink), comm.p2p_s(sends[1], network),
+                                                 comm.p2p_s(sends[2], nvlink)]
+    assert preds[1]["p2p_s"] > 5 * preds[0]["p2p_s"]
+    assert plan.predicted["p2p_s"] == preds[1]["p2p_s"]  # the slowest cut
+    assert plan.communication["p2p"]["pp"]["time_s"] == pytest.approx(
+        2 * plan.schedule["microbatches"] * sum(p["p2p_s"] for p in preds[:-1]))
+
+
+def test_interleaved_tail_sums_the_stages_a_rank_holds():
+    """Issue 10: under interleaving a rank syncs and steps both of its stages; the step pays the
+    slowest rank's sum, not the slowest stage (which dropped about half of that time)."""
+    from autopar.cluster import parse_cluster as cl
+    from autopar.planner.search import ADAM_BYTES_PER_PARAM, Fixed, Unit, search, simulate_stages
+
+    cluster = cl("1x2xH100")
+    n_params = [1e8, 2e8, 3e8, 4e8]  # one unit per stage: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
+    units = [Unit(path=f"u{i}", f_s=1e-3, b_s=1e-3, w_s=1e-3, comm_s=0.0, cheap_f_s=0.0, act_bytes=1e6,
+                  cheap_act_bytes=0.0, boundary_bytes=1e6, n_params=n) for i, n in enumerate(n_params)]
+    fixed = Fixed(tp=1, pp=2, dp=1, zero=0, recompute="none", schedule="interleaved", microbatches=2)
+    ranked, _ = search(units_for=lambda tp, mbs: units, n_units=4, global_batch=2, cluster=cluster, fixed=fixed,
+                       precision="mixed", tp_options=[1])
+    best = ranked[0]
+    assert best.config.virtual_stages == 2 and [st.layers for st in best.stages] == [(f"u{i}",) for i in range(4)]
+    opt = [ADAM_BYTES_PER_PARAM * n / (cluster.device.hbm_bytes_per_s * 0.8) for n in n_params]
+    assert [st.optimizer_s for st in best.stages] == pytest.approx(opt)
+    sim = simulate_stages("interleaved", microbatches=2, f_s=[1e-3] * 4, b_s=[1e-3] * 4, w_s=[1e-3] * 4,
+                          p2p_s=list(best.p2p_cut_s), pp=2)
+    assert best.step_time_s == pytest.approx(sim.step_time_s + opt[1] + opt[3])  # rank 1: 6e8 parameters
+    assert opt[1] + opt[3] > max(opt) * 1.4  # the old max over stages (4e8) was a third too cheap

@@ -146,6 +146,21 @@ def test_p2p_latency_and_timeline():
     assert r.peak_activation_bytes is None
 
 
+def test_p2p_per_cut():
+    """Each cut its own hop time (stage 1 -> 2 crossing nodes, say): both directions pay it."""
+    r = unit_sim(one_f_one_b(3, 1), 3, p2p_s=[0.25, 2.0])
+    assert r.step_time_s == 3 * 1 + 3 * 2 + 2 * (0.25 + 2.0)  # F F F, BW BW BW, each cut twice
+    starts = {str(a): s for _, a, s, _ in r.timeline}
+    assert starts["1F0"] == 1.25 and starts["2F0"] == 4.25 and starts["1BW0"] == 9.25
+    # interleaved on 2 ranks: stage 1 -> 2 (rank 1 back to rank 0) is the middle cut; micro-batch 1
+    # waits on micro-batch 0 there once forward and once backward; the same time on every cut is the scalar
+    sched = interleaved_1f1b(2, 2, 2)
+    assert unit_sim(sched, 4, p2p_s=[0.0, 5.0, 0.0]).step_time_s == unit_sim(sched, 4).step_time_s + 2 * 5.0
+    assert unit_sim(sched, 4, p2p_s=[5.0] * 3).step_time_s == unit_sim(sched, 4, p2p_s=5.0).step_time_s
+    with pytest.raises(ValueError, match="one per cut"):
+        unit_sim(one_f_one_b(3, 1), 3, p2p_s=[0.25])
+
+
 def test_act_bytes_weighted_per_stage():
     r = unit_sim(one_f_one_b(4, 8), 4, act_bytes=[1.0, 2.0, 3.0, 4.0])
     assert r.peak_activation_bytes == (4.0, 6.0, 6.0, 4.0)

@@ -35,7 +35,9 @@ __all__ = [
     "broadcast_s",
     "group_link",
     "p2p_s",
+    "pipeline_links",
     "reduce_scatter_s",
+    "stage_ranks",
 ]
 
 
@@ -126,3 +128,41 @@ def group_link(*, group_size: int, stride: int, devices_per_node: int, device: D
     if group_size == 1 or devices_per_node % (group_size * stride) == 0:
         return Link(bytes_per_s=device.intra_node_bytes_per_s, latency_s=device.intra_node_latency_s)
     return Link(bytes_per_s=device.inter_node_bytes_per_s, latency_s=device.inter_node_latency_s)
+
+
+def stage_ranks(pp_rank: int, *, dp: int, tp: int) -> range:
+    """The global ranks of pipeline rank ``pp_rank`` on a ``pp x dp x tp`` mesh, in (dp, tp) order.
+
+    The runtime builds its mesh with ``init_device_mesh(device, (pp, dp, tp))``, which
+    numbers ranks row-major (``torch.arange(world).view(pp, dp, tp)``): pp outermost, tp
+    innermost, so rank ``(p, d, t)`` is ``(p * dp + d) * tp + t``.
+    """
+    return range(pp_rank * dp * tp, (pp_rank + 1) * dp * tp)
+
+
+def pipeline_links(*, pp: int, dp: int, tp: int, n_stages: int, devices_per_node: int,
+                   device: DeviceSpec) -> tuple[Link, ...]:
+    """The link of each pipeline cut, stage ``c`` -> ``c + 1`` for ``c < n_stages - 1``.
+
+    Stage ``s`` runs on pipeline rank ``s % pp`` (one stage per rank, or several under
+    the interleaved schedule); each of its ranks sends to the rank with the same dp
+    and tp coordinates on the next stage's pipeline rank (:func:`stage_ranks`). A cut
+    gets the NVLink figures when every such pair shares a node (rank ``r`` lives on
+    node ``r // devices_per_node``), the per-GPU network figures otherwise: all the
+    pairs send at once, each through its own GPU's link. On 2x8 GPUs with tp=4, dp=1,
+    pp=4 the pipeline ranks hold ranks 0-3, 4-7, 8-11 and 12-15, so cuts 0 and 2 stay
+    on NVLink and cut 1 (ranks 4-7 -> 8-11) crosses the network.
+    """
+    for name, value in (("pp", pp), ("dp", dp), ("tp", tp), ("n_stages", n_stages),
+                        ("devices_per_node", devices_per_node)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    intra = Link(bytes_per_s=device.intra_node_bytes_per_s, latency_s=device.intra_node_latency_s)
+    inter = Link(bytes_per_s=device.inter_node_bytes_per_s, latency_s=device.inter_node_latency_s)
+    links = []
+    for cut in range(n_stages - 1):
+        src = stage_ranks(cut % pp, dp=dp, tp=tp)
+        dst = stage_ranks((cut + 1) % pp, dp=dp, tp=tp)
+        same_node = all(a // devices_per_node == b // devices_per_node for a, b in zip(src, dst))
+        links.append(intra if same_node else inter)
+    return tuple(links)

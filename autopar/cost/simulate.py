@@ -1,7 +1,9 @@
 """Time a pipeline schedule from per-stage F, B, W times: step time, bubble, memory.
 
 Each rank runs its list (``autopar.cost.schedule``) in order. An action starts at
-``max(rank free, inputs done (+ p2p_s when an input comes from another rank))``
+``max(rank free, inputs done (+ p2p_s when an input comes from another rank))``,
+where ``p2p_s`` is one time for every cut or one per cut (stage c -> c + 1: a
+pipeline whose neighbours sit on one node for some cuts and on two for others),
 and lasts ``f_s``, ``b_s``, ``w_s`` or ``b_s + w_s`` (fused BW) of its stage.
 Activations: a micro-batch is in flight on a stage from its F until the action
 that frees it, W for a split backward, BW for a fused one (Qi et al. 2024 free
@@ -55,10 +57,13 @@ def simulate(
     f_s: list[float],
     b_s: list[float],
     w_s: list[float],
-    p2p_s: float = 0.0,
+    p2p_s: float | list[float] | tuple[float, ...] = 0.0,
     act_bytes: list[float] | None = None,
 ) -> SimResult:
     """Run ``schedule`` with the given per-stage times (``len(f_s)`` stages; stage s on rank s % ranks).
+
+    ``p2p_s`` is the time of one transfer across any cut, or a list with one time per
+    cut (``len(f_s) - 1`` entries, entry c for stage c <-> c + 1, both directions).
 
     Raises ValueError when the schedule is invalid (see ``validate_schedule``) or
     deadlocks, naming each rank's stuck action and the inputs it waits for.
@@ -68,8 +73,9 @@ def simulate(
         raise ValueError("f_s is empty: give one forward time per stage")
     for name, values in (("b_s", b_s), ("w_s", w_s), ("act_bytes", act_bytes), ("f_s", f_s)):
         _check_times(name, values, n_stages)
-    if not p2p_s >= 0:
-        raise ValueError(f"p2p_s must be >= 0, got {p2p_s}")
+    cut_s = [p2p_s] * max(0, n_stages - 1) if isinstance(p2p_s, (int, float)) else list(p2p_s)
+    if len(cut_s) != max(0, n_stages - 1) or not all(t >= 0 for t in cut_s):
+        raise ValueError(f"p2p_s must be >= 0, one time or one per cut ({max(0, n_stages - 1)}), got {p2p_s}")
     n_micro = 1 + max((a.microbatch for acts in schedule.values() for a in acts), default=0)
     validate_schedule(schedule, n_stages, n_micro)
     n_ranks = len(schedule)
@@ -90,8 +96,8 @@ def simulate(
                 if any(k not in end_s for k in needs):
                     break
                 start = free_s[rank]
-                for k in needs:
-                    start = max(start, end_s[k] + (p2p_s if k[1] % n_ranks != rank else 0.0))
+                for k in needs:  # an input from another rank crosses the cut between the two stages
+                    start = max(start, end_s[k] + (cut_s[min(k[1], a.stage)] if k[1] % n_ranks != rank else 0.0))
                 if a.kind == "BW":
                     dur = b_s[a.stage] + w_s[a.stage]
                 else:

@@ -47,6 +47,7 @@ from torch import fx
 
 from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
+from autopar.passes.backward_split import split_backward, tied_gradient_sums
 
 __all__ = ["STAGE_KEY", "BACKWARD_KEY", "Piece", "Message", "StageProgram", "PipelineProgram",
            "stage_of_layers", "tag_stages", "split_tied_gradients", "split_program", "boundary_tensors"]
@@ -155,9 +156,6 @@ def tag_stages(gm: fx.GraphModule, layer_stage: dict[str, int]) -> dict[fx.Node,
     return stages
 
 
-_ADDS = (torch.ops.aten.add.Tensor,)
-
-
 def split_tied_gradients(gm: fx.GraphModule, stages: dict[fx.Node, int]) -> dict[str, list[tuple[int, int]]]:
     """Give a parameter whose gradient sums addends from several stages one output per stage.
 
@@ -171,19 +169,11 @@ def split_tied_gradients(gm: fx.GraphModule, stages: dict[fx.Node, int]) -> dict
     out_node = next(iter(gm.graph.find_nodes(op="output")))
     outputs = list(out_node.args[0])
     rewritten: dict[str, list[tuple[int, int]]] = {}
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for fqn, idx in info.grad_outputs.items():
-        root = outputs[idx]
-        if not isinstance(root, fx.Node) or root.op != "call_function":
-            continue
-        tree = _sum_tree(root)
-        leaves = sorted({a for n in tree for a in n.args[:2] if a not in tree}, key=order.__getitem__) \
-            if tree else [root]
+    for fqn, (_, leaves) in tied_gradient_sums(gm, stages).items():
+        idx = info.grad_outputs[fqn]
         by_stage: dict[int, list[fx.Node]] = defaultdict(list)
         for leaf in leaves:
             by_stage[stages.get(leaf, -1)].append(leaf)
-        if len(by_stage) < 2:
-            continue
         if -1 in by_stage:
             raise PlanError(f"the gradient of {fqn} sums values from several pipeline stages in a way autopar "
                             f"cannot split; untie the parameter or plan with pp=1")
@@ -207,18 +197,6 @@ def split_tied_gradients(gm: fx.GraphModule, stages: dict[fx.Node, int]) -> dict
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return rewritten
-
-
-def _sum_tree(root: fx.Node) -> set[fx.Node]:
-    """The add nodes that form the sum whose result is ``root`` (single-use inner adds)."""
-    tree, todo = set(), [root]
-    while todo:
-        n = todo.pop()
-        if n.op == "call_function" and n.target in _ADDS and not n.kwargs and len(n.args) == 2 \
-                and (n is root or len(n.users) == 1) and all(isinstance(a, fx.Node) for a in n.args):
-            tree.add(n)
-            todo.extend(n.args[:2])
-    return tree
 
 
 # ---------------------------------------------------------------- splitting a tagged program
@@ -251,17 +229,6 @@ def _tags(gm: fx.GraphModule) -> tuple[dict[fx.Node, tuple[int, bool]], set[fx.N
     return tags, free
 
 
-def _ancestors_within(targets: set[fx.Node], members: set[fx.Node]) -> set[fx.Node]:
-    seen, todo = set(), [t for t in targets if t in members]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(a for a in n.all_input_nodes if a in members and a not in seen)
-    return seen
-
-
 def _message(names: list[fx.Node]) -> Message:
     return Message(names=tuple(n.name for n in names),
                    shapes=tuple(tuple(int(d) for d in n.meta["val"].shape) for n in names),
@@ -289,17 +256,11 @@ def split_program(gm: fx.GraphModule, *, n_stages: int, placeholder_keys: list[s
         raise PlanError(f"nodes are tagged with stages {bad}, outside 0..{n_stages - 1}")
 
     stage_of = {n: s for n, (s, _) in tags.items()}
-    # B/W: a stage's backward nodes that what earlier stages read depends on are B.
-    piece: dict[fx.Node, tuple[str, int]] = {}
-    for s in range(n_stages):
-        back = {n for n, (st, b) in tags.items() if st == s and b}
-        for n, (st, b) in tags.items():
-            if st == s and not b:
-                piece[n] = ("F", s)
-        targets = {n for n in back if any(stage_of.get(u, s) < s for u in n.users)}
-        b_nodes = _ancestors_within(targets, back)
-        for n in back:
-            piece[n] = ("B", s) if n in b_nodes else ("W", s)
+    # B/W: a stage's backward nodes that what earlier stages read depends on are B (the planner
+    # prices its layers by the same rule).
+    b_nodes = split_backward({n: s for n, (s, b) in tags.items() if b}, stage_of)
+    piece: dict[fx.Node, tuple[str, int]] = {
+        n: ("B" if n in b_nodes else "W", s) if b else ("F", s) for n, (s, b) in tags.items()}
 
     reads: dict[tuple[str, int], set[fx.Node]] = defaultdict(set)  # store values a piece reads
     fwd: dict[int, set[fx.Node]] = defaultdict(set)  # cut c (stage c -> c + 1) -> values

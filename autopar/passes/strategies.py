@@ -23,10 +23,11 @@ Repeated layers: a layer that stands for ``count`` identical blocks weighs
 outputs to its own inputs (block i's output feeds block i+1), so tied blocks
 pay for the resharding between consecutive copies.
 
-Phases: forward ops are "F"; backward ops that lead to the gradient sent to the
-previous layer are "B" (input gradient, on the pipeline's critical path); the
-rest of the backward is "W" (weight gradients, deferrable by zero-bubble
-schedules).
+Phases: forward ops are "F"; a backward op is "B" (input gradient, on the
+pipeline's critical path) when an earlier layer reads a value that depends on it,
+and "W" (weight gradients, deferrable by zero-bubble schedules) otherwise: the
+runtime's rule for stages (:mod:`autopar.passes.backward_split`) with layers as
+the groups, so a tied output head's weight gradient is W here as there.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch.distributed.tensor.placement_types import Partial, Shard
 
 from autopar.passes import meta_keys as mk
 from autopar.passes.annotate import tensor_bytes
+from autopar.passes.backward_split import split_backward, tied_gradient_sums
 from autopar.passes.dtensor_rules import op_candidates, tensor_inputs
 
 __all__ = ["Affine", "SNode", "SEdge", "Strategy", "StrategyGraph", "build_strategy_graph"]
@@ -333,23 +335,18 @@ def _twin_nodes(gm: fx.GraphModule, gm_double: fx.GraphModule | None) -> dict[fx
 
 
 def _phases(gm: fx.GraphModule) -> dict[fx.Node, str]:
-    """F for forward ops; B for backward ops the previous layer's gradient depends on; W for the rest."""
-    phase: dict[fx.Node, str] = {}
-    crit: set[fx.Node] = set()
+    """F for forward ops; B or W for backward ops by the runtime's rule, with layers as groups
+    (:func:`autopar.passes.backward_split.split_backward`)."""
+    position = {layer.path: i for i, layer in enumerate(gm.meta[mk.LAYERS])}
+    group_of: dict[fx.Node, int] = {}
+    backward: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or node.meta[mk.LAYER] not in position:
             continue
-        role = node.meta[mk.TRACE].role
-        phase[node] = "F" if role is mk.Role.FORWARD else "W"
-        if role is mk.Role.BACKWARD:
-            for arg in node.all_input_nodes:
-                if arg.meta[mk.TRACE].role is mk.Role.BACKWARD and arg.meta[mk.LAYER] != node.meta[mk.LAYER]:
-                    crit.add(arg)
-    stack = list(crit)
-    while stack:  # everything the cross-layer gradients depend on, within backward
-        node = stack.pop()
-        if phase.get(node) != "W":
-            continue
-        phase[node] = "B"
-        stack.extend(a for a in node.all_input_nodes if a.meta[mk.TRACE].role is mk.Role.BACKWARD)
-    return phase
+        group_of[node] = position[node.meta[mk.LAYER]]
+        if node.meta[mk.TRACE].role is mk.Role.BACKWARD:
+            backward[node] = group_of[node]
+    tied = {n for tree, _ in tied_gradient_sums(gm, group_of).values() for n in tree}
+    b_nodes = split_backward(backward, group_of, ignore_readers=tied)
+    return {node: "F" if node not in backward else "B" if node in b_nodes else "W"
+            for node in gm.graph.nodes if node.op == "call_function"}

@@ -25,7 +25,6 @@ from torch import fx, nn
 
 import autopar
 from autopar.cluster import Cluster, parse_cluster
-from autopar.cost import comm
 from autopar.passes import meta_keys as mk
 from autopar.passes.layers import graph_hash
 from autopar.passes.pipeline import boundary_tensors
@@ -266,6 +265,7 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
                 "grad_sync_s": st.grad_sync_s, "optimizer_s": st.optimizer_s,
                 "inflight_microbatches": st.inflight,
                 "send_bytes": st.send_bytes,
+                **({"p2p_s": best.p2p_cut_s[s]} if s < len(best.p2p_cut_s) else {}),
                 "memory_bytes": {"params": st.params_bytes, "grads": st.grads_bytes,
                                  "optimizer": st.optimizer_bytes, "activations": st.activations_bytes,
                                  "total": st.memory_bytes},
@@ -304,15 +304,17 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
     if cfg.dp > 1:
         grad_bytes = sum(st.grads_bytes * (cfg.dp if cfg.zero >= 2 else 1) for st in best.stages)
         kinds = ["all_reduce"] if cfg.zero == 0 else ["reduce_scatter", "all_gather"]
+        per_rank = [0.0] * cfg.pp  # a rank syncs the stages it holds one after the other
+        for s, st in enumerate(best.stages):
+            per_rank[s % cfg.pp] += st.grad_sync_s
         for kind in kinds:
             communication[kind]["dp"] = {"count": len(best.stages), "bytes": grad_bytes,
-                                         "time_s": max(st.grad_sync_s for st in best.stages) / len(kinds)}
-    if cfg.pp > 1:  # activations forward and their gradients back, every micro-batch, every cut
-        link = cluster.link_for_group(2, stride=cfg.dp * cfg.tp)
+                                         "time_s": max(per_rank) / len(kinds)}
+    if cfg.pp > 1:  # activations forward and their gradients back, every micro-batch, every cut (its own link)
         communication["p2p"]["pp"] = {
             "count": 2 * cfg.microbatches * (len(best.stages) - 1),
             "bytes": 2 * cfg.microbatches * sum(st.send_bytes for st in best.stages),
-            "time_s": 2 * cfg.microbatches * sum(comm.p2p_s(st.send_bytes, link) for st in best.stages[:-1])}
+            "time_s": 2 * cfg.microbatches * sum(best.p2p_cut_s)}
     model_flops = sum((x.flops_fwd + x.flops_bwd) * x.count for x in layers)
     recompute_flops = 0.0
     if cfg.recompute == "full":

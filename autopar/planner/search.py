@@ -17,9 +17,13 @@ and recompute policy and every schedule:
    ``hbm_bytes * (1 - MEMORY_RESERVE)``.
 3. The step time comes from the schedule simulator
    (:func:`autopar.cost.simulate.simulate`) with per-stage F, B, W times and
-   the p2p time of the activations crossing each cut, plus the data-parallel
+   the p2p time of the activations crossing each cut, over that cut's own link
+   (NVLink or network, from the ranks on either side:
+   :meth:`autopar.cluster.Cluster.pipeline_links`), plus the data-parallel
    gradient synchronisation and the optimizer step (not overlapped: a
-   conservative choice). A cheap estimate ranks all configurations and the best
+   conservative choice). A rank syncs and steps every stage it holds (two under
+   the interleaved schedule), one after the other: the tail is summed per rank,
+   and the slowest rank counts. A cheap estimate ranks all configurations and the best
    ``SIMULATE_TOP`` are simulated; the reported times are all simulated.
 
 Ties (equal simulated time) go to the simpler plan: lower ZeRO stage, no
@@ -31,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -43,7 +48,8 @@ from autopar.errors import InfeasibleError, PlanError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Fixed", "Config", "Unit", "StagePlan", "Candidate", "search", "simulate_stages", "MEMORY_RESERVE"]
+__all__ = ["Fixed", "Config", "Unit", "StagePlan", "Candidate", "search", "simulate_stages", "tail_s", "cut_times",
+           "MEMORY_RESERVE"]
 
 MEMORY_RESERVE = 0.10
 """Fraction of HBM kept free for the CUDA context, NCCL buffers and allocator
@@ -182,7 +188,9 @@ class Candidate:
     stages: tuple[StagePlan, ...]
     sim: SimResult | None = field(default=None, compare=False)
     p2p_s: float = 0.0
-    """Time of one activation (or gradient) transfer between stages, as simulated."""
+    """Time of one activation (or gradient) transfer across the slowest cut, as simulated."""
+    p2p_cut_s: tuple[float, ...] = ()
+    """Per cut (stage c -> c + 1), the time of one transfer over that cut's link, as simulated."""
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -436,15 +444,27 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
         pipe = (m * v + p - 1) * slowest
     else:
         pipe = (m + p - 1) * slowest
-    tail = max(s.grad_sync_s + s.optimizer_s for s in stages)
+    tail = tail_s(stages, p)
     return Candidate(config=cfg, step_time_s=pipe + tail, estimate_s=pipe + tail, bubble_fraction=0.0,
                      stages=tuple(stages))
 
 
+def tail_s(stages: Sequence[StagePlan], pp: int) -> float:
+    """Time after the pipeline drains: each rank syncs gradients over dp and steps the
+    optimizer for every stage it holds (stage s on pipeline rank s % pp), one after the
+    other; the slowest rank sets the step. (The max over stages would drop the second
+    chunk of an interleaved rank and favour interleaving.)"""
+    per_rank = [0.0] * pp
+    for s, st in enumerate(stages):
+        per_rank[s % pp] += st.grad_sync_s + st.optimizer_s
+    return max(per_rank)
+
+
 def simulate_stages(kind: str, *, microbatches: int, f_s: list[float], b_s: list[float], w_s: list[float],
-                    p2p_s: float, pp: int | None = None) -> SimResult:
+                    p2p_s: float | Sequence[float], pp: int | None = None) -> SimResult:
     """The pipeline part of a step: ``kind``'s action lists for ``len(f_s)`` stages on ``pp``
-    ranks (default: one stage per rank), timed.
+    ranks (default: one stage per rank), timed; ``p2p_s`` is one transfer time for every
+    cut or one per cut.
 
     The plan stores each stage's F, B, W and the p2p time, so a report can redraw
     exactly the timeline the search ranked by (``autopar.report``)."""
@@ -455,14 +475,19 @@ def simulate_stages(kind: str, *, microbatches: int, f_s: list[float], b_s: list
                     w_s=[0.0 if fused else w for w in w_s], p2p_s=p2p_s)
 
 
+def cut_times(stages: Sequence[StagePlan], links: Sequence[comm.Link]) -> tuple[float, ...]:
+    """Per cut, one transfer of the activations the stage before it sends, over the cut's link."""
+    return tuple(comm.p2p_s(st.send_bytes, link) for st, link in zip(stages, links))
+
+
 def _simulate(c: Candidate, cluster: Cluster) -> Candidate:
     cfg = c.config
-    link = cluster.link_for_group(2, stride=cfg.dp * cfg.tp)
-    p2p = max(comm.p2p_s(st.send_bytes, link) for st in c.stages) if cfg.pp > 1 else 0.0
+    links = cluster.pipeline_links(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, n_stages=len(c.stages))
+    cuts = cut_times(c.stages, links)
     sim = simulate_stages(cfg.schedule, microbatches=cfg.microbatches, f_s=[s.f_s for s in c.stages],
-                          b_s=[s.b_s for s in c.stages], w_s=[s.w_s for s in c.stages], p2p_s=p2p, pp=cfg.pp)
-    tail = max(s.grad_sync_s + s.optimizer_s for s in c.stages)
-    return replace(c, step_time_s=sim.step_time_s + tail, bubble_fraction=sim.bubble_fraction, sim=sim, p2p_s=p2p)
+                          b_s=[s.b_s for s in c.stages], w_s=[s.w_s for s in c.stages], p2p_s=cuts, pp=cfg.pp)
+    return replace(c, step_time_s=sim.step_time_s + tail_s(c.stages, cfg.pp), bubble_fraction=sim.bubble_fraction,
+                   sim=sim, p2p_s=max(cuts, default=0.0), p2p_cut_s=cuts)
 
 
 def _infeasible(least, cluster: Cluster, fixed: Fixed, skipped_batch: int, batch: int, world: int) -> Exception:
