@@ -1,7 +1,6 @@
 """Tests for autopar.passes.dtensor_rules: DTensor's sharding rules per fx node."""
 
 import operator
-import time
 
 import pytest
 import torch
@@ -238,7 +237,7 @@ class _Block(nn.Module):
         return (F.cross_entropy(logits.flatten(0, 1), target.flatten()),)
 
 
-def test_joint_graph_has_rules_for_every_op_and_is_fast():
+def test_joint_graph_has_rules_for_every_op_and_caches_them():
     from torch._functorch.aot_autograd import aot_export_module
 
     idx = torch.randint(0, 128, (8, 16))
@@ -249,18 +248,14 @@ def test_joint_graph_has_rules_for_every_op_and_is_fast():
         if n.op == "call_function" and n.target is not operator.getitem
     ]
     dtensor_rules._compute.cache_clear()
-    start = time.perf_counter()
     for mesh_shape in [(4,), (2, 2), (8, 8)]:
         for node in nodes:
             cands = op_candidates(node, mesh_shape)
             assert cands, node.format_node()
             assert all(c.source != "fallback" for c in cands), node.format_node()
-    cold_s = time.perf_counter() - start
-    start = time.perf_counter()
+    # A second lookup on a mesh already seen is served from the cache (no DTensor
+    # strategy is recomputed); counted, not timed, so machine load cannot fail it.
+    misses = dtensor_rules._compute.cache_info().misses
     for node in nodes:
         op_candidates(node, (2, 2))
-    warm_s = time.perf_counter() - start
-    # measured ~0.1 s per mesh shape cold (~1 ms per node) and ~2 ms warm for
-    # ~115 nodes on 2 cores; the bounds leave room for slow CI machines
-    assert cold_s < 10.0, f"{len(nodes)} nodes x 3 meshes took {cold_s:.2f} s"
-    assert warm_s < 0.5, f"cached lookups of {len(nodes)} nodes took {warm_s:.3f} s"
+    assert dtensor_rules._compute.cache_info().misses == misses

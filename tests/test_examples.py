@@ -1,7 +1,6 @@
 """The bundled example models: tiny sizes train a step on CPU, big sizes build on meta at the advertised size."""
 import importlib.util
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -213,12 +212,12 @@ def test_llama_sizes_on_meta(size, expected, rel):
     assert n_params(model) == llama.count_params(model.config)
 
 
-def test_llama_70b_shapes_and_build_time():
+def test_llama_70b_shapes_on_meta():
+    # Building on meta allocates nothing, which is what keeps it fast; asserted as the
+    # device of every parameter, not as a wall-clock bound that machine load could break.
     llama = load_example("llama")
-    start = time.perf_counter()
     model, inputs, _, _ = llama.build(size="70b", device="meta")
-    elapsed = time.perf_counter() - start
-    assert elapsed < 5, f"building llama 70b on meta took {elapsed:.1f} s"
+    assert all(p.device.type == "meta" for p in model.parameters())
     assert len(model.layers) == 80
     assert model.layers[0].feed_forward.w1.weight.shape == (28672, 8192)
     assert model.layers[0].attention.wk.weight.shape == (1024, 8192)

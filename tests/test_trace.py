@@ -6,7 +6,6 @@ block, and the second standing for the 79 others).
 """
 import functools
 import inspect
-import time
 from pathlib import Path
 
 import pytest
@@ -146,14 +145,13 @@ def test_two_blocks_are_traced_whole():
     assert set(gm.meta[mk.GRAPH].param_fqns) == set(dict(model.named_parameters()))
 
 
-def test_llama_70b_on_meta_traces_fast_and_leaves_the_model_alone():
+def test_llama_70b_on_meta_traces_two_blocks_and_leaves_the_model_alone():
+    # Tracing is fast because only two of the 80 blocks are traced (the repeats check below);
+    # no wall-clock bound here: a test's verdict must not depend on machine load.
     model, *_ = built = build("llama", size="70b")
     params = [(name, p) for name, p in model.named_parameters()]
     buffers = [(name, b) for name, b in model.named_buffers()]
-    start = time.perf_counter()
     gm = trace(built)
-    wall_s = time.perf_counter() - start
-    assert wall_s < 20, f"tracing llama 70b took {wall_s:.1f} s"  # ~1 s on 2 cores; generous
 
     info = gm.meta[mk.GRAPH]
     assert info.n_params == pytest.approx(70.55e9, rel=1e-3)
