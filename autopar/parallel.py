@@ -505,7 +505,7 @@ class ParallelModule:
     def _reduce_and_step(self, grads: dict[str, torch.Tensor]) -> None:
         """dp gradient reduction, the optimizer on the local slices, ZeRO's parameter all-gather."""
         dp_ranks = self._group_ranks("dp")
-        with self._guard(f"gradient reduction (tp buckets, then dp group {dp_ranks})", None):
+        with self._guard(f"gradient reduction over dp group {dp_ranks}", None):  # also the tp buckets; any rank may be the dead one
             self.params.reduce_gradients(grads, tp_returns=self.grad_returns)
         self.optimizer.step()
         with self._guard(f"parameter all-gather over dp group {dp_ranks}", dp_ranks):
