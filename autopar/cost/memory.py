@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.zero_def import state_shards
+
 __all__ = [
     "PRECISIONS",
     "StateBytes",
@@ -97,9 +99,7 @@ def training_state_bytes(
     for name, value in per_param.items():
         if isinstance(value, bool) or not value >= 0:
             raise ValueError(f"{name} must be >= 0, got {value!r}")
-    optimizer_shards = dp if zero_stage >= 1 else 1
-    grad_shards = dp if zero_stage >= 2 else 1
-    param_shards = dp if zero_stage >= 3 else 1
+    param_shards, grad_shards, optimizer_shards = state_shards(zero_stage, dp)
     return StateBytes(
         params=n_params * per_param["param_bytes"] / param_shards,
         grads=n_params * per_param["grad_bytes"] / grad_shards,
