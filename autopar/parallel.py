@@ -157,27 +157,6 @@ def _batch_size(values: dict[str, Any]) -> int | None:
     return next((v.shape[0] for v in values.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
 
 
-def _check_batch_split(batch: int | None, fixed: dict) -> None:
-    """Pinned micro-batching must divide the global batch: say so before planning."""
-    if batch is None:
-        return
-    dp = fixed.get("dp")
-    dp = int(dp) if isinstance(dp, str) and dp.strip().isdigit() else dp
-    for key in ("microbatches", "microbatch_size"):
-        n = fixed.get(key)
-        n = int(n) if isinstance(n, str) and n.strip().isdigit() else n  # --fix microbatches=3 gives "3"
-        if not isinstance(n, int) or n < 1:
-            continue
-        parts = n * (dp if isinstance(dp, int) and key == "microbatches" else 1)
-        if batch % parts:
-            divisors = [d for d in range(1, batch + 1) if batch % d == 0]
-            what = f"{key}={n}" + (f" x dp={dp} = {parts}" if parts != n else "")
-            raise ValueError(
-                f"the global batch of {batch} is not divisible by fixed {what}; every micro-batch "
-                f"must hold the same number of samples: pin {key} to a divisor of {batch} "
-                f"({', '.join(map(str, divisors))}), or pass a batch that is a multiple of {parts}")
-
-
 def _check_scalar_loss(gm) -> None:
     """The loss must be one number before the first step runs (not a float() failure after it)."""
     from autopar.passes.trace import LossError
@@ -288,7 +267,10 @@ class ParallelModule:
         from torch.distributed.device_mesh import init_device_mesh
 
         if self._given_plan is None:
-            _check_batch_split(_batch_size(values), self.fixed)
+            from autopar.planner.make import check_batch_split
+            from autopar.planner.search import Fixed
+
+            check_batch_split(_batch_size(values), Fixed.from_dict(self.fixed))
         _init_process_group(self.device, self.timeout_s)
         self._watch = _peer_watch(self.timeout_s)
         self.plan = self._make_plan(names, values, has_target)

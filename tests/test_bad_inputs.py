@@ -228,6 +228,8 @@ CASES = [
     Case("fix-tp-not-int", plan(MLP, "--fix", "tp=abc"), r"tp='abc' is not an integer"),
     Case("fix-recompute", plan(MLP, "--fix", "recompute=some"), r"recompute='some' is not one of none, selective"),
     Case("fix-microbatches-0", plan(MLP, "--fix", "microbatches=0"), r"microbatches='0' must be an integer >= 1"),
+    Case("fix-microbatches-not-dividing-batch", plan(MLP, "--arg", "batch=8", "--fix", "microbatches=3"),
+         r"the global batch of 8 is not divisible by fixed microbatches=3; .*pin microbatches to a divisor of 8"),
     Case("fix-without-equals", plan(MLP, "--fix", "tp"), r"--fix 'tp' is not of the form key=value"),
     Case("fix-tp-does-not-divide", plan(MLP, "--fix", "tp=3"), r"tp=3 must divide the 4 devices of a node"),
     Case("fix-bad-spec-not-run", plan("specs.py:raises_key", "--fix", "zero=9"), r"zero='9'"),

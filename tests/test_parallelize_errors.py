@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import autopar
-from autopar.parallel import _check_batch_split
+from autopar.planner.make import check_batch_split
+from autopar.planner.search import Fixed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import mlp  # noqa: E402
@@ -60,13 +62,22 @@ def test_microbatches_that_do_not_divide_the_batch_are_named_before_planning():
     assert pm.plan is None  # nothing was planned
 
 
+def test_plan_checks_the_batch_split_before_tracing():
+    class Untraceable(nn.Linear):
+        def forward(self, x):
+            raise AssertionError("traced, although the pinned split was already known to be impossible")
+
+    with pytest.raises(autopar.PlanError, match=r"the global batch of 8 is not divisible by fixed microbatches=3"):
+        autopar.plan(Untraceable(4, 4), torch.randn(8, 4), cluster="1x1xcpu", fixed={"microbatches": 3})
+
+
 def test_batch_split_check_counts_pinned_dp():
-    _check_batch_split(8, {"microbatches": 2, "dp": 4})
-    _check_batch_split(8, {"microbatch_size": 4})
-    _check_batch_split(None, {"microbatches": 3})
+    check_batch_split(8, Fixed.from_dict({"microbatches": 2, "dp": 4}))
+    check_batch_split(8, Fixed.from_dict({"microbatch_size": 4}))
+    check_batch_split(None, Fixed.from_dict({"microbatches": 3}))
     with pytest.raises(ValueError, match=r"batch of 8 is not divisible by fixed microbatches=2 x dp=3 = 6"):
-        _check_batch_split(8, {"microbatches": 2, "dp": 3})
+        check_batch_split(8, Fixed.from_dict({"microbatches": 2, "dp": 3}))
     with pytest.raises(ValueError, match=r"batch of 6 is not divisible by fixed microbatch_size=4"):
-        _check_batch_split(6, {"microbatch_size": 4})
+        check_batch_split(6, Fixed.from_dict({"microbatch_size": 4}))
     with pytest.raises(ValueError, match=r"batch of 8 is not divisible by fixed microbatches=3"):
-        _check_batch_split(8, {"microbatches": "3"})  # as examples/train.py --fix passes it
+        check_batch_split(8, Fixed.from_dict({"microbatches": "3"}))  # as examples/train.py --fix passes it

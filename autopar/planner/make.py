@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 from typing import Any, Callable
 
+import torch
 from torch import fx, nn
 
 import autopar
@@ -48,6 +49,7 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
     cluster = parse_cluster(cluster)
     fixed_ = Fixed.from_dict(fixed)
     _tp_options(cluster, fixed_)  # a tp that cannot fit the cluster fails now, not after tracing
+    check_batch_split(_first_batch(example_inputs), fixed_)
     t0 = time.perf_counter()
     gm, gm2 = trace_pair(model, example_inputs, cluster=cluster, loss_fn=loss_fn, example_target=example_target)
     t1 = time.perf_counter()
@@ -55,6 +57,32 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
         plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_)
     timings = {"trace_s": t1 - t0, **plan.timings}
     return Plan(**{k: getattr(plan, k) for k in plan.__dataclass_fields__ if k != "timings"}, timings=timings)
+
+
+def _first_batch(x: Any) -> int | None:
+    """Dim 0 of the first tensor of at least one dim in ``x`` (a tensor, dict or sequence)."""
+    if isinstance(x, torch.Tensor):
+        return x.shape[0] if x.dim() else None
+    values = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
+    return next((b for b in map(_first_batch, values) if b is not None), None)
+
+
+def check_batch_split(batch: int | None, fixed: Fixed) -> None:
+    """Pinned micro-batching must divide the global batch: say so before tracing."""
+    if batch is None:
+        return
+    for key in ("microbatches", "microbatch_size"):
+        n = getattr(fixed, key)
+        if n is None:
+            continue
+        parts = n * (fixed.dp if fixed.dp and key == "microbatches" else 1)
+        if batch % parts:
+            divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+            what = f"{key}={n}" + (f" x dp={fixed.dp} = {parts}" if parts != n else "")
+            raise autopar.PlanError(
+                f"the global batch of {batch} is not divisible by fixed {what}; every micro-batch "
+                f"must hold the same number of samples: pin {key} to a divisor of {batch} "
+                f"({', '.join(map(str, divisors))}), or pass a batch that is a multiple of {parts}")
 
 
 @contextlib.contextmanager
