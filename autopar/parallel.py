@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -153,6 +154,10 @@ def _peer_watch(timeout_s: float):
     return _WATCHES[key]
 
 
+_PLAN_ROUNDS = 0
+"""Plans handed out in this process (every rank counts the same calls), naming their store keys."""
+
+
 def _batch_size(values: dict[str, Any]) -> int | None:
     return next((v.shape[0] for v in values.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
 
@@ -246,9 +251,16 @@ class ParallelModule:
                 payload[0] = ("ok", plan.to_json())
             except Exception as e:  # every rank must learn of it, or the others hang
                 payload[0] = ("error", f"{type(e).__name__}: {e}")
-        with self._guard("receiving the plan from rank 0 (rank 0 plans or checks it while the others wait; "
-                         "raise timeout_s if planning takes longer)", [0]):
-            dist.broadcast_object_list(payload, src=0)
+        # Through the store, not a collective: the others wait as long as rank 0 is alive,
+        # however long planning takes (a collective would give up after timeout_s).
+        global _PLAN_ROUNDS
+        _PLAN_ROUNDS += 1
+        key = f"plan/{_PLAN_ROUNDS}"
+        if dist.get_rank() == 0:
+            self._watch.publish(key, json.dumps(payload[0]))
+        else:
+            payload[0] = json.loads(self._watch.wait_for(
+                key, 0, "receiving the plan from rank 0 (rank 0 plans or checks it while the others wait)"))
         status, text = payload[0]
         if status == "error":
             raise PlanError(f"planning failed on rank 0: {text}")

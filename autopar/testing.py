@@ -128,10 +128,12 @@ def spawn_world(fn: Callable, world: int, *args: Any, timeout_s: float = 900.0,
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; their results in rank order.
 
     The parent hosts the c10d store (as torchrun's agent does), so it outlives every rank.
-    ``timeout_s`` bounds the wait for the next rank to finish: long enough for a world that
-    compiles several plans while another test process shares the two CPU cores (the
-    4-rank pipeline world takes ~100 s alone and has needed over 300 s under load), short
-    enough that a hang fails the run well inside CI's limit. A rank that raises, or whose
+    A world is hung when for ``timeout_s`` no rank finished and the ranks together used
+    less than a CPU-second (a hundredth of ``timeout_s`` when that is shorter; read from ``/proc``; where that is missing, the wall clock
+    alone decides): a rank blocked in a collective or a receive uses no CPU, a slow one
+    does. So a loaded machine only slows a world down, it never fails it (a 2-rank world
+    of six Hugging Face models ran past 900 s of wall clock beside another copy of the
+    suite), while a real hang fails the run within ``timeout_s``. A rank that raises, or whose
     process dies without reporting (``os._exit``, a signal), fails the call at once with
     its traceback or exit code; with ``allow_failures=True`` every rank runs to its end and
     the call returns one :class:`RankOutcome` per rank instead (a rank still running after
@@ -150,6 +152,7 @@ def spawn_world(fn: Callable, world: int, *args: Any, timeout_s: float = 900.0,
     failed = False
     try:
         deadline = time.monotonic() + timeout_s
+        cpu_mark = _cpu_seconds(procs)
         while len(outcomes) < world and not (failed and not allow_failures):
             try:
                 rank, status, value = queue.get(timeout=0.5)
@@ -161,7 +164,10 @@ def spawn_world(fn: Callable, world: int, *args: Any, timeout_s: float = 900.0,
                                                         f"without reporting (killed, or os._exit)")
                         failed = True
                 if time.monotonic() > deadline:
-                    break
+                    cpu = _cpu_seconds(procs)
+                    if cpu is None or cpu_mark is None or cpu - cpu_mark < min(1.0, timeout_s / 100):
+                        break
+                    cpu_mark, deadline = cpu, time.monotonic() + timeout_s  # slow, not stuck
                 continue
             outcomes[rank] = _outcome(rank, status, value, procs)
             failed = failed or status != "ok"
@@ -176,7 +182,8 @@ def spawn_world(fn: Callable, world: int, *args: Any, timeout_s: float = 900.0,
     for r, p in enumerate(procs):
         if r not in outcomes:
             outcomes[r] = RankOutcome(r, ok=False, exitcode=p.exitcode,
-                                      error=f"did not finish within {timeout_s:g} s (hung; killed)")
+                                      error=f"did not finish: no rank finished and the ranks used almost no CPU "
+                                            f"for {timeout_s:g} s (hung; killed)")
     if allow_failures:
         return [outcomes[r] for r in range(world)]
     bad = [o for o in outcomes.values() if not o.ok]
@@ -184,6 +191,21 @@ def spawn_world(fn: Callable, world: int, *args: Any, timeout_s: float = 900.0,
         first = min(bad, key=lambda o: (o.error.startswith("did not finish"), o.rank))
         raise RuntimeError(f"a rank failed:\nrank {first.rank}: {first.error}\n{first.traceback}")
     return [outcomes[r].value for r in range(world)]
+
+
+def _cpu_seconds(procs) -> float | None:
+    """User + system CPU seconds the live rank processes have used so far; None without /proc."""
+    total = 0.0
+    for p in procs:
+        if p.exitcode is not None or p.pid is None:
+            continue
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return total
 
 
 def _outcome(rank: int, status: str, value: Any, procs) -> RankOutcome:

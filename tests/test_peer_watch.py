@@ -101,3 +101,24 @@ def test_guard_converts_only_backend_failures(world):
     assert info.value.__cause__ is GLOO_TIMEOUT
     assert is_peer_failure(GLOO_RESET) and is_peer_failure(dist.DistBackendError("x"))
     assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_waiting_on_a_live_peer_outlasts_the_timeout(world):
+    """Rank 0 plans for longer than the process-group timeout: the others keep waiting while it beats."""
+    store, watch, alive = world
+    alive.add(1)
+
+    def publish_late():
+        threading.Event().wait(3 * watch.timeout_s)  # three timeouts pass before the value appears
+        store.set("autopar/plan/7", "the plan")
+
+    threading.Thread(target=publish_late, daemon=True).start()
+    assert watch.wait_for("plan/7", 1, "receiving the plan from rank 1") == b"the plan"
+
+
+def test_waiting_on_a_dead_peer_names_it(world):
+    store, watch, alive = world
+    alive.update({1, 3})  # rank 2 never beats
+    with pytest.raises(PeerError, match=r"rank 0 gave up on receiving the plan from rank 2 .*rank 2 is dead") as e:
+        watch.wait_for("plan/8", 2, "receiving the plan from rank 2")
+    assert e.value.dead == [2]

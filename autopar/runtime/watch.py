@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -102,6 +103,35 @@ class PeerWatch:
         self._stop.set()
         with contextlib.suppress(Exception):
             self._store.set(f"{_PREFIX}exited/{self.rank}", "1")
+
+    def publish(self, key: str, value: str | bytes) -> None:
+        """Put ``value`` under ``key`` for :meth:`wait_for` on the other ranks."""
+        self._store.set(f"{_PREFIX}{key}", value)
+
+    def wait_for(self, key: str, peer: int, action: str) -> bytes:
+        """The value ``peer`` publishes under ``key`` in the store, waiting as long as ``peer`` lives.
+
+        For a wait on work of unknown length (rank 0 planning while the others wait):
+        a clock bound would make start-up fail on a loaded machine or for a big model.
+        The wait gives up (with a :class:`PeerError`) only when ``peer``'s heartbeat
+        stops for a whole ``timeout_s``, or the store stops answering.
+        """
+        full = f"{_PREFIX}{key}"
+        beats = self._store.add(f"{_PREFIX}heartbeat/{peer}", 0)
+        while True:
+            try:
+                self._store.wait([full], timedelta(seconds=self.timeout_s))
+                return self._store.get(full)
+            except Exception as e:  # a wait timeout, or the store is gone
+                try:
+                    now = self._store.add(f"{_PREFIX}heartbeat/{peer}", 0)
+                    gone = self._store.check([f"{_PREFIX}failed/{peer}"]) or \
+                        self._store.check([f"{_PREFIX}exited/{peer}"])
+                except Exception:
+                    now, gone = beats, True
+                if now == beats or gone:
+                    raise self.failure(action, [peer], e) from e
+                beats = now
 
     # -- failures ------------------------------------------------------------------
 

@@ -19,7 +19,10 @@ import torch
 from autopar.testing import spawn_world
 
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
-TIMEOUT_S = 5.0
+TIMEOUT_S = 5.0  # the stuck rank's test: a peer that is alive but silent is found by this clock
+KILLED_TIMEOUT_S = 300.0
+"""The killed ranks' tests: a dead peer's closed connection fails the survivors' wait at once, so the
+timeout is only a backstop; a short one would let a loaded machine trip the start-up collectives."""
 WAIT_S = 300.0  # spawn_world's bound on a rank that hangs: generous for 2 shared cores
 
 
@@ -36,15 +39,20 @@ def _peer_error(fn):
 
 def _raw_world(rank, world, victim, stuck):
     """Two all-reduces under a PeerWatch; before the second, ``victim`` dies (or sleeps past the timeout)."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from autopar.parallel import _init_process_group, _peer_watch
 
-    _init_process_group("cpu", TIMEOUT_S)
-    watch = _peer_watch(TIMEOUT_S)
+    timeout_s = TIMEOUT_S if stuck else KILLED_TIMEOUT_S
+    _init_process_group("cpu", KILLED_TIMEOUT_S)  # connecting may take long on a loaded machine
+    watch = _peer_watch(timeout_s)
     t = torch.ones(4)
     with watch.guard("the first all-reduce"):
         dist.all_reduce(t)
+    # The group under test, made right after every rank passed the all-reduce above.
+    group = dist.new_group(timeout=timedelta(seconds=timeout_s))
     if rank == victim:
         if not stuck:
             os._exit(17)
@@ -53,7 +61,7 @@ def _raw_world(rank, world, victim, stuck):
 
     def second():
         with watch.guard("the test's all-reduce over every rank"):
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=group)
 
     return _peer_error(second)
 
@@ -91,7 +99,8 @@ def _train_and_die(rank, world, victim, fixed, die_at):
 
     torch.manual_seed(0)
     model, inputs, loss_fn, target = mlp.build(size="tiny", batch=6 if world == 3 else 4)
-    pm = autopar.parallelize(model, cluster=f"1x{world}xcpu", loss_fn=loss_fn, fixed=fixed, timeout_s=TIMEOUT_S)
+    pm = autopar.parallelize(model, cluster=f"1x{world}xcpu", loss_fn=loss_fn, fixed=fixed,
+                               timeout_s=KILLED_TIMEOUT_S)
     pm.train_step(inputs, target)
     if rank == victim:
         if die_at == "reduce":

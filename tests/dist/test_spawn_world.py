@@ -1,0 +1,32 @@
+"""spawn_world's hang bound: a blocked world is stopped, a slow one is not (whatever the load)."""
+
+import time
+
+from autopar.testing import spawn_world
+
+
+def _sleep_or_spin(rank, world, spin_s):
+    if rank == 1:
+        time.sleep(600)  # blocked: no CPU, like a rank waiting on a dead peer
+        return "woke"
+    return rank
+
+
+def _spin(rank, world, spin_s):
+    end = time.monotonic() + spin_s
+    n = 0
+    while time.monotonic() < end:  # working (slowly on a loaded machine): CPU keeps moving
+        n += 1
+    return rank
+
+
+def test_a_blocked_rank_is_reported_hung():
+    outcomes = spawn_world(_sleep_or_spin, 2, 0.0, timeout_s=10.0, allow_failures=True)
+    assert outcomes[0].ok and outcomes[0].value == 0, outcomes[0]
+    assert not outcomes[1].ok and "no rank finished and the ranks used almost no CPU for 10 s (hung" in \
+        outcomes[1].error, outcomes[1]
+
+
+def test_a_working_world_may_run_past_the_bound():
+    # 3x the bound of wall clock with no rank finishing: only the CPU the ranks use keeps it alive.
+    assert spawn_world(_spin, 2, 15.0, timeout_s=5.0) == [0, 1]
