@@ -41,9 +41,10 @@ from dataclasses import asdict, dataclass, field
 from autopar.cost import comm
 from autopar.cost.schedule import Action, _lockstep, _needs, _provides, make_schedule
 from autopar.zero_def import stage as zero_stage
+from autopar.zero_def import step_collective_counts
 
 __all__ = ["OVERLAP_SLOWDOWN", "GroupCost", "StageCost", "TiedCost", "StepSpec", "Op", "COMPUTE_KINDS",
-           "COLLECTIVE_KINDS", "FUSED_BACKWARD", "lower_step"]
+           "COLLECTIVE_KINDS", "FUSED_BACKWARD", "lower_step", "group_dp_s", "estimate_exposed_s"]
 
 OVERLAP_SLOWDOWN = 1.3
 """Compute runs this many times slower while a collective overlaps it on the same GPU
@@ -310,3 +311,38 @@ def _add_optimizer(program, sched, spec: StepSpec, z, last_grad, reduce_at, tied
                         ops.append(Op(f"{s}PARAM_GATHER.g{g}", "PARAM_GATHER", seconds, ((f"{s}OPT", 0.0),),
                                       stage=s, group=g, stream="dp.gather", collective="all_gather",
                                       group_size=spec.dp, nbytes=grp.bucket_bytes, link=spec.dp_link))
+
+
+def group_dp_s(bucket_bytes: float, *, zero: int, dp: int, link: comm.Link, microbatches: int) -> float:
+    """Seconds of dp collectives one bucket issues in a step (each alone on ``link``)."""
+    if dp == 1 or bucket_bytes == 0:
+        return 0.0
+    counts = step_collective_counts(zero, n_micro=microbatches)
+    return sum(k * _COLLECTIVE_S[kind](bucket_bytes, dp, link) for kind, k in counts.items())
+
+
+def estimate_exposed_s(stage: StageCost, *, zero: int, dp: int, link: comm.Link, microbatches: int) -> float:
+    """A cheap estimate of a stage's exposed dp time, for ranking before simulation.
+
+    What cannot hide: the last bucket's reduction (group 0 finishes the backward), the first
+    group's ZeRO-3 gather, and the gathers after the optimizer step (stages 1, 2); the rest
+    hides while the compute it may overlap (the backward, every micro-batch's for stages 2
+    and 3, and the forward too for stage 3's gathers) lasts long enough.
+    """
+    if dp == 1:
+        return 0.0
+    z = zero_stage(zero)
+    groups = [g for g in stage.groups if g.bucket_bytes > 0]
+    if not groups:
+        return 0.0
+    total = sum(group_dp_s(g.bucket_bytes, zero=zero, dp=dp, link=link, microbatches=microbatches) for g in groups)
+    first = groups[0].bucket_bytes
+    floor = _COLLECTIVE_S[z.grad_collective](first, dp, link)
+    if z.param_gather == "after_step":
+        floor += sum(comm.all_gather_s(g.bucket_bytes, dp, link) for g in groups)
+    if z.param_gather == "per_use":
+        floor += comm.all_gather_s(first, dp, link)
+    per_use = z.param_gather == "per_use"
+    compute = sum(g.b_s + g.w_s + (g.f_s if per_use else 0.0) for g in stage.groups)
+    overlap = compute * (microbatches if z.grad_reduce_every_microbatch else 1)
+    return max(floor, total - overlap)
