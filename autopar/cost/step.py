@@ -254,6 +254,8 @@ def lower_step(spec: StepSpec) -> dict[int, list[Op]]:
                     piece_waits.append((f"{a.stage}UNSHARD_{phase}{a.microbatch}.g{g}", 0.0))
                 ops.append(Op(name, a.kind, seconds, tuple(piece_waits), stage=a.stage, microbatch=a.microbatch,
                               group=g, action=a))
+                if n + 1 == len(parts):  # the output goes to the next rank before any collective
+                    _add_p2p(ops, program, a, name, spec, n_stages)
                 if unshard and n + 1 < len(parts) and groups[parts[n + 1][1]].bucket_bytes > 0:
                     ops.append(unshard_op(parts[n + 1][1]))
                 if a in reduce_at and g >= 0 and groups[g].bucket_bytes > 0:
@@ -266,7 +268,6 @@ def lower_step(spec: StepSpec) -> dict[int, list[Op]]:
                                   comm.all_reduce_s(t.nbytes, len(ranks), t.link), ((name, 0.0),),
                                   stage=a.stage, group=g, stream="tied", collective="all_reduce",
                                   group_size=len(ranks), nbytes=t.nbytes, link=t.link, ranks=ranks))
-            _add_p2p(ops, program, a, parts[-1][0], spec, n_stages)
     _add_optimizer(program, sched, spec, z, last_grad, reduce_at, tied_at)
     return program
 
