@@ -50,8 +50,7 @@ from autopar.errors import InfeasibleError, PlanError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Fixed", "Config", "Unit", "StagePlan", "Candidate", "search", "simulate_stages", "step_spec", "tail_s",
-           "cut_times",
+__all__ = ["Fixed", "Config", "Unit", "StagePlan", "Candidate", "search", "simulate_stages", "step_spec", "cut_times",
            "MEMORY_RESERVE"]
 
 MEMORY_RESERVE = 0.10
@@ -194,7 +193,6 @@ class Candidate:
     estimate_s: float
     bubble_fraction: float
     stages: tuple[StagePlan, ...]
-    sim: SimResult | None = field(default=None, compare=False)
     p2p_s: float = 0.0
     """Time of one activation (or gradient) transfer across the slowest cut, as simulated."""
     p2p_cut_s: tuple[float, ...] = ()
@@ -466,17 +464,6 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
     tail = max(per_rank)
     return Candidate(config=cfg, step_time_s=pipe + tail, estimate_s=pipe + tail, bubble_fraction=0.0,
                      stages=tuple(stages))
-
-
-def tail_s(stages: Sequence[StagePlan], pp: int) -> float:
-    """Time after the pipeline drains: each rank syncs gradients over dp and steps the
-    optimizer for every stage it holds (stage s on pipeline rank s % pp), one after the
-    other; the slowest rank sets the step. (The max over stages would drop the second
-    chunk of an interleaved rank and favour interleaving.)"""
-    per_rank = [0.0] * pp
-    for s, st in enumerate(stages):
-        per_rank[s % pp] += st.grad_sync_s + st.optimizer_s
-    return max(per_rank)
 
 
 def simulate_stages(kind: str, *, microbatches: int, f_s: list[float], b_s: list[float], w_s: list[float],
