@@ -16,6 +16,7 @@ rewritten as a fraction of the step rather than of the ideal time).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -152,15 +153,6 @@ def simulate_step(spec: StepSpec) -> StepResult:
     return simulate_program(lower_step(spec), overlap_slowdown=spec.overlap_slowdown)
 
 
-class _Running:
-    """A compute piece or collective in progress: ``left`` seconds of work at full speed."""
-
-    __slots__ = ("op", "left", "start", "ranks")
-
-    def __init__(self, op: Op, start: float, ranks: tuple[int, ...]):
-        self.op, self.left, self.start, self.ranks = op, op.seconds, start, ranks
-
-
 def simulate_program(program: dict[int, list[Op]], *, overlap_slowdown: float = 1.0) -> StepResult:
     """Time per-rank op lists with one compute stream and FIFO collective streams per rank.
 
@@ -183,178 +175,189 @@ def simulate_program(program: dict[int, list[Op]], *, overlap_slowdown: float = 
     """
     if not overlap_slowdown >= 1:
         raise ValueError(f"overlap_slowdown must be >= 1, got {overlap_slowdown!r}")
-    ranks = sorted(program)
-    end: dict[str, float] = {}
-    pos = {r: 0 for r in ranks}
-    compute: dict[int, _Running | None] = {r: None for r in ranks}
-    streams: dict[tuple[int, str], deque[Op]] = {}
-    pending: list[tuple[int, Op]] = []  # issued p2p ops and markers waiting for their inputs
-    timed: list[tuple[float, int, Op]] = []  # (end, rank, op) of running p2p ops
-    active: dict[str, _Running] = {}  # running collectives by name
-    timeline: list[tuple[int, Op, float, float]] = []
-    busy = {r: 0.0 for r in ranks}
-    comm = {r: 0.0 for r in ranks}
-    hidden = {r: 0.0 for r in ranks}
-    total = sum(len(v) for v in program.values())
-    finished = 0
-    t = 0.0
+    return _Engine(program, overlap_slowdown).run()
 
-    def ready_at(op: Op) -> float | None:
-        """When ``op``'s waits are all met, or None while one of them has not ended."""
-        at = 0.0
-        for name, delay in op.waits:
-            if name not in end:
-                return None
-            at = max(at, end[name] + delay)
-        return at
 
-    def due(at: float | None) -> bool:
-        return at is not None and at <= t + _EPS * max(1.0, t)
+class _Engine:
+    """The event loop of :func:`simulate_program`. Ops are numbered; each knows how many of its
+    waits are still open and the earliest time they allow, and a finished op updates the ops
+    that wait for it, so per event only the list heads and stream heads (a few per rank) are
+    looked at."""
 
-    def finish(rank: int, op: Op, start: float) -> None:
-        nonlocal finished
-        end[op.name] = t
-        timeline.append((rank, op, start, t))
-        finished += 1
+    def __init__(self, program: dict[int, list[Op]], slowdown: float):
+        self.ranks = sorted(program)
+        self.program, self.slowdown = program, slowdown
+        self.flat: list[tuple[int, Op]] = [(r, op) for r in self.ranks for op in program[r]]
+        names = {op.name for _, op in self.flat}
+        self.open = [len(op.waits) for _, op in self.flat]
+        self.ready = [0.0] * len(self.flat)
+        self.dependents: dict[str, list[tuple[int, float]]] = {}
+        for i, (_, op) in enumerate(self.flat):
+            for name, delay in op.waits:
+                if name not in names:
+                    raise ValueError(f"{op} waits for {name}, which no rank's list holds")
+                self.dependents.setdefault(name, []).append((i, delay))
+        self.start_of: dict[int, int] = {}
+        first = 0
+        for r in self.ranks:
+            self.start_of[r] = first
+            first += len(program[r])
+        links: dict = {}
+        self.link_key = [links.setdefault((op.link.bytes_per_s, op.link.latency_s) if op.link else None, len(links))
+                         for _, op in self.flat]
+        self.end: dict[str, float] = {}
+        self.issued = [False] * len(self.flat)
+        self.timed: list[tuple[float, int]] = []  # heap: (end, op) of running p2p ops and markers
+        self.wake: list[float] = []  # heap: times at which some op's waits open
 
-    while True:
-        changed = True
-        while changed:  # start everything that can start at time t
-            changed = False
+    def _launch(self, i: int, t: float) -> None:
+        """A p2p op or marker whose waits are all met ends ``seconds`` after it can start."""
+        heapq.heappush(self.timed, (max(self.ready[i], t) + self.flat[i][1].seconds, i))
+
+    def _finish(self, i: int, start: float, at: float) -> None:
+        r, op = self.flat[i]
+        self.timeline.append((r, op, start, at))
+        self.finished += 1
+        if op.name in self.end:  # a collective spanning ranks: its other copies
+            return
+        self.end[op.name] = at
+        for j, delay in self.dependents.get(op.name, ()):
+            self.open[j] -= 1
+            self.ready[j] = max(self.ready[j], at + delay)
+            if self.open[j] == 0:
+                if self.ready[j] > at:
+                    heapq.heappush(self.wake, self.ready[j])
+                other = self.flat[j][1]
+                if self.issued[j] and not other.stream and other.kind not in COMPUTE_KINDS:
+                    self._launch(j, at)
+
+    def run(self) -> StepResult:
+        ranks, flat, program = self.ranks, self.flat, self.program
+        pos = {r: 0 for r in ranks}
+        compute: dict[int, list | None] = {r: None for r in ranks}  # [op, work left, start]
+        streams: dict[tuple[int, str], deque[int]] = {}
+        active: dict[str, list] = {}  # name -> [ops (one per rank), work left, start, ranks, rate]
+        self.timeline: list[tuple[int, Op, float, float]] = []
+        self.finished = 0
+        busy = {r: 0.0 for r in ranks}
+        comm = {r: 0.0 for r in ranks}
+        hidden = {r: 0.0 for r in ranks}
+        total, t = len(flat), 0.0
+        open_, ready, timed, wake = self.open, self.ready, self.timed, self.wake
+        while True:
+            slack = _EPS * max(1.0, t)
+            changed = True
+            while changed:  # start everything that can start at time t
+                changed = False
+                for r in ranks:
+                    ops = program[r]
+                    while pos[r] < len(ops):
+                        i = self.start_of[r] + pos[r]
+                        op = ops[pos[r]]
+                        if op.kind in COMPUTE_KINDS:
+                            if compute[r] is not None or open_[i] or ready[i] > t + slack:
+                                break
+                            compute[r] = [i, op.seconds, t]
+                        elif op.stream:
+                            streams.setdefault((r, op.stream), deque()).append(i)
+                        elif open_[i] == 0:
+                            self._launch(i, t)
+                        self.issued[i] = True
+                        pos[r] += 1
+                        changed = True
+                for (r, stream), queue in streams.items():
+                    if not queue:
+                        continue
+                    op = flat[queue[0]][1]
+                    if op.name in active:
+                        continue
+                    members = op.ranks or (r,)
+                    heads = [streams.get((x, stream)) for x in members]
+                    if all(h and flat[h[0]][1].name == op.name and not open_[h[0]] and ready[h[0]] <= t + slack
+                           for h in heads):
+                        active[op.name] = [[h[0] for h in heads], op.seconds, t, members, 1.0]
+                        changed = True
+                while timed and timed[0][0] <= t + slack:
+                    at, i = heapq.heappop(timed)
+                    self._finish(i, at - flat[i][1].seconds, at)
+                    changed = True
+                for r in ranks:  # work that is done ends now
+                    run = compute[r]
+                    if run is not None and run[1] <= 0:
+                        compute[r] = None
+                        self._finish(run[0], run[2], t)
+                        changed = True
+                for name in [n for n, run in active.items() if run[1] <= 0]:
+                    run = active.pop(name)
+                    for i, x in zip(run[0], run[3]):
+                        streams[x, flat[i][1].stream].popleft()
+                        self._finish(i, run[2], t)
+                    changed = True
+            if self.finished == total and not active:
+                break
+            in_comm = dict.fromkeys(ranks, False)
+            sharing: dict[tuple[int, int], int] = {}
+            for run in active.values():
+                key = self.link_key[run[0][0]]
+                for r in run[3]:
+                    in_comm[r] = True
+                    sharing[r, key] = sharing.get((r, key), 0) + 1
+            step = math.inf
+            for run in active.values():
+                key = self.link_key[run[0][0]]
+                run[4] = 1.0 / max(sharing[r, key] for r in run[3])
+                step = min(step, run[1] / run[4])
+            speed = {r: 1.0 / self.slowdown if in_comm[r] else 1.0 for r in ranks}
+            for r, run in compute.items():
+                if run is not None:
+                    step = min(step, run[1] / speed[r])
+            if timed:
+                step = min(step, timed[0][0] - t)
+            while wake and wake[0] <= t + slack:
+                heapq.heappop(wake)
+            if wake:
+                step = min(step, wake[0] - t)
+            if step == math.inf:
+                raise ValueError(self._stuck(pos, streams))
+            step = max(step, 0.0)
             for r in ranks:
-                ops = program[r]
-                while pos[r] < len(ops):
-                    op = ops[pos[r]]
-                    if op.kind in COMPUTE_KINDS:
-                        if compute[r] is not None or not due(ready_at(op)):
-                            break
-                        compute[r] = _Running(op, t, (r,))
-                    elif op.stream:
-                        streams.setdefault((r, op.stream), deque()).append(op)
-                    else:
-                        pending.append((r, op))
-                    pos[r] += 1
-                    changed = True
-            for item in list(pending):
-                r, op = item
-                if due(ready_at(op)):
-                    pending.remove(item)
-                    if op.seconds > 0:
-                        timed.append((t + op.seconds, r, op))
-                    else:
-                        finish(r, op, t)
-                    changed = True
-            for (r, _), queue in streams.items():
-                if not queue or queue[0].name in active:
-                    continue
-                op = queue[0]
-                members = op.ranks or (r,)
-                heads = [streams.get((x, op.stream)) for x in members]
-                if all(h and h[0].name == op.name for h in heads) and \
-                        all(due(ready_at(h[0])) for h in heads):
-                    active[op.name] = _Running(op, t, members)
-                    changed = True
-            for r in ranks:  # zero-length work ends at once
-                run = compute[r]
-                if run is not None and run.left <= 0:
-                    compute[r] = None
-                    finish(r, run.op, run.start)
-                    changed = True
-            for name, run in list(active.items()):
-                if run.left <= 0:
-                    _end_collective(run, streams, finish)
-                    del active[name]
-                    changed = True
-        if finished == total and not active:
-            break
-        in_comm = {r: False for r in ranks}
-        sharing: dict[tuple[int, object], int] = {}
-        for run in active.values():
-            for r in run.ranks:
-                in_comm[r] = True
-                sharing[r, run.op.link] = sharing.get((r, run.op.link), 0) + 1
-        rate = {name: min(1.0 / sharing[r, run.op.link] for r in run.ranks) for name, run in active.items()}
-        speed = {r: 1.0 / overlap_slowdown if in_comm[r] else 1.0 for r in ranks}
-        step = math.inf
-        for r, run in compute.items():
-            if run is not None:
-                step = min(step, run.left / speed[r])
-        for name, run in active.items():
-            step = min(step, run.left / rate[name])
-        for at, _, _ in timed:
-            step = min(step, at - t)
-        for at in _future_starts(program, pos, compute, pending, streams, ready_at):
-            if at > t:
-                step = min(step, at - t)
-        if step == math.inf:
-            raise ValueError(_program_stuck(program, pos, pending, streams, end))
-        step = max(step, 0.0)
-        for r in ranks:
-            if in_comm[r]:
-                comm[r] += step
+                if in_comm[r]:
+                    comm[r] += step
+                    if compute[r] is not None:
+                        hidden[r] += step
                 if compute[r] is not None:
-                    hidden[r] += step
-            if compute[r] is not None:
-                busy[r] += step
-        t += step
-        slack = _EPS * max(1.0, t)
-        for r, run in compute.items():
-            if run is not None:
-                run.left -= step * speed[r]
-                if run.left <= slack:
-                    run.left = 0.0
-        for name, run in active.items():
-            run.left -= step * rate[name]
-            if run.left <= slack:
-                run.left = 0.0
-        for item in [x for x in timed if x[0] <= t + slack]:
-            timed.remove(item)
-            at, r, op = item
-            finish(r, op, at - op.seconds)
-    step_time_s = max((e for _, _, _, e in timeline), default=0.0)
-    capacity = len(ranks) * step_time_s
-    bubble = (capacity - sum(busy.values())) / capacity if capacity > 0 else 0.0
-    timeline.sort(key=lambda x: (x[2], x[0]))
-    return StepResult(step_time_s=step_time_s, bubble_fraction=bubble, busy_s=tuple(busy[r] for r in ranks),
-                      comm_s=tuple(comm[r] for r in ranks), hidden_s=tuple(hidden[r] for r in ranks),
-                      exposed_s=tuple(comm[r] - hidden[r] for r in ranks), timeline=timeline)
+                    busy[r] += step
+            t += step
+            slack = _EPS * max(1.0, t)
+            for r, run in compute.items():
+                if run is not None:
+                    run[1] -= step * speed[r]
+                    if run[1] <= slack:
+                        run[1] = 0.0
+            for run in active.values():
+                run[1] -= step * run[4]
+                if run[1] <= slack:
+                    run[1] = 0.0
+        timeline = self.timeline
+        step_time_s = max((e for _, _, _, e in timeline), default=0.0)
+        capacity = len(ranks) * step_time_s
+        bubble = (capacity - sum(busy.values())) / capacity if capacity > 0 else 0.0
+        timeline.sort(key=lambda x: (x[2], x[0]))
+        return StepResult(step_time_s=step_time_s, bubble_fraction=bubble, busy_s=tuple(busy[r] for r in ranks),
+                          comm_s=tuple(comm[r] for r in ranks), hidden_s=tuple(hidden[r] for r in ranks),
+                          exposed_s=tuple(comm[r] - hidden[r] for r in ranks), timeline=timeline)
 
+    def _stuck(self, pos, streams) -> str:
+        def missing(op: Op) -> str:
+            return ", ".join(n for n, _ in op.waits if n not in self.end) or "its peers on the stream"
 
-def _end_collective(run: _Running, streams, finish) -> None:
-    for r in run.ranks:
-        streams[r, run.op.stream].popleft()
-        finish(r, run.op, run.start)
-
-
-def _future_starts(program, pos, compute, pending, streams, ready_at):
-    """Times at which a blocked op's waits will be met (a p2p delay still running)."""
-    for r, ops in program.items():
-        if pos[r] < len(ops) and compute[r] is None and ops[pos[r]].kind in COMPUTE_KINDS:
-            at = ready_at(ops[pos[r]])
-            if at is not None:
-                yield at
-    for _, op in pending:
-        at = ready_at(op)
-        if at is not None:
-            yield at
-    for queue in streams.values():
-        if queue:
-            at = ready_at(queue[0])
-            if at is not None:
-                yield at
-
-
-def _program_stuck(program, pos, pending, streams, end) -> str:
-    def missing(op: Op) -> str:
-        return ", ".join(n for n, _ in op.waits if n not in end) or "its peers on the stream"
-
-    stuck = []
-    for r in sorted(program):
-        if pos[r] < len(program[r]):
-            op = program[r][pos[r]]
-            stuck.append(f"rank {r} at {op} waits for {missing(op)}")
-    for (r, stream), queue in sorted(streams.items()):
-        if queue:
-            stuck.append(f"rank {r} stream {stream} at {queue[0]} waits for {missing(queue[0])}")
-    stuck += [f"rank {r} {op} waits for {missing(op)}" for r, op in pending]
-    return "step program deadlocks: " + "; ".join(stuck)
+        stuck = []
+        for r in self.ranks:
+            if pos[r] < len(self.program[r]):
+                op = self.program[r][pos[r]]
+                stuck.append(f"rank {r} at {op} waits for {missing(op)}")
+        for (r, stream), queue in sorted(streams.items()):
+            if queue:
+                op = self.flat[queue[0]][1]
+                stuck.append(f"rank {r} stream {stream} at {op} waits for {missing(op)}")
+        return "step program deadlocks: " + "; ".join(stuck)

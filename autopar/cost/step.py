@@ -37,6 +37,7 @@ the compute pieces (the next op reads their result at once): they stay exposed.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 
 from autopar.cost import comm
 from autopar.cost.schedule import Action, _lockstep, _needs, _provides, make_schedule
@@ -318,8 +319,15 @@ def group_dp_s(bucket_bytes: float, *, zero: int, dp: int, link: comm.Link, micr
     """Seconds of dp collectives one bucket issues in a step (each alone on ``link``)."""
     if dp == 1 or bucket_bytes == 0:
         return 0.0
+    return _group_dp_s(bucket_bytes, zero, dp, link.bytes_per_s, link.latency_s, microbatches)
+
+
+@lru_cache(maxsize=65536)
+def _group_dp_s(nbytes: float, zero: int, dp: int, bytes_per_s: float, latency_s: float, microbatches: int) -> float:
+    """Cached: the search prices the same buckets (repeated layers) for thousands of candidates."""
+    link = comm.Link(bytes_per_s=bytes_per_s, latency_s=latency_s)
     counts = step_collective_counts(zero, n_micro=microbatches)
-    return sum(k * _COLLECTIVE_S[kind](bucket_bytes, dp, link) for kind, k in counts.items())
+    return sum(k * _COLLECTIVE_S[kind](nbytes, dp, link) for kind, k in counts.items())
 
 
 def estimate_exposed_s(stage: StageCost, *, zero: int, dp: int, link: comm.Link, microbatches: int) -> float:
