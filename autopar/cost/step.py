@@ -216,12 +216,18 @@ def lower_step(spec: StepSpec) -> dict[int, list[Op]]:
         tied_here = last_grad[a.stage] == a and any(s == a.stage for s, _ in tied_at)
         return gather or a in reduce_at or tied_here
 
+    memo: dict[tuple[int, str, int], list[tuple[str, int, float]]] = {}
+
     def pieces(a: Action) -> list[tuple[str, int, float]]:
-        groups = spec.stages[a.stage].groups
-        if not split(a):
-            return [(str(a), -1, sum(_times(g, a.kind) for g in groups))]
-        order = range(len(groups)) if a.kind == "F" else reversed(range(len(groups)))
-        return [(f"{a}.g{g}", g, _times(groups[g], a.kind)) for g in order]
+        key = (a.stage, a.kind, a.microbatch)
+        if key not in memo:
+            groups = spec.stages[a.stage].groups
+            if not split(a):
+                memo[key] = [(str(a), -1, sum(_times(g, a.kind) for g in groups))]
+            else:
+                order = range(len(groups)) if a.kind == "F" else reversed(range(len(groups)))
+                memo[key] = [(f"{a}.g{g}", g, _times(groups[g], a.kind)) for g in order]
+        return memo[key]
 
     def dp_op(kind: str, name: str, collective: str, nbytes: float, stream: str, waits, a: Action, g: int) -> Op:
         seconds = _COLLECTIVE_S[collective](nbytes, spec.dp, spec.dp_link)
