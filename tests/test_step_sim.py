@@ -143,3 +143,27 @@ def test_spec_round_trips_and_bad_input_is_one_clear_error():
         lower_step(spec([[(1, 1, 1, 0)]], zero=4))
     with pytest.raises(ValueError, match="overlap_slowdown must be >= 1"):
         simulate_step(spec([[(1, 1, 1, 0)]], slowdown=0.5))
+
+
+@pytest.mark.parametrize("kind, pp, m", [("gpipe", 2, 4), ("1f1b", 3, 5), ("interleaved", 2, 4), ("zb-h1", 3, 4),
+                                         ("zb-h2", 2, 5), ("1f1b", 1, 3)])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_every_schedule_and_zero_stage_runs_between_its_bounds(kind, pp, m, zero):
+    # uneven groups and buckets; the step can be no faster than its compute without any
+    # communication, and no slower than everything (compute slowed by the overlap factor,
+    # every collective, every transfer) run one after another
+    v = 2 if kind == "interleaved" else 1
+    groups = [[(1.0 + g, 0.5 * (s + 1), 0.75, (g + 1) * 4e8) for g in range(3)] for s in range(pp * v)]
+    tied = (TiedCost(name="w", stages=(0, pp * v - 1), groups=(0, 2), nbytes=2e8, link=LINK),) if pp > 1 else ()
+    s = spec(groups, zero=zero, dp=4, m=m, pp=pp, kind=kind, slowdown=1.2, opt=0.3, send=0.1, tied=tied)
+    res = simulate_step(s)
+    bare = simulate_step(spec(groups, zero=zero, dp=1, m=m, pp=pp, kind=kind, opt=0.3, send=0.1))
+    program = lower_step(s)
+    serial = sum(op.seconds * (1.2 if op.kind in ("F", "B", "W", "BW", "OPT") else 1.0)
+                 for ops in program.values() for op in ops)
+    assert bare.step_time_s <= res.step_time_s + 1e-9 and res.step_time_s <= serial + 1e-9
+    for r in range(pp):
+        assert res.hidden_s[r] + res.exposed_s[r] == pytest.approx(res.comm_s[r])
+        assert res.comm_s[r] >= max(op.seconds for op in program[r] if op.stream) - 1e-9  # dp = 4: buckets
+    done = {op.name for _, op, _, _ in res.timeline}
+    assert done == {op.name for ops in program.values() for op in ops}  # every op ran
