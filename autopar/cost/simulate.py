@@ -1,6 +1,12 @@
-"""Time a pipeline schedule from per-stage F, B, W times: step time, bubble, memory.
+"""Time a training step: the step program of a plan, or a bare pipeline schedule.
 
-Each rank runs its list (``autopar.cost.schedule``) in order. An action starts at
+:func:`simulate_program` is the one timing engine: per rank a compute stream that runs
+its list in order and FIFO collective streams, with overlap, link sharing and the compute
+slowdown under overlap (rules in its docstring). :func:`simulate_step` lowers a
+:class:`autopar.cost.step.StepSpec` (the planner's, or one stored in a plan) and times it;
+the planner's step time and the plan's ``predicted`` come from it.
+
+:func:`simulate` times a bare pipeline schedule on the same engine: an action starts at
 ``max(rank free, inputs done (+ p2p_s when an input comes from another rank))``,
 where ``p2p_s`` is one time for every cut or one per cut (stage c -> c + 1: a
 pipeline whose neighbours sit on one node for some cuts and on two for others),
@@ -9,9 +15,9 @@ Activations: a micro-batch is in flight on a stage from its F until the action
 that frees it, W for a split backward, BW for a fused one (Qi et al. 2024 free
 part of it after B already; counting it until W is the conservative reading).
 
-Bubble fraction = idle / (ranks * step time). With equal stage times and no
-p2p cost this gives 1F1B's (p - 1) / (m + p - 1) (Narayanan et al. 2021, eq. 1
-rewritten as a fraction of the step rather than of the ideal time).
+Bubble fraction = compute-stream idle time / (ranks * step time). With equal stage
+times and no p2p cost this gives 1F1B's (p - 1) / (m + p - 1) (Narayanan et al. 2021,
+eq. 1 rewritten as a fraction of the step rather than of the ideal time).
 """
 
 from __future__ import annotations
