@@ -94,22 +94,22 @@ def simulate(
     validate_schedule(schedule, n_stages, n_micro)
     n_ranks = len(schedule)
     duration = {"F": f_s, "B": b_s, "W": w_s}
+    provider = {key: str(a) for acts in schedule.values() for a in acts for key in _provides(a)}
     program: dict[int, list[Op]] = {rank: [] for rank in range(n_ranks)}
     for rank in range(n_ranks):
         for a in schedule[rank]:
             waits = []
-            for kind, s, i in _needs(a, n_stages):
-                if s % n_ranks == rank:
-                    waits.append((f"{kind}{s}.{i}", 0.0))
-                else:  # an input from another rank crosses the cut between the two stages
-                    waits.append((f"{kind}{s}.{i}", cut_s[min(s, a.stage)]))
+            for key in _needs(a, n_stages):  # an input from another rank crosses the cut between the two stages
+                s = key[1]
+                waits.append((provider[key], 0.0 if s % n_ranks == rank else cut_s[min(s, a.stage)]))
             dur = b_s[a.stage] + w_s[a.stage] if a.kind == "BW" else duration[a.kind][a.stage]
             program[rank].append(Op(str(a), a.kind, dur, tuple(waits), stage=a.stage, microbatch=a.microbatch,
                                     action=a))
-            for kind, s, i in _provides(a):  # zero-time markers the consumers wait for
-                program[rank].append(Op(f"{kind}{s}.{i}", "RECV", 0.0, ((str(a), 0.0),), stage=s, microbatch=i))
-    _lockstep(schedule, n_stages)  # a deadlock is a matter of order alone: name the stuck actions
-    run = simulate_program(program)
+    try:
+        run = simulate_program(program)
+    except ValueError:
+        _lockstep(schedule, n_stages)  # a deadlock is a matter of order alone: name the stuck actions
+        raise
     timeline = [(r, op.action, t0, t1) for r, op, t0, t1 in run.timeline if op.action is not None]
     peak_n, peak_bytes = zip(*(_peak_memory(schedule[rank], act_bytes) for rank in range(n_ranks)))
     return SimResult(
@@ -214,7 +214,7 @@ class _Engine:
         self.end: dict[str, float] = {}
         self.issued = [False] * len(self.flat)
         self.timed: list[tuple[float, int]] = []  # heap: (end, op) of running p2p ops and markers
-        self.wake: list[float] = []  # heap: times at which some op's waits open
+        self.wake: list[tuple[float, int]] = []  # heap: (time, op) at which an op's waits open
 
     def _launch(self, i: int, t: float) -> None:
         """A p2p op or marker whose waits are all met ends ``seconds`` after it can start."""
@@ -231,127 +231,169 @@ class _Engine:
             self.open[j] -= 1
             self.ready[j] = max(self.ready[j], at + delay)
             if self.open[j] == 0:
+                self._touch(j)
                 if self.ready[j] > at:
-                    heapq.heappush(self.wake, self.ready[j])
+                    heapq.heappush(self.wake, (self.ready[j], j))
                 other = self.flat[j][1]
                 if self.issued[j] and not other.stream and other.kind not in COMPUTE_KINDS:
                     self._launch(j, at)
 
+    def _touch(self, j: int) -> None:
+        """Op ``j`` may be able to start: look at its rank's list head or its stream head."""
+        r, op = self.flat[j]
+        if op.stream:
+            self.check.add((r, op.stream))
+        else:
+            self.dirty.add(r)
+
     def run(self) -> StepResult:
-        ranks, flat, program = self.ranks, self.flat, self.program
-        pos = {r: 0 for r in ranks}
-        compute: dict[int, list | None] = {r: None for r in ranks}  # [op, work left, start]
+        ranks, flat, program, slowdown = self.ranks, self.flat, self.program, self.slowdown
+        pos = dict.fromkeys(ranks, 0)
+        # rank -> [op, work left at `since`, since, start, factor] of its running compute; its end,
+        # since + left * factor, sits in `ends` (stale entries carry an older version)
+        compute: dict[int, list] = {}
+        ends: list[tuple[float, int, int]] = []
+        version = dict.fromkeys(ranks, 0)
         streams: dict[tuple[int, str], deque[int]] = {}
-        active: dict[str, list] = {}  # name -> [ops (one per rank), work left, start, ranks, rate]
+        active: dict[str, list] = {}  # name -> [ops (one per rank), work left, start, ranks, rate, link]
+        in_comm = dict.fromkeys(ranks, 0)  # collectives in flight per rank
+        sharing: dict[tuple[int, int], int] = {}  # (rank, link) -> collectives in flight on it
         self.timeline: list[tuple[int, Op, float, float]] = []
         self.finished = 0
-        busy = {r: 0.0 for r in ranks}
-        comm = {r: 0.0 for r in ranks}
-        hidden = {r: 0.0 for r in ranks}
+        self.dirty, self.check = set(ranks), set()
         total, t = len(flat), 0.0
         open_, ready, timed, wake = self.open, self.ready, self.timed, self.wake
+
+        def rebase(r: int) -> None:
+            """Rank ``r``'s collectives in flight changed: its compute continues at the new speed."""
+            run = compute.get(r)
+            factor = slowdown if in_comm[r] else 1.0
+            if run is None or run[4] == factor:
+                return
+            run[1] = max(0.0, run[1] - (t - run[2]) / run[4])
+            run[2], run[4] = t, factor
+            version[r] += 1
+            heapq.heappush(ends, (t + run[1] * factor, version[r], r))
+
+        def start_collective(op: Op, heads: list[int], members: tuple[int, ...]) -> None:
+            key = self.link_key[heads[0]]
+            active[op.name] = [heads, op.seconds, t, members, 1.0, key]
+            for x in members:
+                in_comm[x] += 1
+                sharing[x, key] = sharing.get((x, key), 0) + 1
+                rebase(x)
+
         while True:
             slack = _EPS * max(1.0, t)
+            while wake and wake[0][0] <= t + slack:
+                self._touch(heapq.heappop(wake)[1])
             changed = True
             while changed:  # start everything that can start at time t
                 changed = False
-                for r in ranks:
+                while self.dirty:
+                    r = self.dirty.pop()
                     ops = program[r]
                     while pos[r] < len(ops):
                         i = self.start_of[r] + pos[r]
                         op = ops[pos[r]]
                         if op.kind in COMPUTE_KINDS:
-                            if compute[r] is not None or open_[i] or ready[i] > t + slack:
+                            if r in compute or open_[i] or ready[i] > t + slack:
                                 break
-                            compute[r] = [i, op.seconds, t]
+                            factor = slowdown if in_comm[r] else 1.0
+                            compute[r] = [i, op.seconds, t, t, factor]
+                            version[r] += 1
+                            heapq.heappush(ends, (t + op.seconds * factor, version[r], r))
                         elif op.stream:
                             streams.setdefault((r, op.stream), deque()).append(i)
+                            self.check.add((r, op.stream))
                         elif open_[i] == 0:
                             self._launch(i, t)
                         self.issued[i] = True
                         pos[r] += 1
-                        changed = True
-                for (r, stream), queue in streams.items():
-                    if not queue:
+                while self.check:
+                    r, stream = self.check.pop()
+                    queue = streams.get((r, stream))
+                    if not queue or flat[queue[0]][1].name in active:
                         continue
                     op = flat[queue[0]][1]
-                    if op.name in active:
-                        continue
                     members = op.ranks or (r,)
                     heads = [streams.get((x, stream)) for x in members]
                     if all(h and flat[h[0]][1].name == op.name and not open_[h[0]] and ready[h[0]] <= t + slack
                            for h in heads):
-                        active[op.name] = [[h[0] for h in heads], op.seconds, t, members, 1.0]
+                        start_collective(op, [h[0] for h in heads], members)
                         changed = True
                 while timed and timed[0][0] <= t + slack:
                     at, i = heapq.heappop(timed)
                     self._finish(i, at - flat[i][1].seconds, at)
                     changed = True
-                for r in ranks:  # work that is done ends now
-                    run = compute[r]
-                    if run is not None and run[1] <= 0:
-                        compute[r] = None
-                        self._finish(run[0], run[2], t)
-                        changed = True
+                while ends and ends[0][0] <= t + slack:  # compute that is done ends now
+                    _, v, r = heapq.heappop(ends)
+                    if v != version[r] or r not in compute:
+                        continue
+                    run = compute.pop(r)
+                    self.dirty.add(r)
+                    self._finish(run[0], run[3], t)
+                    changed = True
                 for name in [n for n, run in active.items() if run[1] <= 0]:
                     run = active.pop(name)
                     for i, x in zip(run[0], run[3]):
                         streams[x, flat[i][1].stream].popleft()
+                        self.check.add((x, flat[i][1].stream))
+                        in_comm[x] -= 1
+                        sharing[x, run[5]] -= 1
+                        rebase(x)
                         self._finish(i, run[2], t)
                     changed = True
+                changed = changed or bool(self.dirty or self.check)
             if self.finished == total and not active:
                 break
-            in_comm = dict.fromkeys(ranks, False)
-            sharing: dict[tuple[int, int], int] = {}
-            for run in active.values():
-                key = self.link_key[run[0][0]]
-                for r in run[3]:
-                    in_comm[r] = True
-                    sharing[r, key] = sharing.get((r, key), 0) + 1
             step = math.inf
             for run in active.values():
-                key = self.link_key[run[0][0]]
-                run[4] = 1.0 / max(sharing[r, key] for r in run[3])
+                run[4] = 1.0 / max(sharing[x, run[5]] for x in run[3])
                 step = min(step, run[1] / run[4])
-            speed = {r: 1.0 / self.slowdown if in_comm[r] else 1.0 for r in ranks}
-            for r, run in compute.items():
-                if run is not None:
-                    step = min(step, run[1] / speed[r])
+            while ends and (ends[0][1] != version[ends[0][2]] or ends[0][2] not in compute):
+                heapq.heappop(ends)
+            if ends:
+                step = min(step, ends[0][0] - t)
             if timed:
                 step = min(step, timed[0][0] - t)
-            while wake and wake[0] <= t + slack:
-                heapq.heappop(wake)
             if wake:
-                step = min(step, wake[0] - t)
+                step = min(step, wake[0][0] - t)
             if step == math.inf:
                 raise ValueError(self._stuck(pos, streams))
             step = max(step, 0.0)
-            for r in ranks:
-                if in_comm[r]:
-                    comm[r] += step
-                    if compute[r] is not None:
-                        hidden[r] += step
-                if compute[r] is not None:
-                    busy[r] += step
             t += step
             slack = _EPS * max(1.0, t)
-            for r, run in compute.items():
-                if run is not None:
-                    run[1] -= step * speed[r]
-                    if run[1] <= slack:
-                        run[1] = 0.0
             for run in active.values():
                 run[1] -= step * run[4]
                 if run[1] <= slack:
                     run[1] = 0.0
+        return self._result()
+
+    def _result(self) -> StepResult:
+        """Step time, and per rank the compute busy time and the collectives' time in flight,
+        split by whether compute ran meanwhile (interval sweeps over the timeline)."""
         timeline = self.timeline
         step_time_s = max((e for _, _, _, e in timeline), default=0.0)
-        capacity = len(ranks) * step_time_s
-        bubble = (capacity - sum(busy.values())) / capacity if capacity > 0 else 0.0
+        work: dict[int, list[tuple[float, float]]] = {r: [] for r in self.ranks}
+        comm: dict[int, list[tuple[float, float]]] = {r: [] for r in self.ranks}
+        for r, op, s, e in timeline:
+            if op.kind in COMPUTE_KINDS:
+                work[r].append((s, e))
+            elif op.stream:
+                comm[r].append((s, e))
+        busy, flight, hidden = [], [], []
+        for r in self.ranks:
+            busy.append(sum(e - s for s, e in work[r]))
+            merged = _union(comm[r])
+            flight.append(sum(e - s for s, e in merged))
+            hidden.append(_overlap(merged, sorted(work[r])))
+        capacity = len(self.ranks) * step_time_s
+        bubble = (capacity - sum(busy)) / capacity if capacity > 0 else 0.0
         timeline.sort(key=lambda x: (x[2], x[0]))
-        return StepResult(step_time_s=step_time_s, bubble_fraction=bubble, busy_s=tuple(busy[r] for r in ranks),
-                          comm_s=tuple(comm[r] for r in ranks), hidden_s=tuple(hidden[r] for r in ranks),
-                          exposed_s=tuple(comm[r] - hidden[r] for r in ranks), timeline=timeline)
+        return StepResult(step_time_s=step_time_s, bubble_fraction=bubble, busy_s=tuple(busy), comm_s=tuple(flight),
+                          hidden_s=tuple(hidden), exposed_s=tuple(f - h for f, h in zip(flight, hidden)),
+                          timeline=timeline)
 
     def _stuck(self, pos, streams) -> str:
         def missing(op: Op) -> str:
@@ -367,3 +409,27 @@ class _Engine:
                 op = self.flat[queue[0]][1]
                 stuck.append(f"rank {r} stream {stream} at {op} waits for {missing(op)}")
         return "step program deadlocks: " + "; ".join(stuck)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the same time."""
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted lists of disjoint intervals."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
