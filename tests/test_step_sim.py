@@ -167,3 +167,14 @@ def test_every_schedule_and_zero_stage_runs_between_its_bounds(kind, pp, m, zero
         assert res.comm_s[r] >= max(op.seconds for op in program[r] if op.stream) - 1e-9  # dp = 4: buckets
     done = {op.name for _, op, _, _ in res.timeline}
     assert done == {op.name for ops in program.values() for op in ops}  # every op ran
+
+
+def test_cheap_estimate_of_exposed_dp_time():
+    # what the search ranks candidates by before simulating: here it equals the simulation
+    from autopar.cost.step import estimate_exposed_s, group_dp_s
+
+    s = spec([[(1, 1, 1, 1e9), (1, 1, 1, 1e9)]])
+    assert estimate_exposed_s(s.stages[0], zero=0, dp=2, link=LINK, microbatches=1) == 1.0
+    assert simulate_step(s).exposed_s == (1.0,)
+    assert group_dp_s(1e9, zero=3, dp=2, link=LINK, microbatches=2) == pytest.approx(2 * 0.5 + 4 * 0.5)
+    assert estimate_exposed_s(s.stages[0], zero=0, dp=1, link=LINK, microbatches=1) == 0.0
