@@ -498,6 +498,8 @@ def step_spec(c: Candidate, cluster: Cluster) -> StepSpec:
     shared: dict[str, list] = {}  # parameter -> [(stage, group)], its owner first, and its bytes
     for s, st in enumerate(c.stages):
         for fqn, reader, owner, nbytes in st.copies:
+            if owner not in index:  # an owner the units do not name (no layer instance holds it): no pair
+                continue
             shared.setdefault(fqn, [[index[owner]], nbytes])[0].append(index[reader])
     tied = []
     for fqn, (where, nbytes) in sorted(shared.items()):
