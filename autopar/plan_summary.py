@@ -16,7 +16,7 @@ from autopar.fmt import fmt_bytes, fmt_s
 if TYPE_CHECKING:
     from autopar.plan import Plan
 
-__all__ = ["MEMORY_PARTS", "communication_rows", "config_words", "layer_strategies", "mesh_words", "render_summary",
+__all__ = ["MEMORY_PARTS", "OVERLAP_TITLE", "communication_rows", "overlap_rows", "config_words", "layer_strategies", "mesh_words", "render_summary",
            "solver_words", "stage_rows", "strategy_text"]
 
 MEMORY_PARTS = (("params", "P"), ("grads", "G"), ("optimizer", "O"), ("activations", "A"))
@@ -74,6 +74,17 @@ def stage_rows(plan: Plan) -> list[dict[str, Any]]:
             "memory": {key: mem[key] for key, _ in MEMORY_PARTS}, "memory_total": mem["total"],
             "inflight": pred.get("inflight_microbatches")})
     return rows
+
+
+OVERLAP_TITLE = ("communication hidden vs exposed per pipeline rank (dp and tied collectives on their own "
+                 "streams, overlapping compute; tp collectives inside layers stay on the compute stream)")
+
+
+def overlap_rows(plan: Plan) -> list[dict[str, Any]]:
+    """Per pipeline rank, from the simulated step: seconds with a collective in flight, hidden
+    behind compute, exposed (compute waiting), and the tp collectives (exposed). Empty for plan
+    files from before the step program."""
+    return [dict(r) for r in plan.predicted.get("overlap", ())]
 
 
 SEQUENCE_PARALLEL = "sequence-parallel"
@@ -205,6 +216,13 @@ def render_summary(plan: Plan) -> str:
         for r in comm:
             lines.append(f"    {r['kind']:<15} {r['axis']:<4} {r['count']:>8.4g} {fmt_bytes(r['bytes']):>9} "
                          f"{fmt_s(r['time_s']):>9}")
+    overlap = overlap_rows(plan)
+    if overlap:
+        lines += ["", f"  {OVERLAP_TITLE}:",
+                  f"    {'pp rank':>7} {'in flight':>9} {'hidden':>9} {'exposed':>9} {'tp':>9}"]
+        for r in overlap:
+            lines.append(f"    {r['pp_rank']:>7} {fmt_s(r['collectives_s']):>9} {fmt_s(r['hidden_s']):>9} "
+                         f"{fmt_s(r['exposed_s']):>9} {fmt_s(r['tp_exposed_s']):>9}")
     s = plan.solver
     lines += ["", f"  solver: {solver_words(s)}; "
                   f"{s['search']['configurations']} configurations tried, {s['search']['feasible']} fit, "

@@ -3,13 +3,15 @@
     autopar plan examples/llama.py:build --arg size=70b --cluster 8x8xH100 \\
         --timeline timeline.png --html report.html
 
-The timeline is the planner's own simulation, redone from the plan file: each
-stage's F, B, W times and the p2p time of the cut after it (``plan.stages[s]["predicted"]``)
-through :func:`autopar.planner.search.simulate_stages`,
-so its bubbles are the ones the search ranked by. After the pipeline drains each
-pipeline rank synchronises gradients over dp and steps the optimizer for every stage
-it holds (not overlapped, as the search assumes); the chart ends at the predicted
-step time.
+The timeline is the planner's own simulation, redone from the plan file: the step
+program's inputs it stores (``plan.predicted["step"]``: per stage its layer groups' F, B, W
+times and gradient-bucket bytes, the optimizer and p2p times, the ZeRO stage, dp and links)
+through :func:`autopar.cost.simulate.simulate_step`, so its bubbles and its exposed
+communication are the ones the search ranked by. Each pipeline rank's row shows its
+compute stream (F, B, W pieces, the optimizer step) and, in a thin band under it, its
+dp and tied collectives in flight (hidden where they run under compute). Plan files
+from before the step program are redrawn from their per-stage times, with gradient
+sync and optimizer after the drain.
 
 The HTML page has no external resources (inline CSS, the timeline as inline SVG)
 and no JavaScript. matplotlib is needed for the pictures: ``pip install 'autopar[report]'``.
@@ -22,25 +24,31 @@ import io
 from typing import TYPE_CHECKING, Any
 
 from autopar.fmt import fmt_bytes, fmt_s, fmt_si
-from autopar.plan_summary import (MEMORY_PARTS, communication_rows, config_words, layer_strategies, mesh_words,
-                                  solver_words, stage_rows, strategy_text)
+from autopar.plan_summary import (MEMORY_PARTS, OVERLAP_TITLE, communication_rows, config_words, layer_strategies,
+                                  mesh_words, overlap_rows, solver_words, stage_rows, strategy_text)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from autopar.cost.simulate import SimResult
+    from autopar.cost.simulate import SimResult, StepResult
     from autopar.plan import Plan
 
 __all__ = ["resimulate", "timeline_figure", "save_timeline", "render_html", "save_html"]
 
 COLOURS = {"F": "#4e79a7", "B": "#f28e2b", "W": "#59a14f", "BW": "#e15759", "sync": "#9c9c9c", "opt": "#6b6b6b"}
 LABELS = {"F": "forward (F)", "B": "backward, input grad (B)", "W": "backward, weight grad (W)",
-          "BW": "full backward (B+W)", "sync": "dp gradient sync", "opt": "optimizer step"}
+          "BW": "full backward (B+W)", "sync": "dp / tied collective in flight", "opt": "optimizer step"}
 MEMORY_COLOURS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#b07aa1", "activations": "#59a14f"}
 
 
-def resimulate(plan: Plan) -> SimResult:
-    """The pipeline part of the plan's step, re-simulated from the stage times it stores."""
+def resimulate(plan: Plan) -> SimResult | StepResult:
+    """The plan's step, re-simulated from what it stores: the whole step program when the plan
+    has ``predicted["step"]``, else (older plan files) the pipeline part from its stage times."""
+    if "step" in plan.predicted:
+        from autopar.cost.simulate import simulate_step
+        from autopar.cost.step import StepSpec
+
+        return simulate_step(StepSpec.from_dict(plan.predicted["step"]))
     from autopar.planner.search import simulate_stages
 
     preds = [st["predicted"] for st in plan.stages]
@@ -53,6 +61,34 @@ def resimulate(plan: Plan) -> SimResult:
     return simulate_stages(plan.schedule["kind"], microbatches=plan.schedule["microbatches"],
                            f_s=[p["f_s"] for p in preds], b_s=[p["b_s"] for p in preds],
                            w_s=[p["w_s"] for p in preds], p2p_s=p2p, pp=plan.mesh["pp"])
+
+
+def _boxes(plan: Plan, sim) -> tuple[list[tuple[int, str, Any, float, float]], float]:
+    """(rank, colour key, label source, start, end) per box, and the chart's end time."""
+    from autopar.cost.simulate import StepResult
+
+    if isinstance(sim, StepResult):
+        out = []
+        for rank, op, start, end in sim.timeline:
+            if op.action is not None and op.kind in ("F", "B", "W", "BW"):
+                out.append((rank, op.kind, op, start, end))
+            elif op.kind == "OPT":
+                out.append((rank, "opt", op, start, end))
+            elif op.stream:
+                out.append((rank, "sync", op, start, end))
+        return out, max(sim.step_time_s, plan.predicted["step_time_s"])
+    out = [(rank, a.kind, a, start, end) for rank, a, start, end in sim.timeline]
+    preds, pp, pipe_s = [st["predicted"] for st in plan.stages], plan.mesh["pp"], sim.step_time_s
+    end_s = pipe_s
+    for rank in range(pp):  # older plans: gradient sync over dp, then the optimizer step, after the drain
+        t = pipe_s
+        for kind, key in (("sync", "grad_sync_s"), ("opt", "optimizer_s")):
+            dur = sum(q.get(key, 0.0) for q in preds[rank::pp])
+            if dur > 0:
+                out.append((rank, kind, None, t, t + dur))
+                t += dur
+        end_s = max(end_s, t)
+    return out, max(end_s, plan.predicted["step_time_s"])
 
 
 def _figure_class():
@@ -75,10 +111,7 @@ def timeline_figure(plan: Plan, *, width_in: float = 11.0) -> Figure:
     from matplotlib.patches import Patch
 
     sim = resimulate(plan)
-    preds = [st["predicted"] for st in plan.stages]
-    pipe_s = sim.step_time_s
-    end_s = max([plan.predicted["step_time_s"], pipe_s] +
-                [pipe_s + p.get("grad_sync_s", 0.0) + p.get("optimizer_s", 0.0) for p in preds])
+    boxes, end_s = _boxes(plan, sim)
     scale, unit = _time_unit(end_s)
     pp = plan.mesh["pp"]
     n_rows = pp  # one row per pipeline rank (several stages each under the interleaved schedule)
@@ -87,24 +120,24 @@ def timeline_figure(plan: Plan, *, width_in: float = 11.0) -> Figure:
     ax = fig.add_subplot()
     axes_width_pt = width_in * 72 * 0.86  # the plot area, less the row labels
     fontsize = 7 if n_rows > 4 else 8
-    for rank, action, start, end in sim.timeline:
+    kinds, drawn = set(), set()
+    for rank, kind, what, start, end in boxes:
         width = end - start  # a zero-time action (a stage without weights has no W) draws nothing
-        ax.broken_barh([(start * scale, width * scale)], (rank - 0.4, 0.8), facecolors=COLOURS[action.kind],
-                       edgecolors="white", linewidth=0.4, gid=f"action-{action}")  # SVG id: action-0F3
+        kinds.add(kind)
+        band = (rank + 0.3, 0.12) if kind == "sync" else (rank - 0.4, 0.7)  # collectives: a band under the row
+        action = getattr(what, "action", what) if kind in ("F", "B", "W", "BW") else None
+        gid = None
+        if action is not None and action not in drawn:  # SVG id of an action's first piece: action-0F3
+            drawn.add(action)
+            gid = f"action-{action}"
+        ax.broken_barh([(start * scale, width * scale)], band, facecolors=COLOURS[kind], edgecolors="white",
+                       linewidth=0.4, gid=gid)
+        if action is None:
+            continue
         label = f"{action.stage}.{action.microbatch}" if interleaved else str(action.microbatch)
         if axes_width_pt * width / end_s > 0.62 * fontsize * len(label) + 2:
-            ax.text((start + width / 2) * scale, rank, label, ha="center", va="center", fontsize=fontsize,
+            ax.text((start + width / 2) * scale, rank - 0.05, label, ha="center", va="center", fontsize=fontsize,
                     color="white")
-    kinds = {a.kind for _, a, _, _ in sim.timeline}
-    for rank in range(pp):  # after the drain: gradient sync over dp, then the optimizer step
-        p = {k: sum(q.get(k, 0.0) for q in preds[rank::pp]) for k in ("grad_sync_s", "optimizer_s")}
-        t = pipe_s
-        for kind, dur in (("sync", p.get("grad_sync_s", 0.0)), ("opt", p.get("optimizer_s", 0.0))):
-            if dur > 0:
-                ax.broken_barh([(t * scale, dur * scale)], (rank - 0.4, 0.8), facecolors=COLOURS[kind],
-                               edgecolors="white", linewidth=0.4)
-                kinds.add(kind)
-                t += dur
     labels = []
     for r in range(pp):
         devs = plan.stages[r]["devices"]
@@ -225,6 +258,15 @@ def render_html(plan: Plan) -> str:
         out += [f'<tr><td>{_e(r["kind"])}</td><td>{_e(r["axis"])}</td><td class="num">{r["count"]:.4g}</td>'
                 f'<td class="num">{_e(fmt_bytes(r["bytes"]))}</td><td class="num">{_e(fmt_s(r["time_s"]))}</td></tr>'
                 for r in comm]
+        out.append("</table>")
+    overlap = overlap_rows(plan)
+    if overlap:
+        out += [f"<h2>{_e(OVERLAP_TITLE[0].upper() + OVERLAP_TITLE[1:])}</h2>",
+                "<table><tr><th>pp rank</th><th>collectives in flight</th><th>hidden</th><th>exposed</th>"
+                "<th>tp (exposed)</th></tr>"]
+        out += [f'<tr><td class="num">{r["pp_rank"]}</td><td class="num">{_e(fmt_s(r["collectives_s"]))}</td>'
+                f'<td class="num">{_e(fmt_s(r["hidden_s"]))}</td><td class="num">{_e(fmt_s(r["exposed_s"]))}</td>'
+                f'<td class="num">{_e(fmt_s(r["tp_exposed_s"]))}</td></tr>' for r in overlap]
         out.append("</table>")
     s = plan.solver
     out += ["<h2>Runners-up</h2>",

@@ -112,3 +112,32 @@ def test_a_smaller_device_fails_with_a_readable_diff():
     assert "predicted:" in message
     assert "peak_memory_bytes: " in message
     assert "--autopar-update-golden" in message
+
+
+def test_planner_time_is_the_simulated_step_program():
+    """Issue 10: one place defines a step's cost. The plan's predicted step time is the step
+    program's simulation of what the plan stores, and that program is the plan's (its stages'
+    F/B/W times, mesh, ZeRO stage, dp link); GPT 1.3B on 2x8xH100 pipelines with dp and a tied
+    embedding, so it has dp buckets, p2p and a tied all-reduce."""
+    from autopar.cost.simulate import simulate_step
+    from autopar.cost.step import StepSpec, lower_step
+
+    cluster = parse_cluster("2x8xH100")
+    plan = Plan.from_json(plan_for("gpt-1.3b", "2x8xH100").to_json())  # as stored: 6 significant digits
+    spec = StepSpec.from_dict(plan.predicted["step"])
+    assert (spec.pp, spec.dp, spec.zero, spec.schedule, spec.microbatches) == (
+        plan.mesh["pp"], plan.mesh["dp"], plan.zero, plan.schedule["kind"], plan.schedule["microbatches"])
+    assert spec.dp_link == cluster.link_for_group(plan.mesh["dp"], stride=plan.mesh["tp"])
+    for st, cost in zip(plan.stages, spec.stages, strict=True):
+        p = st["predicted"]
+        assert [g.name for g in cost.groups] == st["layers"]
+        for key in ("f_s", "b_s", "w_s", "optimizer_s"):
+            got = sum(getattr(g, key) for g in cost.groups) if key != "optimizer_s" else cost.optimizer_s
+            assert got == pytest.approx(p[key], rel=1e-4), (key, st["layers"][0])
+    res = simulate_step(spec)
+    assert res.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=1e-5)
+    kinds = {op.kind for ops in lower_step(spec).values() for op in ops}
+    assert {"REDUCE_GRAD", "SEND", "RECV", "OPT"} <= kinds
+    rows = plan.predicted["overlap"]
+    assert [r["hidden_s"] for r in rows] == pytest.approx(list(res.hidden_s), rel=1e-4, abs=1e-9)
+    assert any(r["hidden_s"] > 0 for r in rows)  # some gradient buckets overlap the backward

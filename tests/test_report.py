@@ -132,12 +132,14 @@ def test_resimulated_timeline_is_the_planners(pipelined):
     # resimulation starts from those stored stage times and is compared with a stored total, so
     # two such roundings of positive quantities separate them at most.
     assert sim.bubble_fraction == pytest.approx(plan.predicted["bubble_fraction"], rel=1e-5)
-    pp = plan.mesh["pp"]  # each pipeline rank syncs and steps the stages it holds, one after the other
-    tail = max(sum(st["predicted"]["grad_sync_s"] + st["predicted"]["optimizer_s"] for st in plan.stages[r::pp])
-               for r in range(pp))
-    assert sim.step_time_s + tail == pytest.approx(plan.predicted["step_time_s"], rel=1e-5)
+    # the whole step (pipeline, dp collectives, optimizer) is the stored step program, re-run
+    assert sim.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=1e-5)
+    overlap = plan.predicted["overlap"]
+    assert [r["exposed_s"] for r in overlap] == pytest.approx(list(sim.exposed_s), rel=1e-5, abs=1e-12)
     sched = make_schedule("zb-h1", n_stages=2, n_micro=plan.schedule["microbatches"])
-    assert sorted(str(a) for _, a, _, _ in sim.timeline) == sorted(str(a) for acts in sched.values() for a in acts)
+    computed = {str(op.action) for _, op, _, _ in sim.timeline if op.action is not None and op.kind != "SEND"}
+    assert computed == {str(a) for acts in sched.values() for a in acts}
+    assert sum(op.kind == "OPT" for _, op, _, _ in sim.timeline) == len(plan.stages)
 
 
 def test_timeline_png_is_a_readable_picture(pipelined, tmp_path):
@@ -297,3 +299,21 @@ def test_png_size_reader(tmp_path):
 
     Figure(figsize=(3, 2)).savefig(tmp_path / "x.png", dpi=100)
     assert _png_size(tmp_path / "x.png") == (300, 200)
+
+
+def test_summary_and_html_show_hidden_and_exposed_communication(pipelined):
+    from autopar.fmt import fmt_s
+    from autopar.plan_summary import overlap_rows
+    from autopar.report import render_html
+
+    rows = overlap_rows(pipelined)
+    assert [r["pp_rank"] for r in rows] == list(range(pipelined.mesh["pp"]))
+    assert any(r["exposed_s"] > 0 for r in rows)  # the tied embedding's all-reduce after the backward
+    for r in rows:
+        assert r["collectives_s"] == pytest.approx(r["hidden_s"] + r["exposed_s"])
+    text = pipelined.summary()
+    assert "communication hidden vs exposed per pipeline rank" in text
+    assert all(fmt_s(r["exposed_s"]) in text for r in rows)
+    page = render_html(pipelined)
+    assert "Communication hidden vs exposed per pipeline rank" in page
+    assert all(fmt_s(r["hidden_s"]) in page for r in rows)

@@ -37,6 +37,7 @@ __all__ = [
     "p2p_s",
     "pipeline_links",
     "reduce_scatter_s",
+    "stage_group_link",
     "stage_ranks",
 ]
 
@@ -166,3 +167,15 @@ def pipeline_links(*, pp: int, dp: int, tp: int, n_stages: int, devices_per_node
         same_node = all(a // devices_per_node == b // devices_per_node for a, b in zip(src, dst))
         links.append(intra if same_node else inter)
     return tuple(links)
+
+
+def stage_group_link(pp_ranks: tuple[int, ...], *, dp: int, tp: int, devices_per_node: int,
+                     device: DeviceSpec) -> Link:
+    """The link of a group joining the same (dp, tp) coordinate on several pipeline ranks (the
+    all-reduce of a parameter two stages share): NVLink when every such group stays in one node
+    (rank ``r`` on node ``r // devices_per_node``, ranks from :func:`stage_ranks`), else the network."""
+    members = [stage_ranks(p, dp=dp, tp=tp) for p in pp_ranks]
+    same_node = all(len({rs[k] // devices_per_node for rs in members}) == 1 for k in range(dp * tp))
+    if same_node:
+        return Link(bytes_per_s=device.intra_node_bytes_per_s, latency_s=device.intra_node_latency_s)
+    return Link(bytes_per_s=device.inter_node_bytes_per_s, latency_s=device.inter_node_latency_s)

@@ -275,6 +275,19 @@ def _config_dict(c: Candidate) -> dict[str, Any]:
     return out
 
 
+def _overlap(best: Candidate) -> list[dict[str, float]]:
+    """Per pipeline rank: seconds with a dp/tied collective in flight, how much of that the
+    compute stream hid, how much it waited on, and the tp collectives inside the layers
+    (on the compute stream, so exposed)."""
+    out = []
+    spec, res = best.spec, best.step
+    for r in range(spec.pp):
+        tp_s = sum(g.tp_comm_s for st in spec.stages[r::spec.pp] for g in st.groups) * spec.microbatches
+        out.append({"pp_rank": r, "collectives_s": res.comm_s[r], "hidden_s": res.hidden_s[r],
+                    "exposed_s": res.exposed_s[r], "tp_exposed_s": tp_s})
+    return out
+
+
 def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, sol: Solution, cluster: Cluster,
              fixed: Fixed, stats: dict, precision: str, timings: dict) -> Plan:
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
@@ -356,6 +369,8 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         "mfu": model_flops / (step * cluster.world_size * peak) if step > 0 else 0.0,
         "peak_memory_bytes": best.peak_memory_bytes,
         "tokens_per_s": tokens / step if tokens and step > 0 else None,
+        "overlap": _overlap(best),
+        "step": best.spec.to_dict(),
     }
     solver = {
         "backend": "SCIP (OR-tools pywraplp)", "status": sol.status, "objective": sol.objective_s,

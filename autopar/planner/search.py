@@ -15,16 +15,17 @@ and recompute policy and every schedule:
    by ZeRO stage over dp) + activations x micro-batches in flight on that stage
    (read off the schedule's action lists) must stay under
    ``hbm_bytes * (1 - MEMORY_RESERVE)``.
-3. The step time comes from the schedule simulator
-   (:func:`autopar.cost.simulate.simulate`) with per-stage F, B, W times and
-   the p2p time of the activations crossing each cut, over that cut's own link
-   (NVLink or network, from the ranks on either side:
-   :meth:`autopar.cluster.Cluster.pipeline_links`), plus the data-parallel
-   gradient synchronisation and the optimizer step (not overlapped: a
-   conservative choice). A rank syncs and steps every stage it holds (two under
-   the interleaved schedule), one after the other: the tail is summed per rank,
-   and the slowest rank counts. A cheap estimate ranks all configurations and the best
-   ``SIMULATE_TOP`` are simulated; the reported times are all simulated.
+3. The step time comes from the step program (:mod:`autopar.cost.step`): the
+   schedule's F, B, W per stage and micro-batch, split per layer group where a
+   collective hangs off it, each cut's p2p transfer over its own link
+   (:meth:`autopar.cluster.Cluster.pipeline_links`), the dp collectives of the ZeRO
+   stage (:mod:`autopar.zero_def`: one gradient bucket per layer group, issued when its
+   gradients are final; ZeRO-3 gathers one group ahead), tied-parameter all-reduces and
+   the optimizer step, timed with a compute stream and collective streams per rank
+   (:func:`autopar.cost.simulate.simulate_step`), so communication hidden behind compute
+   costs only the overlap slowdown. A cheap estimate (the pipeline formula plus a bound
+   on the exposed dp time, :func:`autopar.cost.step.estimate_exposed_s`) ranks all
+   configurations and the best ``SIMULATE_TOP`` are simulated; the reported times are all simulated.
 
 Ties (equal simulated time) go to the simpler plan: lower ZeRO stage, no
 recompute, larger dp; then to the one that needs less memory.
@@ -43,12 +44,13 @@ from autopar.cluster import Cluster
 from autopar.cost import comm
 from autopar.cost.memory import training_state_bytes
 from autopar.cost.schedule import make_schedule
-from autopar.cost.simulate import SimResult, simulate
+from autopar.cost.simulate import SimResult, StepResult, simulate, simulate_step
+from autopar.cost.step import GroupCost, StageCost, StepSpec, TiedCost, estimate_exposed_s, group_dp_s
 from autopar.errors import InfeasibleError, PlanError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Fixed", "Config", "Unit", "StagePlan", "Candidate", "search", "simulate_stages", "tail_s", "cut_times",
+__all__ = ["Fixed", "Config", "Unit", "StagePlan", "Candidate", "search", "simulate_stages", "step_spec", "cut_times",
            "MEMORY_RESERVE"]
 
 MEMORY_RESERVE = 0.10
@@ -173,6 +175,11 @@ class StagePlan:
     optimizer_s: float
     send_bytes: float
     """Activation bytes sent to the next stage per micro-batch (0 on the last stage)."""
+    groups: tuple[GroupCost, ...] = ()
+    """Per layer group (unit) of the stage: times per micro-batch and gradient-bucket bytes."""
+    copies: tuple[tuple[str, str, str, float], ...] = ()
+    """Parameters this stage holds a copy of (owned by a unit of another stage):
+    (name, reading unit here, owning unit, gradient bytes)."""
 
     @property
     def memory_bytes(self) -> float:
@@ -186,11 +193,14 @@ class Candidate:
     estimate_s: float
     bubble_fraction: float
     stages: tuple[StagePlan, ...]
-    sim: SimResult | None = field(default=None, compare=False)
     p2p_s: float = 0.0
     """Time of one activation (or gradient) transfer across the slowest cut, as simulated."""
     p2p_cut_s: tuple[float, ...] = ()
     """Per cut (stage c -> c + 1), the time of one transfer over that cut's link, as simulated."""
+    spec: StepSpec | None = field(default=None, compare=False)
+    """What the step program was lowered from (after simulation)."""
+    step: StepResult | None = field(default=None, compare=False)
+    """The simulated step: per-rank hidden and exposed communication, the timeline."""
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -406,26 +416,26 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
     stages = []
     dp_link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
     grad_elem = 2 if precision == "mixed" else 4
+    owners = {u.path: s for s, (i, j) in enumerate(cuts) for u in units[i:j]}
     for s, (i, j) in enumerate(cuts):
         chunk = units[i:j]
         f = b = w = c = acts = 0.0
+        groups = []
+        copies = {}  # a parameter another stage owns, read here: held (and reduced) here too
         for u in chunk:
             uf, ub, uw, ua = _unit_times(u, cfg.recompute)
             f, b, w, c, acts = f + uf, b + ub, w + uw, c + u.comm_s, acts + ua
+            mine = {fqn: (u.path, owner, n) for fqn, owner, n in u.shared_params if owners.get(owner) != s}
+            copies.update({fqn: v for fqn, v in mine.items() if fqn not in copies})
+            held = u.n_params + sum(v[2] for v in copies.values() if v[0] == u.path)
+            groups.append(GroupCost(name=u.path, f_s=uf, b_s=ub, w_s=uw, tp_comm_s=u.comm_s,
+                                    bucket_bytes=held * grad_elem))
         if cfg.recompute == "full":
             acts += max(u.act_bytes for u in chunk)
-        n_params = sum(u.n_params for u in chunk)
-        paths = {u.path for u in chunk}
-        copies = {fqn: n for u in chunk for fqn, owner, n in u.shared_params if owner not in paths}
-        n_params += sum(copies.values())
+        n_params = sum(u.n_params for u in chunk) + sum(v[2] for v in copies.values())
         state = training_state_bytes(n_params=n_params, zero_stage=cfg.zero, dp=cfg.dp, precision=precision)
-        grad_bytes = n_params * grad_elem
-        if cfg.zero == 0:
-            sync = comm.all_reduce_s(grad_bytes, cfg.dp, dp_link)
-        else:
-            sync = comm.reduce_scatter_s(grad_bytes, cfg.dp, dp_link) + comm.all_gather_s(grad_bytes, cfg.dp, dp_link)
-        if cfg.zero == 3:  # parameters gathered for forward and again for backward, every micro-batch
-            sync += 2 * cfg.microbatches * comm.all_gather_s(grad_bytes, cfg.dp, dp_link)
+        sync = sum(group_dp_s(g.bucket_bytes, zero=cfg.zero, dp=cfg.dp, link=dp_link, microbatches=cfg.microbatches)
+                   for g in groups)
         shard = cfg.dp if cfg.zero >= 1 else 1
         opt_s = ADAM_BYTES_PER_PARAM * n_params / shard / (cluster.device.hbm_bytes_per_s * 0.8)
         stages.append(StagePlan(
@@ -434,7 +444,9 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
             activations_bytes=inflight[s] * acts if cfg.recompute != "full" else
             inflight[s] * (acts - max(u.act_bytes for u in chunk)) + max(u.act_bytes for u in chunk),
             grad_sync_s=sync, optimizer_s=opt_s,
-            send_bytes=chunk[-1].boundary_bytes if s < len(cuts) - 1 else 0.0))
+            send_bytes=chunk[-1].boundary_bytes if s < len(cuts) - 1 else 0.0,
+            groups=tuple(groups),
+            copies=tuple(sorted((fqn, reader, owner, n * grad_elem) for fqn, (reader, owner, n) in copies.items()))))
     m, p, v = cfg.microbatches, cfg.pp, cfg.virtual_stages
     slowest = max(s.f_s + s.b_s + s.w_s for s in stages)
     critical = max(s.f_s + s.b_s for s in stages)
@@ -444,20 +456,14 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
         pipe = (m * v + p - 1) * slowest
     else:
         pipe = (m + p - 1) * slowest
-    tail = tail_s(stages, p)
+    per_rank = [0.0] * p
+    for s, st in enumerate(stages):
+        per_rank[s % p] += st.optimizer_s + estimate_exposed_s(
+            StageCost(groups=st.groups, optimizer_s=st.optimizer_s), zero=cfg.zero, dp=cfg.dp, link=dp_link,
+            microbatches=m)
+    tail = max(per_rank)
     return Candidate(config=cfg, step_time_s=pipe + tail, estimate_s=pipe + tail, bubble_fraction=0.0,
                      stages=tuple(stages))
-
-
-def tail_s(stages: Sequence[StagePlan], pp: int) -> float:
-    """Time after the pipeline drains: each rank syncs gradients over dp and steps the
-    optimizer for every stage it holds (stage s on pipeline rank s % pp), one after the
-    other; the slowest rank sets the step. (The max over stages would drop the second
-    chunk of an interleaved rank and favour interleaving.)"""
-    per_rank = [0.0] * pp
-    for s, st in enumerate(stages):
-        per_rank[s % pp] += st.grad_sync_s + st.optimizer_s
-    return max(per_rank)
 
 
 def simulate_stages(kind: str, *, microbatches: int, f_s: list[float], b_s: list[float], w_s: list[float],
@@ -480,14 +486,38 @@ def cut_times(stages: Sequence[StagePlan], links: Sequence[comm.Link]) -> tuple[
     return tuple(comm.p2p_s(st.send_bytes, link) for st, link in zip(stages, links))
 
 
-def _simulate(c: Candidate, cluster: Cluster) -> Candidate:
+def step_spec(c: Candidate, cluster: Cluster) -> StepSpec:
+    """The step program's inputs for a candidate: per stage its layer groups, optimizer time and
+    p2p time over its cut's link; the dp link; the parameters two pipeline ranks share."""
     cfg = c.config
     links = cluster.pipeline_links(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, n_stages=len(c.stages))
     cuts = cut_times(c.stages, links)
-    sim = simulate_stages(cfg.schedule, microbatches=cfg.microbatches, f_s=[s.f_s for s in c.stages],
-                          b_s=[s.b_s for s in c.stages], w_s=[s.w_s for s in c.stages], p2p_s=cuts, pp=cfg.pp)
-    return replace(c, step_time_s=sim.step_time_s + tail_s(c.stages, cfg.pp), bubble_fraction=sim.bubble_fraction,
-                   sim=sim, p2p_s=max(cuts, default=0.0), p2p_cut_s=cuts)
+    stages = tuple(StageCost(groups=st.groups, optimizer_s=st.optimizer_s,
+                             send_s=cuts[s] if s < len(cuts) else 0.0) for s, st in enumerate(c.stages))
+    index = {u: (s, g) for s, st in enumerate(c.stages) for g, u in enumerate(st.layers)}
+    shared: dict[str, list] = {}  # parameter -> [(stage, group)], its owner first, and its bytes
+    for s, st in enumerate(c.stages):
+        for fqn, reader, owner, nbytes in st.copies:
+            if owner not in index:  # an owner the units do not name (no layer instance holds it): no pair
+                continue
+            shared.setdefault(fqn, [[index[owner]], nbytes])[0].append(index[reader])
+    tied = []
+    for fqn, (where, nbytes) in sorted(shared.items()):
+        pp_ranks = tuple(sorted({s % cfg.pp for s, _ in where}))
+        link = comm.stage_group_link(pp_ranks, dp=cfg.dp, tp=cfg.tp, devices_per_node=cluster.devices_per_node,
+                                     device=cluster.device)
+        tied.append(TiedCost(name=fqn, stages=tuple(s for s, _ in where), groups=tuple(g for _, g in where),
+                             nbytes=nbytes, link=link))
+    return StepSpec(schedule=cfg.schedule, pp=cfg.pp, microbatches=cfg.microbatches, zero=cfg.zero, dp=cfg.dp,
+                    stages=stages, dp_link=cluster.link_for_group(cfg.dp, stride=cfg.tp), tied=tuple(tied))
+
+
+def _simulate(c: Candidate, cluster: Cluster) -> Candidate:
+    spec = step_spec(c, cluster)
+    res = simulate_step(spec)
+    cuts = tuple(st.send_s for st in spec.stages[:-1])
+    return replace(c, step_time_s=res.step_time_s, bubble_fraction=res.bubble_fraction, spec=spec, step=res,
+                   p2p_s=max(cuts, default=0.0), p2p_cut_s=cuts)
 
 
 def _infeasible(least, cluster: Cluster, fixed: Fixed, skipped_batch: int, batch: int, world: int) -> Exception:

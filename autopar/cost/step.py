@@ -1,0 +1,363 @@
+"""One training step as per-rank action lists: compute, p2p and collectives (the step program).
+
+A plan is lowered into one list of :class:`Op` per pipeline rank, the order in which
+that rank issues its work, in the spirit of ``torch.distributed.pipelining``'s action
+lists (``0F3``, ``0B3``, ``0W3``, and its ``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD``
+actions for FSDP under a pipeline). Ranks that differ only in their dp or tp
+coordinate run the same list, so one list per pipeline rank stands for them all.
+
+What the lists hold, per ZeRO stage (the one definition is :mod:`autopar.zero_def`;
+``dp == 1`` issues no dp collective):
+
+- compute: ``F``, ``B``, ``W`` or fused ``BW`` per stage and micro-batch, split into one
+  piece per layer group where a collective hangs off a group (ZeRO-3 gathers before a
+  group's forward and backward; a gradient bucket after the group's gradients are final);
+  the backward runs the groups last to first. ``OPT`` steps a stage's optimizer.
+- p2p: ``SEND_F`` / ``SEND_B`` carries one transfer over the cut's link; the peer's
+  ``RECV_*`` completes with it and the peer's compute waits for the RECV.
+- ``UNSHARD`` (stage 3): the all-gather of one layer group, placed so that it is issued
+  when the previous group's piece starts (prefetch depth ``zero_def.PREFETCH_GROUPS`` = 1),
+  before the forward and again before the backward (B or BW; a W reads no weights).
+- ``REDUCE_GRAD``: a bucket's all-reduce (stage 0) or reduce-scatter, issued with the
+  piece that makes the gradients final; stages 0/1 only on the stage's last backward of
+  the step, stages 2/3 on every micro-batch.
+- ``TIED_REDUCE``: the all-reduce of a parameter two pipeline ranks both hold (a tied
+  embedding), after both ranks' last backward of it.
+- ``PARAM_GATHER`` (stages 1, 2): each bucket's all-gather after the optimizer step.
+
+Streams. All compute runs on one stream per rank, in list order. Collectives run on
+per-rank streams named by the op: dp all-gathers (``dp.gather``) and dp reductions
+(``dp.reduce``) on two streams, as FSDP2's separate all-gather and reduce-scatter streams
+(``torch.distributed.fsdp``'s ``FSDPCommContext``), tied all-reduces on their own; each
+stream runs its collectives in issue order. tp collectives inside a layer are part of
+the compute pieces (the next op reads their result at once): they stay exposed.
+:func:`autopar.cost.simulate.simulate_program` times the lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+from autopar.cost import comm
+from autopar.cost.schedule import Action, _lockstep, _needs, _provides, make_schedule
+from autopar.zero_def import stage as zero_stage
+from autopar.zero_def import step_collective_counts
+
+__all__ = ["OVERLAP_SLOWDOWN", "GroupCost", "StageCost", "TiedCost", "StepSpec", "Op", "COMPUTE_KINDS",
+           "COLLECTIVE_KINDS", "FUSED_BACKWARD", "lower_step", "group_dp_s", "estimate_exposed_s"]
+
+OVERLAP_SLOWDOWN = 1.3
+"""Compute runs this many times slower while a collective overlaps it on the same GPU
+(the collective's kernels take SMs and memory bandwidth). Hetu-Galvatron measured 1.3x
+on its GPUs ("overlap slowdown coefficient of computation and communication",
+``profile_hardware/overlap_test`` in https://github.com/PKU-DAIR/Hetu-Galvatron);
+../shared/calibration.yaml records 1.1-1.3x from the same source; we take its measured
+figure, the conservative end."""
+
+COMPUTE_KINDS = ("F", "B", "W", "BW", "OPT")
+COLLECTIVE_KINDS = ("UNSHARD", "REDUCE_GRAD", "TIED_REDUCE", "PARAM_GATHER")
+FUSED_BACKWARD = ("gpipe", "1f1b", "interleaved")
+"""Schedules that run B and W as one fused backward (BW) action."""
+
+_COLLECTIVE_S = {"all_reduce": comm.all_reduce_s, "reduce_scatter": comm.reduce_scatter_s,
+                 "all_gather": comm.all_gather_s}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupCost:
+    """One layer group of a stage (a gradient bucket), per micro-batch on each of its ranks."""
+
+    name: str
+    f_s: float
+    b_s: float
+    """Input-gradient backward (with any recomputed forward)."""
+    w_s: float
+    tp_comm_s: float = 0.0
+    """The part of ``f_s + b_s + w_s`` spent in tp collectives (on the compute stream)."""
+    bucket_bytes: float = 0.0
+    """The group's parameters per rank (tp-sharded, before ZeRO) in the gradient dtype:
+    the full bytes each dp collective of this bucket moves through its ring."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCost:
+    groups: tuple[GroupCost, ...]
+    optimizer_s: float = 0.0
+    send_s: float = 0.0
+    """One p2p transfer to the next stage (activations forward, their gradient back)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TiedCost:
+    """A parameter held by several stages (each stage's copy lives in ``groups[i]`` of ``stages[i]``)."""
+
+    name: str
+    stages: tuple[int, ...]
+    groups: tuple[int, ...]
+    nbytes: float
+    link: comm.Link
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSpec:
+    """Everything the step program of a plan depends on: plain numbers, JSON-able."""
+
+    schedule: str
+    pp: int
+    microbatches: int
+    zero: int
+    dp: int
+    stages: tuple[StageCost, ...]
+    dp_link: comm.Link
+    tied: tuple[TiedCost, ...] = ()
+    overlap_slowdown: float = OVERLAP_SLOWDOWN
+
+    @property
+    def virtual_stages(self) -> int:
+        return len(self.stages) // self.pp
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepSpec:
+        stages = tuple(StageCost(groups=tuple(GroupCost(**g) for g in s["groups"]),
+                                 optimizer_s=s["optimizer_s"], send_s=s["send_s"]) for s in d["stages"])
+        tied = tuple(TiedCost(name=t["name"], stages=tuple(t["stages"]), groups=tuple(t["groups"]),
+                              nbytes=t["nbytes"], link=comm.Link(**t["link"])) for t in d.get("tied", ()))
+        return cls(schedule=d["schedule"], pp=d["pp"], microbatches=d["microbatches"], zero=d["zero"], dp=d["dp"],
+                   stages=stages, dp_link=comm.Link(**d["dp_link"]), tied=tied,
+                   overlap_slowdown=d.get("overlap_slowdown", OVERLAP_SLOWDOWN))
+
+
+@dataclass(frozen=True)
+class Op:
+    """One entry of a rank's step program. Names are unique in a program; a collective
+    that spans pipeline ranks (``TIED_REDUCE``) sits in each participant's list under one name."""
+
+    name: str
+    kind: str
+    """A compute kind (``COMPUTE_KINDS``), ``SEND``, ``RECV`` or a collective (``COLLECTIVE_KINDS``)."""
+    seconds: float
+    """Compute time at full speed, transfer time, or the collective's time alone on its link."""
+    waits: tuple[tuple[str, float], ...] = ()
+    """(op name, delay_s): this op starts no earlier than that op's end plus the delay."""
+    stage: int = -1
+    microbatch: int = -1
+    group: int = -1
+    """Layer-group index in the stage; -1 for a whole action or a whole stage."""
+    action: Action | None = field(default=None, compare=False)
+    """The pipeline action a compute piece belongs to."""
+    stream: str = ""
+    """The collective's stream on each participant (``dp.gather``, ``dp.reduce``, ``tied``)."""
+    collective: str = ""
+    """``all_gather``, ``reduce_scatter`` or ``all_reduce``."""
+    group_size: int = 1
+    nbytes: float = 0.0
+    link: comm.Link | None = None
+    ranks: tuple[int, ...] = ()
+    """Pipeline ranks taking part in a collective that spans them; () for dp collectives."""
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _check_spec(spec: StepSpec) -> None:
+    problems = []
+    for name in ("pp", "microbatches", "dp"):
+        v = getattr(spec, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            problems.append(f"{name} must be an integer >= 1, got {v!r}")
+    if spec.pp >= 1 and (not spec.stages or len(spec.stages) % spec.pp):
+        problems.append(f"{len(spec.stages)} stages are not a positive multiple of pp={spec.pp}")
+    for s, st in enumerate(spec.stages):
+        if not st.groups:
+            problems.append(f"stage {s} has no layer groups")
+        bad = [g.name for g in st.groups if min(g.f_s, g.b_s, g.w_s, g.tp_comm_s, g.bucket_bytes) < 0]
+        if bad or st.optimizer_s < 0 or st.send_s < 0:
+            problems.append(f"stage {s} has negative times or bytes ({bad or 'optimizer_s/send_s'})")
+    if not spec.overlap_slowdown >= 1:
+        problems.append(f"overlap_slowdown must be >= 1, got {spec.overlap_slowdown!r}")
+    if problems:
+        raise ValueError("bad step spec: " + "; ".join(problems))
+
+
+def _times(g: GroupCost, kind: str) -> float:
+    return {"F": g.f_s, "B": g.b_s, "W": g.w_s, "BW": g.b_s + g.w_s}[kind]
+
+
+def lower_step(spec: StepSpec) -> dict[int, list[Op]]:
+    """The step program of ``spec``: one list of :class:`Op` per pipeline rank (see the module doc)."""
+    _check_spec(spec)
+    zero_stage(spec.zero)  # a bad stage fails here with zero_def's message
+    pp, m, n_stages = spec.pp, spec.microbatches, len(spec.stages)
+    sched = make_schedule(spec.schedule, n_stages=pp, n_micro=m, n_virtual=spec.virtual_stages)
+    z = zero_stage(spec.zero) if spec.dp > 1 else None
+    gather = z is not None and z.param_gather == "per_use"
+    provider = {key: a for acts in sched.values() for a in acts for key in _provides(a)}
+    last_grad = {}  # stage -> the last action on its rank that makes its weight gradients
+    for acts in sched.values():
+        for a in acts:
+            if a.kind in ("W", "BW"):
+                last_grad[a.stage] = a
+    reduce_at = {a for acts in sched.values() for a in acts if a.kind in ("W", "BW") and z is not None
+                 and (z.grad_reduce_every_microbatch or last_grad[a.stage] == a)}
+    tied_at: dict[tuple[int, int], TiedCost] = {}  # (stage, group) -> the tied parameter it holds a copy of
+    for t in spec.tied:
+        if len({s % pp for s in t.stages}) > 1:  # copies on one rank add up locally
+            for s, g in zip(t.stages, t.groups):
+                if not any(x % pp == s % pp and t is u for (x, _), u in tied_at.items()):
+                    tied_at[s, g] = t
+
+    def split(a: Action) -> bool:
+        if a.kind in ("F", "B"):
+            return gather
+        tied_here = last_grad[a.stage] == a and any(s == a.stage for s, _ in tied_at)
+        return gather or a in reduce_at or tied_here
+
+    memo: dict[tuple[int, str, int], list[tuple[str, int, float]]] = {}
+
+    def pieces(a: Action) -> list[tuple[str, int, float]]:
+        key = (a.stage, a.kind, a.microbatch)
+        if key not in memo:
+            groups = spec.stages[a.stage].groups
+            if not split(a):
+                memo[key] = [(str(a), -1, sum(_times(g, a.kind) for g in groups))]
+            else:
+                order = range(len(groups)) if a.kind == "F" else reversed(range(len(groups)))
+                memo[key] = [(f"{a}.g{g}", g, _times(groups[g], a.kind)) for g in order]
+        return memo[key]
+
+    def dp_op(kind: str, name: str, collective: str, nbytes: float, stream: str, waits, a: Action, g: int) -> Op:
+        seconds = _COLLECTIVE_S[collective](nbytes, spec.dp, spec.dp_link)
+        return Op(name, kind, seconds, tuple(waits), stage=a.stage, microbatch=a.microbatch, group=g, action=a,
+                  stream=stream, collective=collective, group_size=spec.dp, nbytes=nbytes, link=spec.dp_link)
+
+    program: dict[int, list[Op]] = {r: [] for r in range(pp)}
+    for step in _lockstep(sched, n_stages):  # one global order, so RECVs sit where their SENDs are issued
+        for rank, a in step:
+            ops, groups = program[rank], spec.stages[a.stage].groups
+            waits = []
+            for key in _needs(a, n_stages):
+                kind, s, i = key
+                if s % pp == rank:
+                    waits.append((pieces(provider[key])[-1][0], 0.0))
+                else:
+                    waits.append((f"{s}RECV_{'F' if kind == 'F' else 'B'}{i}", 0.0))
+            parts = pieces(a)
+            unshard = gather and a.kind != "W"
+            phase = "F" if a.kind == "F" else "B"
+
+            def unshard_op(g: int) -> Op:
+                return dp_op("UNSHARD", f"{a.stage}UNSHARD_{phase}{a.microbatch}.g{g}", "all_gather",
+                             groups[g].bucket_bytes, "dp.gather", (), a, g)
+
+            for n, (name, g, seconds) in enumerate(parts):
+                piece_waits = list(waits) if n == 0 else []
+                if unshard and groups[g].bucket_bytes > 0:
+                    if n == 0:  # the first group's gather; each later one is issued as the piece before starts
+                        ops.append(unshard_op(g))
+                    piece_waits.append((f"{a.stage}UNSHARD_{phase}{a.microbatch}.g{g}", 0.0))
+                ops.append(Op(name, a.kind, seconds, tuple(piece_waits), stage=a.stage, microbatch=a.microbatch,
+                              group=g, action=a))
+                if n + 1 == len(parts):  # the output goes to the next rank before any collective
+                    _add_p2p(ops, program, a, name, spec, n_stages)
+                if unshard and n + 1 < len(parts) and groups[parts[n + 1][1]].bucket_bytes > 0:
+                    ops.append(unshard_op(parts[n + 1][1]))
+                if a in reduce_at and g >= 0 and groups[g].bucket_bytes > 0:
+                    ops.append(dp_op("REDUCE_GRAD", f"{a.stage}REDUCE_GRAD{a.microbatch}.g{g}", z.grad_collective,
+                                     groups[g].bucket_bytes, "dp.reduce", [(name, 0.0)], a, g))
+                t = tied_at.get((a.stage, g)) if last_grad[a.stage] == a else None
+                if t is not None:
+                    ranks = tuple(sorted({x % pp for x in t.stages}))
+                    ops.append(Op(f"TIED_REDUCE {t.name}", "TIED_REDUCE",
+                                  comm.all_reduce_s(t.nbytes, len(ranks), t.link), ((name, 0.0),),
+                                  stage=a.stage, group=g, stream="tied", collective="all_reduce",
+                                  group_size=len(ranks), nbytes=t.nbytes, link=t.link, ranks=ranks))
+    _add_optimizer(program, sched, spec, z, last_grad, reduce_at, tied_at)
+    return program
+
+
+def _add_p2p(ops: list[Op], program: dict[int, list[Op]], a: Action, done: str, spec: StepSpec,
+             n_stages: int) -> None:
+    """After an action whose output another rank reads: its SEND here, the peer's RECV there
+    (appended now, so each rank posts its RECVs in the order the peer sends)."""
+    pp = spec.pp
+    if a.kind == "F" and a.stage + 1 < n_stages:
+        peer_stage, tag, cut = a.stage + 1, "F", a.stage
+    elif a.kind in ("B", "BW") and a.stage > 0:
+        peer_stage, tag, cut = a.stage - 1, "B", a.stage - 1
+    else:
+        return
+    if peer_stage % pp == a.stage % pp:
+        return
+    send = f"{a.stage}SEND_{tag}{a.microbatch}"
+    ops.append(Op(send, "SEND", spec.stages[cut].send_s, ((done, 0.0),), stage=a.stage, microbatch=a.microbatch,
+                  action=a))
+    program[peer_stage % pp].append(Op(f"{a.stage}RECV_{tag}{a.microbatch}", "RECV", 0.0, ((send, 0.0),),
+                                       stage=peer_stage, microbatch=a.microbatch))
+
+
+def _add_optimizer(program, sched, spec: StepSpec, z, last_grad, reduce_at, tied_at) -> None:
+    """Each rank steps its stages after its last compute, in the order their backward ended;
+    a stage's step waits for its last gradient reductions (a stream runs them in issue order,
+    so the earlier ones are done too) and its tied all-reduces; stages 1/2 then gather each
+    bucket back."""
+    for rank, acts in sched.items():
+        ops = program[rank]
+        for s in sorted({a.stage for a in acts}, key=lambda s: acts.index(last_grad[s])):
+            a, groups = last_grad[s], spec.stages[s].groups
+            waits = [(f"{s}REDUCE_GRAD{a.microbatch}.g{g}", 0.0) for g, grp in enumerate(groups)
+                     if a in reduce_at and grp.bucket_bytes > 0]
+            waits += [(f"TIED_REDUCE {tied_at[s, g].name}", 0.0) for g in range(len(groups)) if (s, g) in tied_at]
+            ops.append(Op(f"{s}OPT", "OPT", spec.stages[s].optimizer_s, tuple(waits), stage=s))
+            if z is not None and z.param_gather == "after_step":
+                for g, grp in enumerate(groups):
+                    if grp.bucket_bytes > 0:
+                        seconds = comm.all_gather_s(grp.bucket_bytes, spec.dp, spec.dp_link)
+                        ops.append(Op(f"{s}PARAM_GATHER.g{g}", "PARAM_GATHER", seconds, ((f"{s}OPT", 0.0),),
+                                      stage=s, group=g, stream="dp.gather", collective="all_gather",
+                                      group_size=spec.dp, nbytes=grp.bucket_bytes, link=spec.dp_link))
+
+
+def group_dp_s(bucket_bytes: float, *, zero: int, dp: int, link: comm.Link, microbatches: int) -> float:
+    """Seconds of dp collectives one bucket issues in a step (each alone on ``link``)."""
+    if dp == 1 or bucket_bytes == 0:
+        return 0.0
+    return _group_dp_s(bucket_bytes, zero, dp, link.bytes_per_s, link.latency_s, microbatches)
+
+
+@lru_cache(maxsize=65536)
+def _group_dp_s(nbytes: float, zero: int, dp: int, bytes_per_s: float, latency_s: float, microbatches: int) -> float:
+    """Cached: the search prices the same buckets (repeated layers) for thousands of candidates."""
+    link = comm.Link(bytes_per_s=bytes_per_s, latency_s=latency_s)
+    counts = step_collective_counts(zero, n_micro=microbatches)
+    return sum(k * _COLLECTIVE_S[kind](nbytes, dp, link) for kind, k in counts.items())
+
+
+def estimate_exposed_s(stage: StageCost, *, zero: int, dp: int, link: comm.Link, microbatches: int) -> float:
+    """A cheap estimate of a stage's exposed dp time, for ranking before simulation.
+
+    What cannot hide: the last bucket's reduction (group 0 finishes the backward), the first
+    group's ZeRO-3 gather, and the gathers after the optimizer step (stages 1, 2); the rest
+    hides while the compute it may overlap (the backward, every micro-batch's for stages 2
+    and 3, and the forward too for stage 3's gathers) lasts long enough.
+    """
+    if dp == 1:
+        return 0.0
+    z = zero_stage(zero)
+    groups = [g for g in stage.groups if g.bucket_bytes > 0]
+    if not groups:
+        return 0.0
+    total = sum(group_dp_s(g.bucket_bytes, zero=zero, dp=dp, link=link, microbatches=microbatches) for g in groups)
+    first = groups[0].bucket_bytes
+    floor = _COLLECTIVE_S[z.grad_collective](first, dp, link)
+    if z.param_gather == "after_step":
+        floor += sum(comm.all_gather_s(g.bucket_bytes, dp, link) for g in groups)
+    if z.param_gather == "per_use":
+        floor += comm.all_gather_s(first, dp, link)
+    per_use = z.param_gather == "per_use"
+    compute = sum(g.b_s + g.w_s + (g.f_s if per_use else 0.0) for g in stage.groups)
+    overlap = compute * (microbatches if z.grad_reduce_every_microbatch else 1)
+    return max(floor, total - overlap)
