@@ -160,10 +160,16 @@ def _norm_nodes(gm: fx.GraphModule, sg: StrategyGraph) -> dict[int, int]:
         node = nodes.get(n.name)
         if n.kind != "op" or n.phase != "F" or node is None or mk.TRACE not in node.meta:
             continue
-        val = node.meta.get("val")
+        val = _first_value(node)
         if "Norm" in node.meta[mk.TRACE].module_class and hasattr(val, "dim") and val.dim() >= 2:
             out[v] = val.dim()
     return out
+
+
+def _first_value(node: fx.Node):
+    """The op's (first) output value: ``native_layer_norm`` returns (out, mean, rstd)."""
+    val = node.meta.get("val")
+    return val[0] if isinstance(val, (tuple, list)) and val else val
 
 
 def _token_sharded(placement: str | None, rank: int) -> bool:
@@ -298,7 +304,7 @@ def _token_sharded_norms(gm: fx.GraphModule, sg: StrategyGraph, chosen: dict) ->
         if n.kind != "op" or n.phase != "F" or node is None or mk.TRACE not in node.meta:
             continue
         trace = node.meta[mk.TRACE]
-        val = node.meta.get("val")
+        val = _first_value(node)
         placement = chosen[n.name].outs[0] if chosen[n.name].outs else None
         if "Norm" not in trace.module_class or not hasattr(val, "dim") or not placement \
                 or not placement.startswith("S"):
