@@ -32,6 +32,7 @@ recompute, larger dp; then to the one that needs less memory.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 import math
@@ -277,8 +278,46 @@ def _unit_times(u: Unit, recompute: str) -> tuple[float, float, float, float]:
 
 
 def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
-               inflight: tuple[int, ...]) -> list[tuple[int, int]] | None:
-    """Contiguous cuts minimising the slowest stage under the memory cap (None if none fits)."""
+               inflight: tuple[int, ...], memo: dict | None = None) -> list[tuple[int, int]] | None:
+    """Contiguous cuts minimising the slowest stage under the memory cap (None if none fits).
+
+    With ``memo`` (one dict per search; units are keyed by tp, sp and micro-batch size) the
+    cuts that ignore memory are made once per (units, recompute, stages) and reused by every
+    ZeRO stage and schedule whose memory they fit: no cut under a memory cap can have a
+    faster slowest stage (or, interleaved, better balanced ranks) than the best cut without
+    one, so when that one fits it is optimal (interleaved: the rank balancing is the same local
+    search from the same start). Only configurations it does not fit are cut again under
+    their cap."""
+    if memo is None:
+        return _cut(units, cfg, cap=cap, state_per_param=state_per_param, inflight=inflight)
+    key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.pp, cfg.virtual_stages)
+    if key not in memo:
+        memo[key] = _cut(units, cfg, cap=math.inf, state_per_param=0.0, inflight=(0,) * cfg.n_stages)
+    free = memo[key]
+    if free is None:
+        return None  # too few layers for the stages: no cap changes that
+    if _cuts_fit(units, free, cfg.recompute, cap=cap, state_per_param=state_per_param, inflight=inflight):
+        return list(free)
+    return _cut(units, cfg, cap=cap, state_per_param=state_per_param, inflight=inflight)
+
+
+def _cuts_fit(units: list[Unit], cuts, recompute: str, *, cap: float, state_per_param: float,
+              inflight: tuple[int, ...]) -> bool:
+    """Every stage of ``cuts`` within ``cap`` (the memory rule of :func:`_cut`)."""
+    for s, (i, j) in enumerate(cuts):
+        chunk = units[i:j]
+        mem = state_per_param * sum(u.n_params for u in chunk) \
+            + inflight[s] * sum(_unit_times(u, recompute)[3] for u in chunk)
+        if recompute == "full":
+            mem += max(u.act_bytes for u in chunk)
+        if mem > cap:
+            return False
+    return True
+
+
+def _cut(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
+         inflight: tuple[int, ...]) -> list[tuple[int, int]] | None:
+    """:func:`_partition` without the memo."""
     times, acts, work = [], [], []
     for u in units:
         f, b, w, a = _unit_times(u, cfg.recompute)
@@ -303,9 +342,19 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
         for s in range(pp):
             if i == n:
                 break
-            j = i
-            while j < n and pre_t[j + 1] - pre_t[i] <= bound and fits(i, j + 1, s):
+            # the longest stage from i within the bound and the memory (both monotone in j),
+            # found by bisection: the same j as stepping one layer at a time, in O(log n)
+            j = bisect.bisect_right(pre_t, pre_t[i] + bound, i + 1) - 1
+            while j < n and pre_t[j + 1] - pre_t[i] <= bound:
                 j += 1
+            while j > i and pre_t[j] - pre_t[i] > bound:
+                j -= 1
+            if j > i and not fits(i, j, s):
+                lo_j, hi_j = i, j  # fits(i, lo_j) (empty) holds, fits(i, hi_j) does not
+                while hi_j - lo_j > 1:
+                    mid_j = (lo_j + hi_j) // 2
+                    lo_j, hi_j = (mid_j, hi_j) if fits(i, mid_j, s) else (lo_j, mid_j)
+                j = lo_j
             if j == i:
                 return None
             cuts.append((i, j))
@@ -485,6 +534,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     queue = [(bound, SHAPE, k) for k, (bound, *_) in enumerate(shapes)]
     heapq.heapify(queue)
     pending: dict[int, object] = {}
+    cut_memo: dict[tuple, list | None] = {}
     while queue:
         bound, level, k = heapq.heappop(queue)
         if beaten(bound):
@@ -505,7 +555,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             t0 = time.perf_counter()
             # a rank holds v stages: each gets 1/v of the memory (a conservative split)
             cuts = _partition(units, cfg, cap=cap / cfg.virtual_stages, state_per_param=per_param,
-                              inflight=inflight)
+                              inflight=inflight, memo=cut_memo)
             clock["partition_s"] += time.perf_counter() - t0
             if cuts is None:
                 if not top:
