@@ -124,7 +124,10 @@ class Plan:
     # -- files -------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _round(getattr(self, f.name)) for f in fields(self) if f.name != "timings"}
+        out = {f.name: _round(getattr(self, f.name)) for f in fields(self) if f.name != "timings"}
+        if not self.sequence_parallel:  # absent means off: plan files from before the key stay byte-identical
+            del out["sequence_parallel"]
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=1) + "\n"

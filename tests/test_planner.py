@@ -222,7 +222,7 @@ def test_interleaved_tail_sums_the_stages_a_rank_holds():
     units = [Unit(path=f"u{i}", f_s=1e-3, b_s=1e-3, w_s=1e-3, comm_s=0.0, cheap_f_s=0.0, act_bytes=1e6,
                   cheap_act_bytes=0.0, boundary_bytes=1e6, n_params=n) for i, n in enumerate(n_params)]
     fixed = Fixed(tp=1, pp=2, dp=1, zero=0, recompute="none", schedule="interleaved", microbatches=2)
-    ranked, _ = search(units_for=lambda tp, mbs: units, n_units=4, global_batch=2, cluster=cluster, fixed=fixed,
+    ranked, _ = search(units_for=lambda tp, mbs, sp: units, n_units=4, global_batch=2, cluster=cluster, fixed=fixed,
                        precision="mixed", tp_options=[1])
     best = ranked[0]
     assert best.config.virtual_stages == 2 and [st.layers for st in best.stages] == [(f"u{i}",) for i in range(4)]
