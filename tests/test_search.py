@@ -44,6 +44,17 @@ def test_pruned_search_equals_exhaustive_and_bounds_hold():
     assert stats["simulated"] == stats["feasible"] > 100
     for c in everything:
         assert S.lower_bound_s(c) <= c.step_time_s * (1 + 1e-12), c.config
+        cuts, i = [], 0
+        for st in c.stages:
+            cuts.append((i, i + len(st.layers)))
+            i += len(st.layers)
+        scaled = [replace(u, f_s=u.f_s * c.config.microbatch_size / c.config.tp,
+                          b_s=u.b_s * c.config.microbatch_size / c.config.tp,
+                          w_s=u.w_s * c.config.microbatch_size / c.config.tp, n_params=u.n_params / c.config.tp)
+                  for u in units]
+        prefix = S._prefix_sums(scaled, c.config.recompute)
+        assert S._cuts_bound_s(prefix, cuts, c.config, cluster=H100x2, precision="mixed") \
+            <= S.lower_bound_s(c) * (1 + 1e-12), c.config
     pruned, stats2 = _search(units)
     assert stats2["simulated"] < stats["simulated"] / 4  # the bound does prune
     assert [c.config for c in pruned] == [c.config for c in everything[:S.KEEP]]

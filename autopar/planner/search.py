@@ -535,6 +535,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     heapq.heapify(queue)
     pending: dict[int, object] = {}
     cut_memo: dict[tuple, list | None] = {}
+    prefixes: dict[tuple, tuple] = {}  # (tp, sp, mbs, recompute) -> _prefix_sums
     while queue:
         bound, level, k = heapq.heappop(queue)
         if beaten(bound):
@@ -544,7 +545,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             break
         if level == CANDIDATE:
             t0 = time.perf_counter()
-            top.append(_simulate(pending.pop(k), cluster, pipelines))
+            units, cuts, cfg, inflight = pending.pop(k)
+            top.append(_simulate(_estimate(units, cuts, cfg, cluster, precision, inflight), cluster, pipelines))
             clock["simulate_s"] += time.perf_counter() - t0
             counts["simulated"] += 1
             top.sort(key=rank)
@@ -562,9 +564,12 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                     infeasible.append((cfg, units, per_param, inflight))
                 continue
             counts["feasible"] += 1
-            cand = _estimate(units, cuts, cfg, cluster, precision, inflight)
-            pending[k] = cand
-            heapq.heappush(queue, (max(bound, lower_bound_s(cand)), CANDIDATE, k))
+            key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute)
+            if key not in prefixes:
+                prefixes[key] = _prefix_sums(units, cfg.recompute)
+            pending[k] = (units, cuts, cfg, inflight)
+            cut_bound = _cuts_bound_s(prefixes[key], cuts, cfg, cluster=cluster, precision=precision)
+            heapq.heappush(queue, (max(bound, cut_bound), CANDIDATE, k))
         else:
             _, tp, sp, pp, dp, mbs, m = shapes[k]
             units = units_for(tp, mbs, sp)
@@ -620,6 +625,39 @@ def _config_bound_s(work_s: float, n_params: float, *, zero: int, m: int, pp: in
     tail = grad_sync_s(share * grad_elem, zero=zero, dp=dp, microbatches=m, link=link) \
         + _optimizer_s(share / zero_def.state_shards(zero, dp)[2], cluster)
     return m * work_s / pp + tail
+
+
+def _prefix_sums(units: Sequence[Unit], recompute: str) -> tuple[list[float], list[float], list[float]]:
+    """Running sums over the layers of (F, F + B + W, parameters), for stage sums in O(1)."""
+    pre_f, pre_t, pre_p = [0.0], [0.0], [0.0]
+    for u in units:
+        f, b, w, _ = _unit_times(u, recompute)
+        pre_f.append(pre_f[-1] + f)
+        pre_t.append(pre_t[-1] + f + b + w)
+        pre_p.append(pre_p[-1] + u.n_params)
+    return pre_f, pre_t, pre_p
+
+
+def _cuts_bound_s(prefix, cuts, cfg: Config, *, cluster: Cluster, precision: str) -> float:
+    """:func:`lower_bound_s` from the cuts alone, before the candidate is built: the same
+    terms, with each stage's parameters counted without the copies of tied parameters it
+    holds (a copy only adds time)."""
+    pre_f, pre_t, pre_p = prefix
+    pp, m = cfg.pp, cfg.microbatches
+    link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
+    grad_elem = 2 if precision == "mixed" else 4
+    shard = zero_def.state_shards(cfg.zero, cfg.dp)[2]
+    pipe, tail = [0.0] * pp, [0.0] * pp
+    for s, (i, j) in enumerate(cuts):
+        n = pre_p[j] - pre_p[i]
+        pipe[s % pp] += m * (pre_t[j] - pre_t[i])
+        tail[s % pp] += grad_sync_s(n * grad_elem, zero=cfg.zero, dp=cfg.dp, microbatches=m, link=link) \
+            + _optimizer_s(n / shard, cluster)
+    head = 0.0
+    for r in range(min(pp, len(cuts))):
+        pipe[r] += head
+        head += pre_f[cuts[r][1]] - pre_f[cuts[r][0]]
+    return max(pipe) + max(tail)
 
 
 def lower_bound_s(c: Candidate) -> float:
