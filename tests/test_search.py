@@ -174,3 +174,17 @@ def test_sp_without_tp_is_a_clear_error(gpt_small):
     with pytest.raises(PlanError, match="sp=True needs tensor parallelism"):
         autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
                      fixed={"tp": 1, "sp": True})
+
+
+def test_cli_fix_sp(tmp_path, monkeypatch):
+    """`--fix sp=1` / `--fix sp=0` reach the planner and the plan file records the choice."""
+    from autopar.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    for flag, expected in (("1", True), ("0", False)):
+        out = tmp_path / f"sp{flag}.json"
+        assert main(["plan", "examples/gpt.py:build", "--cluster", "1x8xH100", "--fix", "tp=2", "--fix", "pp=1",
+                     "--fix", f"sp={flag}", "--out", str(out)]) == 0
+        plan = autopar.Plan.load(out)
+        assert plan.sequence_parallel is expected and plan.fixed["sp"] is expected
+    assert main(["plan", "examples/gpt.py:build", "--cluster", "1x8xH100", "--fix", "sp=perhaps"]) == 2
