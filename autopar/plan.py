@@ -67,6 +67,8 @@ def _structure_problems(data: dict[str, Any]) -> list[str]:
                     problems.append(f"stage {i} {key!r} must be a list of {item_kind}, got {_kind(v)}")
             if "predicted" in st and not isinstance(st["predicted"], dict):
                 problems.append(f"stage {i} 'predicted' must be an object, got {_kind(st['predicted'])}")
+    if "sequence_parallel" in data and not isinstance(data["sequence_parallel"], bool):
+        problems.append(f"'sequence_parallel' must be true or false, got {_kind(data['sequence_parallel'])}")
     if "zero" in data and (not isinstance(data["zero"], int) or isinstance(data["zero"], bool)):
         problems.append(f"'zero' must be an integer 0-3, got {_kind(data['zero'])}")
     return problems
@@ -95,6 +97,8 @@ class Plan:
     """ZeRO stage on the dp axis (0-3)."""
     recompute: str
     """Activation recompute: "none", "selective" (FLOP-free ops) or "full"."""
+    sequence_parallel: bool = False
+    """Sequence parallelism on the tp axis (which norms run on token shards: ``layers[...]["sequence_parallel"]``)."""
     stages: tuple[dict[str, Any], ...]
     """Per pipeline stage: layers, devices (ranks), predicted compute/comm/memory."""
     layers: dict[str, dict[str, Any]]
@@ -121,7 +125,10 @@ class Plan:
     # -- files -------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _round(getattr(self, f.name)) for f in fields(self) if f.name != "timings"}
+        out = {f.name: _round(getattr(self, f.name)) for f in fields(self) if f.name != "timings"}
+        if not self.sequence_parallel:  # absent means off: plan files from before the key stay byte-identical
+            del out["sequence_parallel"]
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=1) + "\n"
@@ -138,7 +145,8 @@ class Plan:
         if schema != SCHEMA_VERSION:
             raise PlanError(f"plan schema {schema!r} is not supported (this autopar reads schema {SCHEMA_VERSION})")
         names = {f.name for f in fields(cls)} - {"timings"}
-        missing = sorted(n for n in names if n not in data and n not in ("fixed", "autopar_version"))
+        optional = ("fixed", "autopar_version", "sequence_parallel")
+        missing = sorted(n for n in names if n not in data and n not in optional)
         if missing:
             raise PlanError(f"plan is missing keys: {', '.join(missing)}")
         problems = _structure_problems(data)

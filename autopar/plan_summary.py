@@ -52,7 +52,7 @@ def mesh_words(plan: Plan) -> list[str]:
         f"mesh pp={m['pp']} x dp={m['dp']} x tp={m['tp']} = {world} devices "
         f"(tp groups are consecutive ranks, then dp, then pp)",
         f"data parallel: dp={m['dp']}, {zero if m['dp'] > 1 else 'no data parallelism'}; "
-        f"activation recompute: {plan.recompute}",
+        f"activation recompute: {plan.recompute}; sequence parallelism: {'on' if plan.sequence_parallel else 'off'}",
         f"pipeline: {sched['kind']} over {len(plan.stages)} stage(s) on pp={m['pp']} rank(s)"
         + (f" ({len(plan.stages) // m['pp']} per rank, stage s on rank s mod {m['pp']})"
            if len(plan.stages) > m["pp"] else "")
@@ -168,7 +168,9 @@ def communication_rows(plan: Plan) -> list[dict[str, Any]]:
 def config_words(config: dict[str, Any]) -> str:
     return (f"tp={config['tp']} pp={config['pp']} dp={config['dp']} zero={config['zero']} "
             f"recompute={config['recompute']} {config['schedule']} "
-            f"{config['microbatches']}x{config['microbatch_size']}")
+            f"{config['microbatches']}x{config['microbatch_size']}"
+            + (f" v={config['virtual_stages']}" if config.get("virtual_stages", 1) > 1 else "")
+            + (" sp" if config.get("sp") else ""))
 
 
 def solver_words(solver: dict[str, Any]) -> str:
@@ -226,7 +228,10 @@ def render_summary(plan: Plan) -> str:
     s = plan.solver
     lines += ["", f"  solver: {solver_words(s)}; "
                   f"{s['search']['configurations']} configurations tried, {s['search']['feasible']} fit, "
-                  f"{s['search']['simulated']} simulated"]
+                  f"{s['search']['simulated']} simulated"
+                  + (f", {s['search']['shapes_pruned']} of {s['search']['shapes']} mesh shapes and "
+                     f"{s['search']['cuts_pruned']} configurations pruned by the compute bound"
+                     if "shapes" in s["search"] else "")]
     if plan.timings:
         lines.append("  planner time: " + ", ".join(f"{k} {v:.2f} s" for k, v in plan.timings.items()))
     if s.get("candidates"):

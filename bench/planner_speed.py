@@ -3,6 +3,7 @@
     python bench/planner_speed.py                 # the full table (several minutes on 2 cores)
     python bench/planner_speed.py --quick         # 70B Llama on 64x8xH100 only
     python bench/planner_speed.py --repeat 3      # medians of 3 runs
+    python bench/planner_speed.py --targets       # issue 16's rows: 70B/64x8, 405B/1024x8, 1T/384x8
 
 Each row plans one model for one cluster end to end (autopar.plan) in this process
 and reports the planner's own timings (Plan.timings): trace_s (two traces, at the
@@ -42,6 +43,11 @@ CASES = [  # (label, example, kwargs, clusters)
     ("GPT 1T (128 layers)", "gpt", {"size": "1t", "seq": 2048}, ["64x8xH100", "384x8xH100"]),
 ]
 QUICK = [("Llama 70B", "llama", {"size": "70b", "seq": 4096}, ["64x8xH100"])]
+TARGETS = [  # issue 16: automatic plans in < 5 s, < 30 s and < 30 s on a quiet 2-core machine
+    ("Llama 70B", "llama", {"size": "70b", "seq": 4096}, ["64x8xH100"]),
+    ("Llama 405B", "llama", {"size": "405b", "seq": 4096}, ["1024x8xH100"]),
+    ("GPT 1T (128 layers)", "gpt", {"size": "1t", "seq": 2048}, ["384x8xH100"]),
+]
 
 
 def run(label, example, kwargs, cluster, repeat):
@@ -60,18 +66,30 @@ def run(label, example, kwargs, cluster, repeat):
     mesh = "x".join(f"{k}{v}" for k, v in plan.mesh.items())
     print(f"| {label:<20} | {cluster:<11} | {max(8, world):>5} | {t['trace_s']:6.1f} | {t['solve_s']:6.1f} | "
           f"{t['search_s']:6.1f} | {wall:6.1f} | {mesh:<15} | z{plan.zero} {plan.schedule['kind']:<6} "
-          f"m={plan.schedule['microbatches']:<3} | {plan.predicted['mfu']:5.1%} |", flush=True)
+          f"m={plan.schedule['microbatches']:<3} | {plan.predicted['mfu']:5.1%} | "
+          f"{plan.predicted['step_time_s']:.6g} | {_counts(plan)} |", flush=True)
+
+
+def _counts(plan):
+    """Configurations / simulated / mesh shapes pruned by the bound, and the search's split."""
+    s = plan.solver["search"]
+    t = plan.timings
+    split = " ".join(f"{k[len('search_'):-2]} {t[k]:.1f}" for k in sorted(t)
+                     if k.startswith("search_") and k not in ("search_s", "search_wall_s"))
+    return (f"{s.get('configurations')} / {s.get('simulated')} / {s.get('shapes_pruned', '-')} of "
+            f"{s.get('shapes', '-')}; {split}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--targets", action="store_true", help="the three issue-16 target rows")
     parser.add_argument("--repeat", type=int, default=1)
     args = parser.parse_args()
     print("| model                | cluster     | batch | trace  | solve  | search | wall s | mesh            | "
-          "zero/sched/micro | MFU   |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for label, example, kwargs, clusters in (QUICK if args.quick else CASES):
+          "zero/sched/micro | MFU   | step s | configurations / simulated / shapes pruned; search split s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, example, kwargs, clusters in (QUICK if args.quick else TARGETS if args.targets else CASES):
         for cluster in clusters:
             run(label, example, kwargs, cluster, args.repeat)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6

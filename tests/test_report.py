@@ -94,7 +94,8 @@ def test_sequence_parallel_is_read_off_the_norms_placements():
 
     model, inputs, loss_fn, target = llama.build(size="small", batch=2)
     plan = autopar.plan(model, inputs, cluster=tp_friendly_cluster("1x2xcpu"), loss_fn=loss_fn,
-                        example_target=target, fixed={"tp": 2, "pp": 1})
+                        example_target=target, fixed={"tp": 2, "pp": 1, "sp": True})
+    assert plan.sequence_parallel
     block = next(v for v in plan.layers.values() if v["class"] == "TransformerBlock")
     assert {p.rsplit(".", 1)[-1] for p in block["sequence_parallel"]} == {"attention_norm", "ffn_norm"}
     text = plan.summary()

@@ -11,6 +11,7 @@ model's distinct layers and a mesh axis of n devices:
     minimise    sum_v w_v sum_s C_v(s) x[v,s]  +  sum_e w_e sum_{p,q} R_e(p,q) y[e,p,q]
                                                +  sum_k sum_{p,q} w_k(q) R_k(p,q) r[k,p,q]
     subject to  sum_s x[v,s] = 1                                    (one_strategy[v])
+                x[v,s] = 0 for a forbidden (v, s)                   (variable bound)
                 sum_q y[e,p,q] = sum_{s: out_u(s)=p} x[u,s]         (reshard_out[e,p])
                 sum_p y[e,p,q] = sum_{t: in_v(t)=q} x[v,t]          (reshard_in[e,q])
                 r[k,p,q] <= sum_{s: out_u(s)=p} x[u,s]              (reshard_from[k,p->q])
@@ -72,6 +73,9 @@ class Problem:
     device: DeviceSpec
     link: Link
     compute_dtype: str | None = None
+    forbidden: frozenset[tuple[int, int]] = frozenset()
+    """(node, candidate) pairs the solution may not use (a pinned decision, e.g. sequence
+    parallelism on or off): their x is fixed to 0."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,9 +178,10 @@ def _param_bytes(problem: Problem, v: int, s: Strategy) -> float:
 
 
 def build_problem(graph: StrategyGraph, *, batch: float, device: DeviceSpec, link: Link,
-                  compute_dtype: str | None = None) -> Problem:
+                  compute_dtype: str | None = None, forbidden: frozenset[tuple[int, int]] = frozenset()) -> Problem:
     """The ILP of ``graph`` with costs at micro-batch ``batch`` (plain data; nothing solved)."""
-    return Problem(graph=graph, batch=batch, device=device, link=link, compute_dtype=compute_dtype)
+    return Problem(graph=graph, batch=batch, device=device, link=link, compute_dtype=compute_dtype,
+                   forbidden=frozenset(forbidden))
 
 
 def _tensor_groups(g: StrategyGraph) -> list[list]:
@@ -312,7 +317,8 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
     obj = []  # (variable, coefficient) of the objective, in the order the variables are made
     fixed_cost = 0.0
     for v, node in enumerate(g.nodes):
-        lits = [solver.BoolVar(f"x[{node.name},{i}]") for i in range(len(node.candidates))]
+        lits = [solver.IntVar(0.0, 0.0 if (v, i) in problem.forbidden else 1.0, f"x[{node.name},{i}]")
+                for i in range(len(node.candidates))]
         _add_row(solver, 1.0, 1.0, f"one_strategy[{node.name}]", _terms(lits, 1.0))
         x.append(lits)
         for i, s in enumerate(node.candidates):

@@ -119,25 +119,28 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     batch = info.global_batch
     precision = "fp32" if _param_dtype(gm) == "fp32" else "mixed"
     t0 = time.perf_counter()
-    solved: dict[int, tuple[StrategyGraph, Solution]] = {}
+    solved: dict[tuple[int, bool], tuple[StrategyGraph, Solution]] = {}
     with progress("solving the sharding MIP"):
         for tp in _tp_options(cluster, fixed):
             sg = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False)
             ref = max(1, batch // max(1, cluster.world_size // tp))
-            link = cluster.link_for_group(tp, stride=1)
-            solved[tp] = (sg, solve(build_problem(sg, batch=ref, device=cluster.device, link=link)))
-            sol = solved[tp][1]
-            if sol.limit:  # the plan records this for the chosen tp only; the others rank by it too
-                log.warning("sharding MIP at tp=%d stopped at its limit of %d branch-and-bound nodes with a "
-                            "%.2f%% gap; its best solution is used", tp, sol.node_limit, 100 * sol.gap)
+            for sp, sol in _solve_sp(gm, sg, tp, fixed.sp, batch=ref, cluster=cluster).items():
+                solved[tp, sp] = (sg, sol)
+                if sol.limit:  # the plan records this for the chosen tp only; the others rank by it too
+                    log.warning("sharding MIP at tp=%d (sp=%s) stopped at its limit of %d branch-and-bound nodes "
+                                "with a %.2f%% gap; its best solution is used", tp, sp, sol.node_limit,
+                                100 * sol.gap)
+    if not solved:
+        raise autopar.PlanError(f"sp={fixed.sp} needs tensor parallelism over a sequence: pin tp > 1 (tp options "
+                                f"here: {_tp_options(cluster, fixed)}), or leave sp free")
     t1 = time.perf_counter()
     names = _expanded_names(layers, info)
     shared = _shared_params(gm)
-    cache: dict[tuple[int, int], list[Unit]] = {}
+    cache: dict[tuple[int, int, bool], list[Unit]] = {}
 
-    def units_for(tp: int, mbs: int) -> list[Unit]:
-        if (tp, mbs) not in cache:
-            sg, sol = solved[tp]
+    def units_for(tp: int, mbs: int, sp: bool = False) -> list[Unit]:
+        if (tp, mbs, sp) not in cache:
+            sg, sol = solved[tp, sp]
             ev = evaluate(build_problem(sg, batch=mbs, device=cluster.device,
                                         link=cluster.link_for_group(tp, stride=1)), sol)
             units = []
@@ -159,17 +162,90 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                         n_params=lc.n_params_local if lc else 0.0,
                         shared_params=tuple((fqn, owner, local.get(fqn, 0.0))
                                             for fqn, owner in shared.get(layer.path, ()))))
-            cache[tp, mbs] = units
-        return cache[tp, mbs]
+            cache[tp, mbs, sp] = units
+        return cache[tp, mbs, sp]
 
     with progress("searching meshes, cuts and schedules"):
+        sp_options: dict[int, tuple[bool, ...]] = defaultdict(tuple)
+        for tp, sp in sorted(solved):
+            sp_options[tp] += (sp,)
         ranked, stats = search(units_for=units_for, n_units=sum(x.count for x in layers), global_batch=batch,
-                               cluster=cluster, fixed=fixed, precision=precision, tp_options=sorted(solved))
+                               cluster=cluster, fixed=fixed, precision=precision, tp_options=sorted(sp_options),
+                               sp_options=dict(sp_options), keep=RUNNERS_UP + 1)
     t2 = time.perf_counter()
     best = ranked[0]
-    sg, sol = solved[best.config.tp]
+    sg, sol = solved[best.config.tp, best.config.sp]
     return _to_plan(gm, best, ranked[1:RUNNERS_UP + 1], sg, sol, cluster, fixed, stats, precision,
                     timings={"solve_s": t1 - t0, "search_s": t2 - t1})
+
+
+def _norm_nodes(gm: fx.GraphModule, sg: StrategyGraph) -> dict[int, int]:
+    """Strategy-graph node -> output rank, for normalisation modules' forward ops on tensors
+    of rank >= 2: the ops that run on token shards under sequence parallelism."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = {}
+    for v, n in enumerate(sg.nodes):
+        node = nodes.get(n.name)
+        if n.kind != "op" or n.phase != "F" or node is None or mk.TRACE not in node.meta:
+            continue
+        val = _first_value(node)
+        if "Norm" in node.meta[mk.TRACE].module_class and hasattr(val, "dim") and val.dim() >= 2:
+            out[v] = val.dim()
+    return out
+
+
+def _first_value(node: fx.Node):
+    """The op's (first) output value: ``native_layer_norm`` returns (out, mean, rstd)."""
+    val = node.meta.get("val")
+    return val[0] if isinstance(val, (tuple, list)) and val else val
+
+
+def _token_sharded(placement: str | None, rank: int) -> bool:
+    """A placement that splits a tensor of ``rank`` dims on a dim other than the last (hidden)
+    one; with batch dims left to dp (``shard_batch=False``) that is a sequence shard."""
+    return bool(placement) and placement.startswith("S") and int(placement[1:]) < rank - 1
+
+
+def _solve_sp(gm: fx.GraphModule, sg: StrategyGraph, tp: int, pinned: bool | None, *, batch: int,
+              cluster: Cluster) -> dict[bool, Solution]:
+    """The sharding MIP at ``tp`` with sequence parallelism on and off: sp -> solution.
+
+    The MIP prices time only, and sequence parallelism mostly saves memory (activations
+    of norms and pointwise ops split over tp, Korthikanti et al. 2022) at the price of a
+    reduce-scatter + all-gather pair (two collective latencies) where an all-reduce was
+    (one). So the MIP alone rarely picks it (GPT blocks: never), although the memory it
+    frees buys a larger micro-batch or less recompute. Both solutions go to the outer
+    search, which prices memory. The MIP is solved free first; the norm ops' placements
+    say which side it landed on, and the other side is solved with the norms' candidates
+    restricted (token-sharded outputs required, or forbidden). A pinned ``sp`` solves only
+    that side; a side with no solution is left out unless pinned (then the MIP's
+    InfeasibleError stands). Without tp (tp=1) or without norm ops there is no sequence
+    parallelism to choose: sp is False, and a pinned sp=True gets no solution here."""
+    link = cluster.link_for_group(tp, stride=1)
+    norms = _norm_nodes(gm, sg)
+    if tp == 1 or not norms:
+        if pinned:
+            return {}
+        return {False: solve(build_problem(sg, batch=batch, device=cluster.device, link=link))}
+
+    def on(sol: Solution) -> bool:
+        return any(_token_sharded(sg.nodes[v].candidates[sol.choice[v]].outs[0], rank) for v, rank in norms.items())
+
+    def solve_side(sp: bool) -> Solution | None:
+        forbidden = frozenset((v, i) for v, rank in norms.items() for i, s in enumerate(sg.nodes[v].candidates)
+                              if _token_sharded(s.outs[0], rank) != sp)
+        try:
+            return solve(build_problem(sg, batch=batch, device=cluster.device, link=link, forbidden=forbidden))
+        except autopar.InfeasibleError:
+            if pinned is not None:
+                raise
+            return None
+
+    if pinned is not None:
+        return {pinned: solve_side(pinned)}
+    free = solve(build_problem(sg, batch=batch, device=cluster.device, link=link))
+    other = solve_side(not on(free))
+    return {on(free): free, **({not on(free): other} if other is not None else {})}
 
 
 def _shared_params(gm: fx.GraphModule) -> dict[str, list[tuple[str, str]]]:
@@ -256,7 +332,7 @@ def _token_sharded_norms(gm: fx.GraphModule, sg: StrategyGraph, chosen: dict) ->
         if n.kind != "op" or n.phase != "F" or node is None or mk.TRACE not in node.meta:
             continue
         trace = node.meta[mk.TRACE]
-        val = node.meta.get("val")
+        val = _first_value(node)
         placement = chosen[n.name].outs[0] if chosen[n.name].outs else None
         if "Norm" not in trace.module_class or not hasattr(val, "dim") or not placement \
                 or not placement.startswith("S"):
@@ -272,6 +348,8 @@ def _config_dict(c: Candidate) -> dict[str, Any]:
            "schedule": cfg.schedule, "microbatch_size": cfg.microbatch_size, "microbatches": cfg.microbatches}
     if cfg.virtual_stages > 1:
         out["virtual_stages"] = cfg.virtual_stages
+    if cfg.sp:
+        out["sp"] = True
     return out
 
 
@@ -376,16 +454,17 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         "backend": "SCIP (OR-tools pywraplp)", "status": sol.status, "objective": sol.objective_s,
         "bound": sol.bound_s, "gap": sol.gap, "nodes": sol.nodes, "node_limit": sol.node_limit,
         "limit": sol.limit,  # the work limit that stopped the MIP before it proved optimality, or None
-        "search": {k: v for k, v in stats.items() if k != "wall_s"},
+        "search": {k: v for k, v in stats.items() if not k.endswith("_s")},  # counts; times go to timings
         "candidates": [{"config": _config_dict(c), "step_time_s": c.step_time_s} for c in runners],
     }
     return Plan(
         mesh={"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp},
         schedule={"kind": cfg.schedule, "microbatches": cfg.microbatches, "microbatch_size": cfg.microbatch_size},
-        zero=cfg.zero, recompute=cfg.recompute, stages=tuple(stages), layers=layer_dict, ops=ops,
+        zero=cfg.zero, recompute=cfg.recompute, sequence_parallel=cfg.sp, stages=tuple(stages), layers=layer_dict, ops=ops,
         predicted=predicted, solver=solver, communication=dict(communication),
         cluster={"spec": cluster.spec, **cluster.to_dict()},
         model={"name": info.model_name, "n_params": info.n_params, "graph_hash": graph_hash(gm),
                "global_batch": info.global_batch, "precision": precision},
         fixed=fixed.to_dict(), autopar_version=autopar.__version__,
-        timings={**timings, "sharding_mip_s": sol.wall_s, "search_wall_s": stats["wall_s"]})
+        timings={**timings, "sharding_mip_s": sol.wall_s, "search_wall_s": stats["wall_s"],
+                 **{f"search_{k}": v for k, v in stats.items() if k.endswith("_s") and k != "wall_s"}})

@@ -33,6 +33,8 @@ recompute, larger dp; then to the one that needs less memory.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import logging
 import math
 import time
@@ -47,10 +49,12 @@ from autopar.cost.schedule import make_schedule
 from autopar.cost.simulate import SimResult, StepResult, simulate, simulate_step
 from autopar.cost.step import GroupCost, StageCost, StepSpec, TiedCost, estimate_exposed_s, group_dp_s
 from autopar.errors import InfeasibleError, PlanError
+from autopar import zero_def
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Fixed", "Config", "Unit", "StagePlan", "Candidate", "search", "simulate_stages", "step_spec", "cut_times",
+           "lower_bound_s", "grad_sync_s",
            "MEMORY_RESERVE"]
 
 MEMORY_RESERVE = 0.10
@@ -66,12 +70,18 @@ ADAM_BYTES_PER_PARAM = 28
 master, bf16 grad, m, v (4+2+4+4) and write master, m, v, bf16 param (4+4+4+2)."""
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
-VIRTUAL_STAGES = 2
-"""Model chunks per rank under the interleaved schedule (Megatron-LM's usual choice)."""
+VIRTUAL_STAGES = (2, 3, 4)
+"""Model chunks per rank tried under the interleaved schedule (Megatron-LM uses 2 to 4 in
+Narayanan et al. 2021, sec. 2.2; more chunks shrink the bubble but add p2p messages)."""
+KEEP = 6
+"""Configurations the search ranks exactly (the plan and its runners-up): the bound prunes
+only what cannot enter this list."""
 FUSED_BACKWARD = ("gpipe", "1f1b", "interleaved")
 """Schedules that run B and W as one fused backward (BW) action."""
 RECOMPUTE = ("none", "selective", "full")
-FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute")
+FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
+              "virtual_stages")
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +96,10 @@ class Fixed:
     microbatch_size: int | None = None
     microbatches: int | None = None
     recompute: str | None = None
+    sp: bool | None = None
+    """Sequence parallelism (norms and pointwise ops of a block on token shards over tp)."""
+    virtual_stages: int | None = None
+    """Model chunks per rank under the interleaved schedule."""
 
     @classmethod
     def from_dict(cls, fixed: dict | None) -> Fixed:
@@ -98,6 +112,12 @@ class Fixed:
             if key not in fixed or fixed[key] is None:
                 continue
             value = fixed[key]
+            if key == "sp":
+                flag = value if isinstance(value, bool) else _BOOLS.get(str(value).strip().lower())
+                if flag is None:
+                    problems.append(f"sp={value!r} is not a boolean (use True/False, or 1/0 on the command line)")
+                values[key] = flag
+                continue
             if key in ("schedule", "recompute"):
                 allowed = SCHEDULES if key == "schedule" else RECOMPUTE
                 if value not in allowed:
@@ -121,6 +141,23 @@ class Fixed:
         return {k: getattr(self, k) for k in FIXED_KEYS if getattr(self, k) is not None}
 
 
+def _schedules(fixed: Fixed, pp: int) -> tuple[str, ...]:
+    if fixed.schedule:
+        return (fixed.schedule,)
+    return SCHEDULES if pp > 1 else ("1f1b",)
+
+
+def _virtual_options(kind: str, fixed: Fixed, pp: int, m: int, n_units: int) -> tuple[int, ...]:
+    """Chunks per rank to try: 1 except under the interleaved schedule, which needs pp > 1 and
+    micro-batches in groups of pp (Megatron's interleaving) and at least one layer per stage."""
+    if kind != "interleaved":
+        return (1,)
+    if pp == 1 or m % pp:
+        return ()
+    options = [fixed.virtual_stages] if fixed.virtual_stages else VIRTUAL_STAGES
+    return tuple(v for v in options if v >= 2 and pp * v <= n_units)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     tp: int
@@ -133,6 +170,8 @@ class Config:
     schedule: str
     virtual_stages: int = 1
     """Stages per pipeline rank (> 1 only for the interleaved schedule)."""
+    sp: bool = False
+    """Sequence parallelism in the sharding MIP's solution this configuration uses."""
 
     @property
     def n_stages(self) -> int:
@@ -215,11 +254,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@lru_cache(maxsize=256)
+def _schedule(kind: str, pp: int, m: int, v: int = 1):
+    """The action lists of ``kind`` (built once per shape: the search reads them for memory
+    and simulates them for time, and nothing changes them)."""
+    return make_schedule(kind, n_stages=pp, n_micro=m, n_virtual=v)
+
+
 @lru_cache(maxsize=4096)
 def _inflight(kind: str, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
     """Per stage, the peak number of its micro-batches whose activations it holds
     (from its F to its W), read off the action lists."""
-    sched = make_schedule(kind, n_stages=pp, n_micro=m, n_virtual=v)
+    sched = _schedule(kind, pp, m, v)
     live = [0] * (pp * v)
     peaks = [0] * (pp * v)
     for rank in range(pp):
@@ -242,8 +288,46 @@ def _unit_times(u: Unit, recompute: str) -> tuple[float, float, float, float]:
 
 
 def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
-               inflight: tuple[int, ...]) -> list[tuple[int, int]] | None:
-    """Contiguous cuts minimising the slowest stage under the memory cap (None if none fits)."""
+               inflight: tuple[int, ...], memo: dict | None = None) -> list[tuple[int, int]] | None:
+    """Contiguous cuts minimising the slowest stage under the memory cap (None if none fits).
+
+    With ``memo`` (one dict per search; units are keyed by tp, sp and micro-batch size) the
+    cuts that ignore memory are made once per (units, recompute, stages) and reused by every
+    ZeRO stage and schedule whose memory they fit: no cut under a memory cap can have a
+    faster slowest stage (or, interleaved, better balanced ranks) than the best cut without
+    one, so when that one fits it is optimal (interleaved: the rank balancing is the same local
+    search from the same start). Only configurations it does not fit are cut again under
+    their cap."""
+    if memo is None:
+        return _cut(units, cfg, cap=cap, state_per_param=state_per_param, inflight=inflight)
+    key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.pp, cfg.virtual_stages)
+    if key not in memo:
+        memo[key] = _cut(units, cfg, cap=math.inf, state_per_param=0.0, inflight=(0,) * cfg.n_stages)
+    free = memo[key]
+    if free is None:
+        return None  # too few layers for the stages: no cap changes that
+    if _cuts_fit(units, free, cfg.recompute, cap=cap, state_per_param=state_per_param, inflight=inflight):
+        return list(free)
+    return _cut(units, cfg, cap=cap, state_per_param=state_per_param, inflight=inflight)
+
+
+def _cuts_fit(units: list[Unit], cuts, recompute: str, *, cap: float, state_per_param: float,
+              inflight: tuple[int, ...]) -> bool:
+    """Every stage of ``cuts`` within ``cap`` (the memory rule of :func:`_cut`)."""
+    for s, (i, j) in enumerate(cuts):
+        chunk = units[i:j]
+        mem = state_per_param * sum(u.n_params for u in chunk) \
+            + inflight[s] * sum(_unit_times(u, recompute)[3] for u in chunk)
+        if recompute == "full":
+            mem += max(u.act_bytes for u in chunk)
+        if mem > cap:
+            return False
+    return True
+
+
+def _cut(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
+         inflight: tuple[int, ...]) -> list[tuple[int, int]] | None:
+    """:func:`_partition` without the memo."""
     times, acts, work = [], [], []
     for u in units:
         f, b, w, a = _unit_times(u, cfg.recompute)
@@ -268,9 +352,19 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
         for s in range(pp):
             if i == n:
                 break
-            j = i
-            while j < n and pre_t[j + 1] - pre_t[i] <= bound and fits(i, j + 1, s):
+            # the longest stage from i within the bound and the memory (both monotone in j),
+            # found by bisection: the same j as stepping one layer at a time, in O(log n)
+            j = bisect.bisect_right(pre_t, pre_t[i] + bound, i + 1) - 1
+            while j < n and pre_t[j + 1] - pre_t[i] <= bound:
                 j += 1
+            while j > i and pre_t[j] - pre_t[i] > bound:
+                j -= 1
+            if j > i and not fits(i, j, s):
+                lo_j, hi_j = i, j  # fits(i, lo_j) (empty) holds, fits(i, hi_j) does not
+                while hi_j - lo_j > 1:
+                    mid_j = (lo_j + hi_j) // 2
+                    lo_j, hi_j = (mid_j, hi_j) if fits(i, mid_j, s) else (lo_j, mid_j)
+                j = lo_j
             if j == i:
                 return None
             cuts.append((i, j))
@@ -298,9 +392,52 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
         mid = min(range(i + 1, j), key=lambda c: abs((pre_t[c] - pre_t[i]) - (pre_t[j] - pre_t[c])))
         best[k:k + 1] = [(i, mid), (mid, j)]
     best = _smooth(best, pre_t, fits)
+    if cfg.virtual_stages > 1:
+        best = _balance_ranks(best, pre_t, fits, cfg.pp)
     if not all(fits(i, j, s) for s, (i, j) in enumerate(best)):
         return None
     return best
+
+
+def _balance_ranks(cuts: list[tuple[int, int]], pre_t: list[float], fits, pp: int) -> list[tuple[int, int]]:
+    """Interleaved cuts balanced per rank, not per stage: rank r runs stages r, r + pp, ...,
+    so its load is the sum of its chunks, and stage-balanced cuts of a layer count that does
+    not divide evenly can give one rank a long chunk in every round (6 layers on 2 ranks x 2
+    chunks: stage sizes 2,1,2,1 load the ranks 4:2; 2,1,1,2 load them 3:3).
+
+    Local search from the stage-balanced cuts: move one cut point by one layer while that
+    lowers the rank loads (sorted heaviest first, compared in that order; then the slowest
+    stage) and both stages it touches still fit. Each move strictly improves a finite
+    order, so it ends. Written here because it is a dozen lines over the partitioner's
+    own prefix sums and memory check; an exact min-max over ranks would be an ILP per
+    configuration."""
+    points = [i for i, _ in cuts] + [cuts[-1][1]]
+
+    def key(pts: list[int]) -> tuple:
+        per_rank = [0.0] * pp
+        longest = 0.0
+        for s in range(len(pts) - 1):
+            t = pre_t[pts[s + 1]] - pre_t[pts[s]]
+            per_rank[s % pp] += t
+            longest = max(longest, t)
+        return tuple(float(f"{t:.9g}") for t in sorted(per_rank, reverse=True)) + (float(f"{longest:.9g}"),)
+
+    current = key(points)
+    while True:
+        best_move, best_key = None, current
+        for c in range(1, len(points) - 1):  # cut point c ends stage c - 1 and starts stage c
+            for step in (-1, 1):
+                at = points[c] + step
+                if not points[c - 1] < at < points[c + 1] or not (fits(points[c - 1], at, c - 1)
+                                                                   and fits(at, points[c + 1], c)):
+                    continue
+                trial = points[:c] + [at] + points[c + 1:]
+                k = key(trial)
+                if k < best_key:
+                    best_move, best_key = trial, k
+        if best_move is None:
+            return [(points[s], points[s + 1]) for s in range(len(points) - 1)]
+        points, current = best_move, best_key
 
 
 def _smooth(cuts: list[tuple[int, int]], pre_t: list[float], fits) -> list[tuple[int, int]]:
@@ -328,18 +465,38 @@ def _smooth(cuts: list[tuple[int, int]], pre_t: list[float], fits) -> list[tuple
 
 
 def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixed: Fixed,
-           precision: str, tp_options: list[int]) -> tuple[list[Candidate], dict]:
-    """All feasible configurations, best first (the first is the plan), and search statistics.
+           precision: str, tp_options: list[int], sp_options: dict[int, tuple[bool, ...]] | None = None,
+           keep: int = KEEP) -> tuple[list[Candidate], dict]:
+    """The ``keep`` best configurations by simulated step time, best first (the first is the
+    plan), and search statistics (counts, and seconds by part under keys ending in ``_s``).
 
-    ``units_for(tp, microbatch_size) -> list[Unit]`` gives per-layer costs.
+    ``units_for(tp, microbatch_size, sp) -> list[Unit]`` gives per-layer costs under the
+    sharding MIP's solution at ``tp`` with sequence parallelism ``sp`` (one of
+    ``sp_options[tp]``, default ``(False,)``). Branch and bound: mesh shapes (tp, sp, pp,
+    dp, micro-batch size) are visited in order of a compute-only lower bound on their step
+    time: the busiest rank computes at least the average,
+    ``microbatches * work / pp`` (:func:`_work_s`); once ``keep`` configurations are simulated, a shape or a
+    cut whose bound exceeds the ``keep``-th best time is skipped, and so is every shape
+    after it. Every ZeRO stage, recompute policy and schedule of a visited shape is
+    partitioned and, unless its own bound rules it out, simulated.
     Raises :class:`InfeasibleError` with the smallest memory any configuration needs.
     """
     start = time.perf_counter()
+    clock = {"units_s": 0.0, "partition_s": 0.0, "simulate_s": 0.0}
     world = cluster.world_size
     cap = cluster.device.hbm_bytes * (1 - MEMORY_RESERVE)
-    estimates: list[Candidate] = []
-    tried = skipped_batch = 0
-    least = (math.inf, None)  # smallest peak memory seen among infeasible configs
+    sp_options = sp_options or {}
+    counts = {"configurations": 0, "feasible": 0, "simulated": 0, "shapes": 0, "shapes_pruned": 0,
+              "cuts_pruned": 0}
+    skipped_batch = 0
+    recomputes = [fixed.recompute] if fixed.recompute else RECOMPUTE
+
+    def zeros(dp: int):
+        return [fixed.zero] if fixed.zero is not None else range(4) if dp > 1 else (0,)
+
+    shapes = []  # (bound, tp, sp, pp, dp, mbs, m, units)
+    work: dict[tuple, dict[str, float]] = {}  # (tp, sp, mbs) -> recompute -> compute of one micro-batch
+    params: dict[tuple, float] = {}  # (tp, sp, mbs) -> parameters per tp rank
     for tp in tp_options:
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
@@ -354,40 +511,173 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                 if (fixed.microbatch_size and mbs != fixed.microbatch_size) or \
                         (fixed.microbatches and m != fixed.microbatches):
                     continue
-                units = units_for(tp, mbs)
-                for kind in ([fixed.schedule] if fixed.schedule else SCHEDULES if pp > 1 else ("1f1b",)):
-                    v = VIRTUAL_STAGES if kind == "interleaved" else 1
-                    if kind == "interleaved" and (pp == 1 or m % pp or pp * v > n_units):
-                        continue  # (Megatron's interleaving needs micro-batches in groups of pp)
-                    inflight = _inflight(kind, pp, m, v)
-                    found = False
-                    for zero in ([fixed.zero] if fixed.zero is not None else range(4) if dp > 1 else (0,)):
-                        for recompute in ([fixed.recompute] if fixed.recompute else RECOMPUTE):
+                for sp in sp_options.get(tp, (False,)):
+                    if (tp, sp, mbs) not in work:
+                        t0 = time.perf_counter()
+                        units = units_for(tp, mbs, sp)
+                        work[tp, sp, mbs] = {r: _work_s(units, r) for r in RECOMPUTE}
+                        params[tp, sp, mbs] = sum(u.n_params for u in units)
+                        clock["units_s"] += time.perf_counter() - t0
+                    bound = min(_config_bound_s(work[tp, sp, mbs][r], params[tp, sp, mbs], zero=z, m=m, pp=pp,
+                                                dp=dp, link=cluster.link_for_group(dp, stride=tp),
+                                                precision=precision, cluster=cluster)
+                                for r in recomputes for z in zeros(dp))
+                    shapes.append((bound, tp, sp, pp, dp, mbs, m))
+    shapes.sort(key=lambda x: (float(f"{x[0]:.6g}"), x[1:]))
+    counts["shapes"] = len(shapes)
+    top: list[Candidate] = []
+    pipelines: dict[tuple, SimResult] = {}  # one simulation serves every ZeRO stage with the same cuts
+    infeasible = []  # (cfg, units, per_param, inflight): the 'smallest need' message, if nothing fits
+
+    def beaten(bound_s: float) -> bool:
+        """No configuration whose lower bound is this can enter the best ``keep``."""
+        return len(top) >= keep and bound_s > top[-1].step_time_s * (1 + 1e-5)
+
+    rank = _rank_key(lambda c: c.step_time_s)
+    # Best first over one queue of lower bounds, three kinds of entry: a mesh shape, when
+    # popped, queues its configurations (schedule, chunks, ZeRO, recompute) under their
+    # bounds before cutting; a configuration, when popped, is partitioned and queued as a
+    # candidate under the bound of its cuts; a candidate, when popped, is simulated. The
+    # first entry whose bound is beaten ends the search: every entry left has a bound at
+    # least as large. Each entry's bound is at least its parent's, so nothing is lost.
+    SHAPE, CONFIG, CANDIDATE = 0, 1, 2
+    queue = [(bound, SHAPE, k) for k, (bound, *_) in enumerate(shapes)]
+    heapq.heapify(queue)
+    pending: dict[int, object] = {}
+    cut_memo: dict[tuple, list | None] = {}
+    prefixes: dict[tuple, tuple] = {}  # (tp, sp, mbs, recompute) -> _prefix_sums
+    while queue:
+        bound, level, k = heapq.heappop(queue)
+        if beaten(bound):
+            left = [e[1] for e in queue] + [level]
+            counts["shapes_pruned"] = left.count(SHAPE)
+            counts["cuts_pruned"] = left.count(CONFIG) + left.count(CANDIDATE)
+            break
+        if level == CANDIDATE:
+            t0 = time.perf_counter()
+            units, cuts, cfg, inflight = pending.pop(k)
+            top.append(_simulate(_estimate(units, cuts, cfg, cluster, precision, inflight), cluster, pipelines))
+            clock["simulate_s"] += time.perf_counter() - t0
+            counts["simulated"] += 1
+            top.sort(key=rank)
+            del top[keep:]
+        elif level == CONFIG:
+            cfg, units, per_param = pending.pop(k)
+            inflight = _inflight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+            t0 = time.perf_counter()
+            # a rank holds v stages: each gets 1/v of the memory (a conservative split)
+            cuts = _partition(units, cfg, cap=cap / cfg.virtual_stages, state_per_param=per_param,
+                              inflight=inflight, memo=cut_memo)
+            clock["partition_s"] += time.perf_counter() - t0
+            if cuts is None:
+                if not top:
+                    infeasible.append((cfg, units, per_param, inflight))
+                continue
+            counts["feasible"] += 1
+            key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute)
+            if key not in prefixes:
+                prefixes[key] = _prefix_sums(units, cfg.recompute)
+            pending[k] = (units, cuts, cfg, inflight)
+            cut_bound = _cuts_bound_s(prefixes[key], cuts, cfg, cluster=cluster, precision=precision)
+            heapq.heappush(queue, (max(bound, cut_bound), CANDIDATE, k))
+        else:
+            _, tp, sp, pp, dp, mbs, m = shapes[k]
+            units = units_for(tp, mbs, sp)
+            dp_link = cluster.link_for_group(dp, stride=tp)
+            for kind in _schedules(fixed, pp):
+                for v in _virtual_options(kind, fixed, pp, m, n_units):
+                    for zero in zeros(dp):
+                        per_param = training_state_bytes(n_params=1, zero_stage=zero, dp=dp,
+                                                         precision=precision).total
+                        for recompute in recomputes:
                             cfg = Config(tp=tp, pp=pp, dp=dp, microbatch_size=mbs, microbatches=m, zero=zero,
-                                         recompute=recompute, schedule=kind, virtual_stages=v)
-                            tried += 1
-                            per_param = training_state_bytes(n_params=1, zero_stage=zero, dp=dp,
-                                                             precision=precision).total
-                            # a rank holds v stages: each gets 1/v of the memory (a conservative split)
-                            cuts = _partition(units, cfg, cap=cap / v, state_per_param=per_param,
-                                              inflight=inflight)
-                            if cuts is None:
-                                need = _min_memory(units, cfg, per_param, inflight)
-                                if need < least[0]:
-                                    least = (need, cfg)
-                                continue
-                            estimates.append(_estimate(units, cuts, cfg, cluster, precision, inflight))
-                            found = True
-                        if found and fixed.zero is None:
-                            break  # a higher ZeRO stage is never faster once this one fits
-    if not estimates:
+                                         recompute=recompute, schedule=kind, virtual_stages=v, sp=sp)
+                            counts["configurations"] += 1
+                            key = len(shapes) + counts["configurations"]
+                            pending[key] = (cfg, units, per_param)
+                            heapq.heappush(queue, (max(bound, _config_bound_s(
+                                work[tp, sp, mbs][recompute], params[tp, sp, mbs], zero=zero, m=m, pp=pp, dp=dp,
+                                link=dp_link, precision=precision, cluster=cluster)), CONFIG, key))
+    if not top:
+        least = min(((_min_memory(u, c, pp_, inf), c) for c, u, pp_, inf in infeasible),
+                    key=lambda x: x[0], default=(math.inf, None))
         raise _infeasible(least, cluster, fixed, skipped_batch, global_batch, world)
-    estimates.sort(key=_rank_key(lambda c: c.estimate_s))
-    simulated = [_simulate(c, cluster) for c in estimates[:SIMULATE_TOP]]
-    simulated.sort(key=_rank_key(lambda c: c.step_time_s))
-    stats = {"configurations": tried, "feasible": len(estimates), "simulated": len(simulated),
-             "wall_s": time.perf_counter() - start}
-    return simulated, stats
+    stats = {**counts, **clock, "wall_s": time.perf_counter() - start}
+    return top, stats
+
+
+# Lower bounds on a configuration's step time, for pruning. They must never exceed what
+# _simulate returns (tests/test_search.py checks this on every configuration of a small
+# search): a bound that did would prune the optimum. They read the same terms as the time
+# function (the step program of autopar.cost.step): each rank's pipeline actions one after
+# the other, then its optimizer steps. The gradient collectives are left out, since the step
+# program overlaps them with the backward; compute only slows while they overlap it.
+
+
+def _work_s(units: Sequence[Unit], recompute: str) -> float:
+    """Time of one micro-batch's F + B + W through every layer (recompute included)."""
+    total = 0.0
+    for u in units:
+        f, b, w, _ = _unit_times(u, recompute)
+        total += f + b + w
+    return total
+
+
+def _config_bound_s(work_s: float, n_params: float, *, zero: int, m: int, pp: int, dp: int, link: comm.Link,
+                    precision: str, cluster: Cluster) -> float:
+    """A lower bound for any cut of a configuration, before partitioning: the busiest rank
+    runs at least the average share of the F, B and W actions (``m * work / pp``), then at
+    least the average share of the tail (collectives and optimizer step over ``n_params /
+    pp`` parameters: their times grow with size, and a rank's several stages cost at least
+    one stage of their total size, message latency being per message)."""
+    share = n_params / pp
+    return m * work_s / pp + _optimizer_s(share / zero_def.state_shards(zero, dp)[2], cluster)
+
+
+def _prefix_sums(units: Sequence[Unit], recompute: str) -> tuple[list[float], list[float], list[float]]:
+    """Running sums over the layers of (F, F + B + W, parameters), for stage sums in O(1)."""
+    pre_f, pre_t, pre_p = [0.0], [0.0], [0.0]
+    for u in units:
+        f, b, w, _ = _unit_times(u, recompute)
+        pre_f.append(pre_f[-1] + f)
+        pre_t.append(pre_t[-1] + f + b + w)
+        pre_p.append(pre_p[-1] + u.n_params)
+    return pre_f, pre_t, pre_p
+
+
+def _cuts_bound_s(prefix, cuts, cfg: Config, *, cluster: Cluster, precision: str) -> float:
+    """:func:`lower_bound_s` from the cuts alone, before the candidate is built: the same
+    terms, with each stage's parameters counted without the copies of tied parameters it
+    holds (a copy only adds time)."""
+    pre_f, pre_t, pre_p = prefix
+    pp, m = cfg.pp, cfg.microbatches
+    link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
+    shard = zero_def.state_shards(cfg.zero, cfg.dp)[2]
+    pipe, tail = [0.0] * pp, [0.0] * pp
+    for s, (i, j) in enumerate(cuts):
+        n = pre_p[j] - pre_p[i]
+        pipe[s % pp] += m * (pre_t[j] - pre_t[i])
+        tail[s % pp] += _optimizer_s(n / shard, cluster)
+    head = 0.0
+    for r in range(min(pp, len(cuts))):
+        pipe[r] += head
+        head += pre_f[cuts[r][1]] - pre_f[cuts[r][0]]
+    return max(p + t for p, t in zip(pipe, tail))
+
+
+def lower_bound_s(c: Candidate) -> float:
+    """A lower bound on ``c``'s simulated step time, from its cuts: each rank ``r`` waits for the
+    first micro-batch's forward through the stages before its first (stage ``r``), then runs
+    its stages' F, B and W for every micro-batch one after the other; the tail follows."""
+    pp, m = c.config.pp, c.config.microbatches
+    per_rank = [0.0] * pp
+    for s, st in enumerate(c.stages):
+        per_rank[s % pp] += m * (st.f_s + st.b_s + st.w_s)
+    head = 0.0
+    for r in range(pp):
+        per_rank[r] += head
+        head += c.stages[r].f_s
+    return max(p + t for p, t in zip(per_rank, _tail_bound_s(c.stages, pp)))
 
 
 def _rank_key(time_of):
@@ -436,8 +726,7 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
         state = training_state_bytes(n_params=n_params, zero_stage=cfg.zero, dp=cfg.dp, precision=precision)
         sync = sum(group_dp_s(g.bucket_bytes, zero=cfg.zero, dp=cfg.dp, link=dp_link, microbatches=cfg.microbatches)
                    for g in groups)
-        shard = cfg.dp if cfg.zero >= 1 else 1
-        opt_s = ADAM_BYTES_PER_PARAM * n_params / shard / (cluster.device.hbm_bytes_per_s * 0.8)
+        opt_s = _optimizer_s(n_params / zero_def.state_shards(cfg.zero, cfg.dp)[2], cluster)
         stages.append(StagePlan(
             layers=tuple(u.path for u in chunk), f_s=f, b_s=b, w_s=w, comm_s=c, inflight=inflight[s],
             params_bytes=state.params, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
@@ -466,6 +755,36 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
                      stages=tuple(stages))
 
 
+def _optimizer_s(n_params: float, cluster: Cluster) -> float:
+    """One fused AdamW step over ``n_params`` (memory bound; 80% of HBM bandwidth)."""
+    return ADAM_BYTES_PER_PARAM * n_params / (cluster.device.hbm_bytes_per_s * 0.8)
+
+
+_COLLECTIVE_S = {"all_reduce": comm.all_reduce_s, "reduce_scatter": comm.reduce_scatter_s,
+                 "all_gather": comm.all_gather_s}
+
+
+def grad_sync_s(grad_bytes: float, *, zero: int, dp: int, microbatches: int, link: comm.Link) -> float:
+    """Data-parallel collectives of one stage's gradient bucket in one step, as
+    :mod:`autopar.zero_def` defines them for ZeRO stage ``zero``: stage 0 all-reduces once,
+    stage 1 reduce-scatters once and gathers the updated parameters, stage 2 reduce-scatters
+    every micro-batch, stage 3 also gathers the parameters twice per micro-batch."""
+    if dp == 1:
+        return 0.0
+    counts = zero_def.step_collective_counts(zero, n_micro=microbatches)
+    return sum(n * _COLLECTIVE_S[kind](grad_bytes, dp, link) for kind, n in counts.items())
+
+
+def _tail_bound_s(stages: Sequence[StagePlan], pp: int) -> list[float]:
+    """Per pipeline rank, the optimizer steps of the stages it holds (stage s on rank s % pp):
+    what follows its last compute at the least. Its gradient collectives are left out: the
+    step program overlaps them with the backward, so they may cost nothing."""
+    per_rank = [0.0] * pp
+    for s, st in enumerate(stages):
+        per_rank[s % pp] += st.optimizer_s
+    return per_rank
+
+
 def simulate_stages(kind: str, *, microbatches: int, f_s: list[float], b_s: list[float], w_s: list[float],
                     p2p_s: float | Sequence[float], pp: int | None = None) -> SimResult:
     """The pipeline part of a step: ``kind``'s action lists for ``len(f_s)`` stages on ``pp``
@@ -475,7 +794,7 @@ def simulate_stages(kind: str, *, microbatches: int, f_s: list[float], b_s: list
     The plan stores each stage's F, B, W and the p2p time, so a report can redraw
     exactly the timeline the search ranked by (``autopar.report``)."""
     pp = pp or len(f_s)
-    sched = make_schedule(kind, n_stages=pp, n_micro=microbatches, n_virtual=len(f_s) // pp)
+    sched = _schedule(kind, pp, microbatches, len(f_s) // pp)
     fused = kind in FUSED_BACKWARD
     return simulate(sched, f_s=list(f_s), b_s=[b + (w if fused else 0.0) for b, w in zip(b_s, w_s)],
                     w_s=[0.0 if fused else w for w in w_s], p2p_s=p2p_s)
@@ -512,9 +831,15 @@ def step_spec(c: Candidate, cluster: Cluster) -> StepSpec:
                     stages=stages, dp_link=cluster.link_for_group(cfg.dp, stride=cfg.tp), tied=tuple(tied))
 
 
-def _simulate(c: Candidate, cluster: Cluster) -> Candidate:
+def _simulate(c: Candidate, cluster: Cluster, memo: dict | None = None) -> Candidate:
+    """``c`` with its simulated step time; ``memo`` (one dict per search) shares a simulation
+    between candidates whose step programs are equal."""
     spec = step_spec(c, cluster)
-    res = simulate_step(spec)
+    res = memo.get(spec) if memo is not None else None
+    if res is None:
+        res = simulate_step(spec)
+        if memo is not None:
+            memo[spec] = res
     cuts = tuple(st.send_s for st in spec.stages[:-1])
     return replace(c, step_time_s=res.step_time_s, bubble_fraction=res.bubble_fraction, spec=spec, step=res,
                    p2p_s=max(cuts, default=0.0), p2p_cut_s=cuts)

@@ -1,0 +1,190 @@
+"""The outer search: branch and bound that never prunes the optimum, rank-balanced
+interleaved cuts, ZeRO by modelled cost, sequence parallelism pinnable both ways.
+
+Most cases run ``search`` on hand-made layer costs (no tracing), so they are exact and fast.
+"""
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.cluster import parse_cluster
+from autopar.errors import PlanError
+from autopar.planner import search as S
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+import gpt  # noqa: E402
+
+H100x2 = parse_cluster("2x8xH100")
+
+
+def _units(n: int, *, f_s=1e-3, params=50e6, act=2e8, comm_s=1e-4) -> list[S.Unit]:
+    return [S.Unit(path=f"layers.{i}", f_s=f_s, b_s=f_s, w_s=f_s, comm_s=comm_s, cheap_f_s=f_s / 10,
+                   act_bytes=act, cheap_act_bytes=act / 4, boundary_bytes=act / 10, n_params=params)
+            for i in range(n)]
+
+
+def _search(units, *, cluster=H100x2, fixed=None, batch=64, keep=S.KEEP, tp=(1, 2, 4, 8)):
+    return S.search(units_for=lambda t, mbs, sp: [replace(u, f_s=u.f_s * mbs / t, b_s=u.b_s * mbs / t,
+                                                           w_s=u.w_s * mbs / t, act_bytes=u.act_bytes * mbs / t,
+                                                           n_params=u.n_params / t) for u in units],
+                    n_units=len(units), global_batch=batch, cluster=cluster, fixed=S.Fixed.from_dict(fixed),
+                    precision="mixed", tp_options=list(tp), keep=keep)
+
+
+def test_pruned_search_equals_exhaustive_and_bounds_hold():
+    """keep = everything: nothing can be pruned, every configuration is simulated; then every
+    lower bound is below its simulated time, and the pruned search returns the same best."""
+    units = _units(12)
+    everything, stats = _search(units, keep=10**9)
+    assert stats["simulated"] == stats["feasible"] > 100
+    for c in everything:
+        assert S.lower_bound_s(c) <= c.step_time_s * (1 + 1e-12), c.config
+        cuts, i = [], 0
+        for st in c.stages:
+            cuts.append((i, i + len(st.layers)))
+            i += len(st.layers)
+        scaled = [replace(u, f_s=u.f_s * c.config.microbatch_size / c.config.tp,
+                          b_s=u.b_s * c.config.microbatch_size / c.config.tp,
+                          w_s=u.w_s * c.config.microbatch_size / c.config.tp, n_params=u.n_params / c.config.tp)
+                  for u in units]
+        prefix = S._prefix_sums(scaled, c.config.recompute)
+        assert S._cuts_bound_s(prefix, cuts, c.config, cluster=H100x2, precision="mixed") \
+            <= S.lower_bound_s(c) * (1 + 1e-12), c.config
+    pruned, stats2 = _search(units)
+    assert stats2["simulated"] < stats["simulated"] / 4  # the bound does prune
+    assert [c.config for c in pruned] == [c.config for c in everything[:S.KEEP]]
+    assert [c.step_time_s for c in pruned] == [c.step_time_s for c in everything[:S.KEEP]]
+
+
+def test_zero_stage_by_modelled_cost_not_first_fit():
+    """Every stage fits; ZeRO-1's sharded optimizer step makes it the fastest, and the old
+    loop (stop at the first stage that fits, ZeRO-0) missed it."""
+    units = _units(8, params=400e6)
+    best, _ = _search(units, fixed={"pp": 1}, tp=(1,))
+    times = {z: _search(units, fixed={"pp": 1, "zero": z}, tp=(1,))[0][0].step_time_s for z in range(4)}
+    assert best[0].config.zero == min(times, key=lambda z: (float(f"{times[z]:.6g}"), z)) == 1, times
+    assert times[1] < times[0]
+    assert best[0].step_time_s == times[1]
+
+
+def test_grad_sync_follows_zero_def():
+    link = H100x2.link_for_group(16, stride=1)
+    one = S.grad_sync_s(1e9, zero=1, dp=16, microbatches=4, link=link)
+    two = S.grad_sync_s(1e9, zero=2, dp=16, microbatches=4, link=link)
+    three = S.grad_sync_s(1e9, zero=3, dp=16, microbatches=4, link=link)
+    from autopar.cost import comm
+    rs, ag = comm.reduce_scatter_s(1e9, 16, link), comm.all_gather_s(1e9, 16, link)
+    assert one == pytest.approx(rs + ag)
+    assert two == pytest.approx(4 * rs + ag)  # stage 2 reduces every micro-batch
+    assert three == pytest.approx(4 * rs + 8 * ag)
+    assert S.grad_sync_s(1e9, zero=0, dp=1, microbatches=4, link=link) == 0.0
+
+
+def _rank_layers(cuts, pp):
+    per_rank = [0] * pp
+    for s, (i, j) in enumerate(cuts):
+        per_rank[s % pp] += j - i
+    return per_rank
+
+
+def test_interleaved_cuts_balance_ranks_not_stages():
+    """8 equal layers on 2 ranks x 3 chunks: the stage-balanced cuts 1,1,1,2,1,2 (slowest
+    stage 2, the optimum) give rank 0 three layers and rank 1 five; 1,1,2,1,1,2 has the
+    same slowest stage and gives both ranks four."""
+    units = _units(8)
+    cfg = S.Config(tp=1, pp=2, dp=1, microbatch_size=1, microbatches=4, zero=0, recompute="none",
+                   schedule="interleaved", virtual_stages=3)
+    per_stage = S._partition(units, replace(cfg, schedule="1f1b", virtual_stages=1, pp=6), cap=1e15,
+                             state_per_param=16, inflight=(4,) * 6)
+    assert max(j - i for i, j in per_stage) == 2
+    assert _rank_layers(per_stage, 2) == [3, 5]  # what balancing stages alone gives
+    cuts = S._partition(units, cfg, cap=1e15, state_per_param=16, inflight=(4,) * 6)
+    assert _rank_layers(cuts, 2) == [4, 4], cuts
+    assert max(j - i for i, j in cuts) == 2
+    # and the search's own candidate under that configuration has equal rank loads
+    ranked, _ = _search(units, fixed={"pp": 2, "dp": 1, "schedule": "interleaved", "virtual_stages": 3,
+                                      "microbatches": 4}, tp=(1,), batch=4, cluster=parse_cluster("1x2xH100"))
+    assert _rank_layers([(0, 0)] * 0 + [(0, len(st.layers)) for st in ranked[0].stages], 2) == [4, 4]
+
+
+def test_balancing_respects_memory():
+    """A move that would overfill a stage is not taken: with room for two layers per stage
+    only, the cuts keep every stage at two layers or fewer."""
+    units = _units(8)
+    cfg = S.Config(tp=1, pp=2, dp=1, microbatch_size=1, microbatches=4, zero=0, recompute="none",
+                   schedule="interleaved", virtual_stages=3)
+    per_layer = 16 * units[0].n_params + 4 * units[0].act_bytes
+    cuts = S._partition(units, cfg, cap=2.5 * per_layer, state_per_param=16, inflight=(4,) * 6)
+    assert max(j - i for i, j in cuts) <= 2
+    assert _rank_layers(cuts, 2) == [4, 4]
+
+
+def test_interleaved_depth_is_searched():
+    units = _units(24)
+    ranked, _ = _search(units, fixed={"pp": 2, "schedule": "interleaved"}, keep=50, tp=(8,))
+    assert {c.config.virtual_stages for c in ranked} == {2, 3, 4}
+    for c in ranked:
+        assert len(c.stages) == 2 * c.config.virtual_stages
+    only3, _ = _search(units, fixed={"pp": 2, "schedule": "interleaved", "virtual_stages": 3}, tp=(8,))
+    assert {c.config.virtual_stages for c in only3} == {3}
+
+
+@pytest.mark.parametrize("value, expected", [(True, True), ("1", True), ("true", True), (False, False),
+                                             ("0", False), ("off", False)])
+def test_fixed_sp_parses(value, expected):
+    assert S.Fixed.from_dict({"sp": value}).sp is expected
+
+
+def test_fixed_sp_rejects_non_booleans():
+    with pytest.raises(PlanError, match=r"sp='maybe' is not a boolean"):
+        S.Fixed.from_dict({"sp": "maybe"})
+
+
+@pytest.fixture(scope="module")
+def gpt_small():
+    return gpt.build(size="1.3b", batch=16, seq=1024, n_layer=4)
+
+
+def test_sp_pinned_both_ways_and_recorded(gpt_small):
+    model, inputs, loss_fn, target = gpt_small
+    plans = {sp: autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
+                              fixed={"tp": 4, "pp": 1, "sp": sp}) for sp in (True, False)}
+    for sp, plan in plans.items():
+        assert plan.sequence_parallel is sp
+        assert plan.fixed["sp"] is sp
+        normed = [layer for layer, d in plan.layers.items() if d["sequence_parallel"]]
+        assert bool(normed) is sp, normed
+        assert autopar.Plan.from_json(plan.to_json()).sequence_parallel is sp
+    # sequence parallelism splits the norms' activations over tp: less memory per device
+    mem = {sp: sum(st["predicted"]["memory_bytes"]["activations"] for st in p.stages) for sp, p in plans.items()}
+    assert mem[True] < mem[False]
+    free = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
+                        fixed={"tp": 4, "pp": 1})
+    assert free.predicted["step_time_s"] <= min(p.predicted["step_time_s"] for p in plans.values()) * (1 + 1e-9)
+    assert "sequence parallelism: " + ("on" if free.sequence_parallel else "off") in free.summary()
+
+
+def test_sp_without_tp_is_a_clear_error(gpt_small):
+    model, inputs, loss_fn, target = gpt_small
+    with pytest.raises(PlanError, match="sp=True needs tensor parallelism"):
+        autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
+                     fixed={"tp": 1, "sp": True})
+
+
+def test_cli_fix_sp(tmp_path, monkeypatch):
+    """`--fix sp=1` / `--fix sp=0` reach the planner and the plan file records the choice."""
+    from autopar.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    for flag, expected in (("1", True), ("0", False)):
+        out = tmp_path / f"sp{flag}.json"
+        assert main(["plan", "examples/gpt.py:build", "--cluster", "1x8xH100", "--fix", "tp=2", "--fix", "pp=1",
+                     "--fix", f"sp={flag}", "--out", str(out)]) == 0
+        plan = autopar.Plan.load(out)
+        assert plan.sequence_parallel is expected and plan.fixed["sp"] is expected
+    assert main(["plan", "examples/gpt.py:build", "--cluster", "1x8xH100", "--fix", "sp=perhaps"]) == 2
