@@ -46,13 +46,13 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ortools.linear_solver import pywraplp
 
 from autopar.cost import comm
 from autopar.cost.comm import Link
-from autopar.cost.compute import compute_time_s
+from autopar.cost.compute import kernel_time_s
 from autopar.cost.devices import DeviceSpec
 from autopar.errors import InfeasibleError
 from autopar.passes.strategies import StrategyGraph, Strategy
@@ -149,7 +149,7 @@ def _edge_link(problem: Problem, dst_kind: str) -> Link:
     """Gradients return to their parameters in buckets (as DDP/FSDP do), so a
     parameter's gradient reduction pays bandwidth but not a collective latency of its own."""
     if dst_kind == "param":
-        return Link(bytes_per_s=problem.link.bytes_per_s, latency_s=0.0)
+        return replace(problem.link, latency_s=0.0, base_latency_s=0.0)
     return problem.link
 
 
@@ -163,8 +163,30 @@ def node_cost_s(problem: Problem, v: int, s: Strategy) -> float:
         return 0.0
     n = problem.graph.axis_size if _splits(s) else 1
     b = problem.batch
-    return compute_time_s(flops=node.flops(b) / n, bytes_moved=node.bytes_moved(b) / n, device=problem.device,
-                          dtype=problem.compute_dtype or node.dtype)
+    return kernel_time_s(kind=node.kernel, flops=node.flops(b) / n, bytes_moved=node.bytes_moved(b) / n,
+                         device=problem.device, dtype=problem.compute_dtype or node.dtype,
+                         gemm=_local_gemm(node, s, b, n))
+
+
+def _local_gemm(node, s: Strategy, b: float, n: int) -> tuple[float, float, float] | None:
+    """The per-device (m, n, k) of a GEMM under strategy ``s``: the dim its operands'
+    placements split is divided by the axis size (batch dims of a bmm count as m; a
+    split seen on neither operand, e.g. of the output only, is charged to m)."""
+    if node.gemm is None:
+        return None
+    m_a, n_a, k_a, ia, ib, rank_a, rank_b = node.gemm
+    dims = [m_a(b), n_a(b), k_a(b)]
+    if n > 1:
+        pa = s.ins[ia] if ia < len(s.ins) else "R"
+        pb = s.ins[ib] if ib < len(s.ins) else "R"
+        if pa and pa[0] == "S":
+            dims[2 if int(pa[1:]) == rank_a - 1 else 0] /= n
+        elif pb and pb[0] == "S":
+            d = int(pb[1:])
+            dims[1 if d == rank_b - 1 else 2 if d == rank_b - 2 else 0] /= n
+        else:
+            dims[0] /= n
+    return tuple(dims)
 
 
 def _param_bytes(problem: Problem, v: int, s: Strategy) -> float:
