@@ -110,6 +110,10 @@ class LayerCost:
     """The part of ``activation_bytes`` made by FLOP-free ops (what selective recompute drops)."""
     cheap_forward_s: float = 0.0
     """Forward time of the FLOP-free ops (what selective recompute re-runs)."""
+    transient_bytes: float = 0.0
+    """Largest working set of one op per device for one micro-batch: its outputs plus the inputs
+    it reads that nothing saves (e.g. the loss's fp32 logits gradient and its input), on top of
+    the saved activations and the training state while that op runs."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -376,6 +380,33 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
                     wall_s=time.perf_counter() - start)
 
 
+def _local_out_bytes(problem: Problem, solution: Solution, v: int, o: int) -> float:
+    node = problem.graph.nodes[v]
+    placement = node.candidates[solution.choice[v]].outs[o]
+    if placement is None:
+        return 0.0
+    full = node.out_bytes[o](problem.batch)
+    return full / problem.graph.axis_size if placement.startswith("S") else full
+
+
+def _working_sets(problem: Problem, solution: Solution) -> dict[int, float]:
+    """Per op, the bytes live while it runs beyond what memory already counts: its outputs
+    that are not saved activations, plus the distinct op-produced inputs it reads that are not
+    saved either (a gradient handed from the op before). Parameters, and saved activations,
+    are counted elsewhere (training state, activations)."""
+    g = problem.graph
+    ws = {v: sum(_local_out_bytes(problem, solution, v, o) for o, saved in enumerate(node.saved) if not saved)
+          for v, node in enumerate(g.nodes) if node.kind == "op"}
+    seen = set()
+    for e in g.edges:
+        src = g.nodes[e.src]
+        if e.virtual or e.dst not in ws or src.kind != "op" or src.saved[e.src_out] or (e.src, e.src_out, e.dst) in seen:
+            continue
+        seen.add((e.src, e.src_out, e.dst))
+        ws[e.dst] += _local_out_bytes(problem, solution, e.src, e.src_out)
+    return ws
+
+
 def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
     """Recompute a solution's costs from scratch: per layer instance, and totals over all copies."""
     g = problem.graph
@@ -386,6 +417,7 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
     acts = defaultdict(float)
     cheap_acts = defaultdict(float)
     cheap_f = defaultdict(float)
+    transient = defaultdict(float)
     collectives: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     total_comp = total_comm = 0.0
     for v, node in enumerate(g.nodes):
@@ -408,6 +440,9 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
                 acts[node.layer] += local
                 if cheap:
                     cheap_acts[node.layer] += local
+    for v, ws in _working_sets(problem, solution).items():
+        layer = g.nodes[v].layer
+        transient[layer] = max(transient[layer], ws)
     for group in _tensor_groups(g):
         src = g.nodes[group[0].src]
         p = src.candidates[solution.choice[group[0].src]].outs[group[0].src_out]
@@ -430,7 +465,8 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
             collectives[kind]["time_s"] += weight * t
     layers = {name: LayerCost(compute_s=dict(comp[name]), comm_s=dict(com[name]), param_bytes=params[name],
                               n_params_local=nparams[name], activation_bytes=acts[name],
-                              cheap_activation_bytes=cheap_acts[name], cheap_forward_s=cheap_f[name])
+                              cheap_activation_bytes=cheap_acts[name], cheap_forward_s=cheap_f[name],
+                              transient_bytes=transient[name])
               for name in dict.fromkeys(n.layer for n in g.nodes)}
     return CostBreakdown(total_s=total_comp + total_comm, compute_s=total_comp, comm_s=total_comm,
                          layers=layers, collectives={k: dict(v) for k, v in collectives.items()})
