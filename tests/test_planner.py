@@ -198,7 +198,7 @@ def test_each_pipeline_cut_priced_on_its_own_link(gpt_small_build):
     assert [p["p2p_s"] for p in preds[:-1]] == [comm.p2p_s(sends[0], nvlink), comm.p2p_s(sends[1], network),
                                                  comm.p2p_s(sends[2], nvlink)]
     assert preds[1]["p2p_s"] > 5 * preds[0]["p2p_s"]
-    assert plan.predicted["p2p_s"] == preds[1]["p2p_s"]  # the slowest cut
+    assert plan.predicted["p2p_s"] == max(p["p2p_s"] for p in preds[:-1])  # the slowest cut
     assert plan.communication["p2p"]["pp"]["time_s"] == pytest.approx(
         2 * plan.schedule["microbatches"] * sum(p["p2p_s"] for p in preds[:-1]))
 
