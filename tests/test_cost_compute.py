@@ -130,3 +130,10 @@ def test_attention_and_memory_bound_kernels():
     assert kernel_time_s(kind="other", flops=0, bytes_moved=1e9, device=h100) == pytest.approx(1e9 / (3.35e12 * 0.8))
     with pytest.raises(ValueError, match="unknown kernel kind 'conv'"):
         kernel_time_s(kind="conv", flops=1, bytes_moved=1, device=h100)
+
+
+def test_cpu_device_keeps_the_flat_roofline():
+    cpu = DEVICES["cpu"]
+    for kind in ("gemm", "attention", "other"):
+        assert kernel_time_s(kind=kind, flops=1e9, bytes_moved=1e6, device=cpu, gemm=(64, 64, 64)) == \
+            compute_time_s(flops=1e9, bytes_moved=1e6, device=cpu)

@@ -175,10 +175,14 @@ def kernel_time_s(
     ``gemm=(m, n, k)`` gets :func:`gemm_efficiency` plus :data:`GEMM_LAUNCH_S` (without
     a shape, the generic :data:`MATMUL_EFFICIENCY`); ``"attention"`` gets :data:`ATTENTION_EFFICIENCY`;
     ``"other"`` kernels get :data:`MATMUL_EFFICIENCY` for whatever FLOPs they do,
-    and every kind is bounded below by its bytes over the HBM bandwidth.
+    and every kind is bounded below by its bytes over the HBM bandwidth. The "cpu" device
+    (gloo test runs) keeps the flat :func:`compute_time_s` for every kind.
     """
     if kind not in KERNELS:
         raise ValueError(f"unknown kernel kind {kind!r}; expected one of {list(KERNELS)}")
+    if device.name == "cpu":  # the gloo CPU figure has no kernel measurements: flat roofline
+        return compute_time_s(flops=flops, bytes_moved=bytes_moved, device=device, dtype=dtype,
+                              memory_efficiency=memory_efficiency)
     if kind == "gemm" and gemm is not None:
         if flops == 0:
             return 0.0
