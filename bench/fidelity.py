@@ -25,7 +25,6 @@ out pessimistic.
 
 import argparse
 import importlib.util
-import math
 import statistics
 import sys
 import time
@@ -128,7 +127,7 @@ def qwen3_32b(batch: int, seq: int):
     return model, {"input_ids": ids, "labels": ids.clone()}, None, None
 
 
-def build(row: Row, world: int):
+def build(row: Row):
     dp = row.fixed["dp"]
     batch = dp * row.local_batch
     family, size = row.model.split(":")
@@ -143,7 +142,7 @@ def predict(row: Row) -> dict:
     world = row.nodes * 8
     # Capacity out of the way: every pinned configuration gets a plan, fit is judged below.
     cluster = Cluster(nodes=row.nodes, devices_per_node=8, device=device.with_overrides(hbm_bytes=64 * device.hbm_bytes))
-    model, inputs, loss_fn, target = build(row, world)
+    model, inputs, loss_fn, target = build(row)
     fixed = dict(row.fixed, microbatch_size=row.local_batch, microbatches=1)
     start = time.perf_counter()
     plan = autopar.plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed)
