@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.cost.compute import compute_time_s
+from autopar.cost.compute import compute_time_s, gemm_efficiency, kernel_time_s
 from autopar.cost.devices import DEVICES
 from autopar.cost.memory import activation_bytes_megatron
 from autopar.modelspec import load_model_spec
@@ -224,8 +224,19 @@ def test_time_is_the_roofline_and_annotation_is_idempotent(gpt_tiny):
     assert {n: n.meta[mk.COST] for n in gm.graph.nodes} == before
     (mm,) = [n for n in ops(gm, mk.Role.FORWARD) if n.target is aten.mm.default]  # lm_head
     cost = mm.meta[mk.COST]
-    assert cost.time_s == compute_time_s(flops=cost.flops, bytes_moved=cost.bytes_read + cost.bytes_written,
-                                         device=H100, dtype="fp32")
+    a, b = (x.meta["val"] for x in mm.args[:2])  # (B*T, C) @ (C, V)
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    assert cost.flops == 2 * m * n * k
+    assert cost.time_s == kernel_time_s(kind="gemm", flops=cost.flops, gemm=(m, n, k), device=H100, dtype="fp32",
+                                        bytes_moved=cost.bytes_read + cost.bytes_written)
+    # a tiny GEMM runs far below the generic 0.6 of peak: shape-dependent efficiency
+    assert gemm_efficiency(m, n, k) < 0.2
+    assert cost.time_s > compute_time_s(flops=cost.flops, bytes_moved=cost.bytes_read + cost.bytes_written,
+                                        device=H100, dtype="fp32")
+    (sdpa,) = [n for n in ops(gm, mk.Role.FORWARD) if "scaled_dot_product" in str(n.target)][:1]
+    att = sdpa.meta[mk.COST]
+    assert att.time_s == kernel_time_s(kind="attention", flops=att.flops, device=H100, dtype="fp32",
+                                       bytes_moved=att.bytes_read + att.bytes_written)
     assert all(n.meta[mk.COST].time_s >= 0 for n in gm.graph.nodes)
 
 

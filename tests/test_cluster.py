@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from autopar.cluster import Cluster, parse_cluster
-from autopar.cost.comm import Link
+from autopar.cost.comm import NETWORK_EFFICIENCY, Link
 from autopar.cost.devices import DEVICES
 from autopar.errors import AutoparError, ClusterSpecError, InfeasibleError, PlanError, TraceError
 
@@ -82,12 +82,14 @@ def test_direct_construction_validates():
 def test_link_for_group():
     cluster = parse_cluster("2x8xH100")
     h100 = DEVICES["H100"]
-    nvlink = Link(bytes_per_s=h100.intra_node_bytes_per_s, latency_s=h100.intra_node_latency_s)
-    network = Link(bytes_per_s=h100.inter_node_bytes_per_s, latency_s=h100.inter_node_latency_s)
+    nvlink = Link(bytes_per_s=h100.intra_node_bytes_per_s, latency_s=h100.intra_node_latency_s, nvswitch=True)
     assert cluster.link_for_group(8, 1) == nvlink
-    assert cluster.link_for_group(16, 1) == network
-    assert cluster.link_for_group(2, 8) == network
     assert cluster.link_for_group(2, 4) == nvlink
+    # across nodes: one NIC per rank of the group on each node (8 for dp=16, 1 for stride 8)
+    eff = 50e9 * NETWORK_EFFICIENCY
+    assert not cluster.link_for_group(16, 1).nvswitch
+    assert cluster.link_for_group(16, 1).bytes_per_s == pytest.approx(8 * eff)
+    assert cluster.link_for_group(2, 8).bytes_per_s == pytest.approx(eff)
 
 
 def test_pipeline_links_follow_the_runtime_rank_layout():

@@ -1,8 +1,9 @@
-"""Alpha-beta collective costs and intra/inter-node link choice."""
+"""Alpha-beta collective costs, intra/inter-node link choice, and the NCCL calibration points."""
 
 import pytest
 
 from autopar.cost.comm import (
+    NETWORK_EFFICIENCY,
     Link,
     all_gather_s,
     all_reduce_s,
@@ -64,11 +65,12 @@ def test_invalid_arguments():
 
 
 def _is_nvlink(link: Link) -> bool:
-    return link == Link(bytes_per_s=H100.intra_node_bytes_per_s, latency_s=H100.intra_node_latency_s)
+    return link.nvswitch and link.bytes_per_s == H100.intra_node_bytes_per_s
 
 
-def _is_network(link: Link) -> bool:
-    return link == Link(bytes_per_s=H100.inter_node_bytes_per_s, latency_s=H100.inter_node_latency_s)
+def _is_network(link: Link, nics: int = 1) -> bool:
+    """A group spanning nodes with ``nics`` of its ranks (and so NICs) on each node."""
+    return not link.nvswitch and link.bytes_per_s == pytest.approx(nics * 50e9 * NETWORK_EFFICIENCY)
 
 
 def test_tp8_stride1_is_nvlink():
@@ -76,7 +78,7 @@ def test_tp8_stride1_is_nvlink():
 
 
 def test_group_of_16_is_network():
-    assert _is_network(group_link(group_size=16, stride=1, devices_per_node=8, device=H100))
+    assert _is_network(group_link(group_size=16, stride=1, devices_per_node=8, device=H100), nics=8)
 
 
 def test_group_of_8_stride_8_is_network():
@@ -90,10 +92,70 @@ def test_small_strided_group_inside_node_is_nvlink():
 
 def test_unaligned_group_is_network():
     # tp=4 on 6-GPU nodes: ranks 4..7 straddle nodes 0 and 1.
-    assert _is_network(group_link(group_size=4, stride=1, devices_per_node=6, device=H100))
+    assert _is_network(group_link(group_size=4, stride=1, devices_per_node=6, device=H100), nics=4)
 
 
 def test_network_all_reduce_is_slower_than_nvlink():
     nvlink = group_link(group_size=8, stride=1, devices_per_node=8, device=H100)
     network = group_link(group_size=8, stride=8, devices_per_node=8, device=H100)
     assert all_reduce_s(1e9, 8, network) > all_reduce_s(1e9, 8, nvlink)
+
+
+# --- calibration: nccl-tests on 8x H100 NVSwitch, 1 GB messages (algorithm bandwidth, GB/s,
+# and small-message latency, us), meta-pytorch/autoparallel nccl_cost_model.py ---
+_AG_ALGBW = {2: 537e9, 4: 434e9, 8: 394e9}
+_AR_ALGBW = {2: 324e9, 4: 236e9, 8: 267e9}
+_AG_LAT = {2: 8e-6, 4: 17e-6, 8: 30e-6}
+_AR_LAT = {2: 10e-6, 4: 15e-6, 8: 31e-6}
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_nvswitch_reproduces_measured_bandwidth_and_latency(n):
+    link = group_link(group_size=n, stride=1, devices_per_node=8, device=H100)
+    gb = 2**30  # 1 GB message; algbw = size / (time - latency)
+    assert 2**30 / (all_gather_s(gb, n, link) - _AG_LAT[n]) == pytest.approx(_AG_ALGBW[n], rel=1e-9)
+    assert 2**30 / (reduce_scatter_s(gb, n, link) - _AG_LAT[n]) == pytest.approx(_AG_ALGBW[n], rel=1e-9)
+    assert 2**30 / (all_reduce_s(gb, n, link) - _AR_LAT[n]) == pytest.approx(_AR_ALGBW[n], rel=1e-9)
+    assert all_gather_s(0, n, link) == pytest.approx(_AG_LAT[n])
+    assert all_reduce_s(0, n, link) == pytest.approx(_AR_LAT[n])
+
+
+def test_nvswitch_interpolates_between_group_sizes():
+    link = group_link(group_size=8, stride=1, devices_per_node=8, device=H100)
+    t = [all_gather_s(1e9, n, link) for n in (2, 3, 4, 6, 8)]
+    assert t[0] < t[1] < t[2] < t[3] < t[4]  # more ranks, more steps: slower for the same output
+
+
+def test_collectives_grow_with_message_size_and_vanish_for_one_rank():
+    for link in (group_link(group_size=8, stride=1, devices_per_node=8, device=H100),
+                 group_link(group_size=64, stride=1, devices_per_node=8, device=H100)):
+        for fn in (all_gather_s, reduce_scatter_s, all_reduce_s):
+            sizes = [0, 1e3, 1e6, 1e9, 1e10]
+            times = [fn(x, 8, link) for x in sizes]
+            assert all(a < b for a, b in zip(times, times[1:])), fn.__name__
+            assert fn(1e9, 1, link) == 0.0
+
+
+def test_network_bandwidth_grows_with_ranks_per_node():
+    # dp over 32 nodes: one rank per node (stride 8), 2 (stride 4), 4, 8 (stride 1).
+    bw = [group_link(group_size=32 * ppn, stride=8 // ppn, devices_per_node=8, device=H100).bytes_per_s
+          for ppn in (1, 2, 4, 8)]
+    assert bw == sorted(bw) and bw[0] == pytest.approx(50e9 * NETWORK_EFFICIENCY)
+    # 8 NICs: 334 GB/s, under the 345 GB/s that 8 ranks reach inside a node
+    assert bw[3] == pytest.approx(8 * 50e9 * 0.96 * 0.87)
+    assert bw[3] < 394e9 * 7 / 8
+
+
+def test_network_latency_reproduces_nccl_ring_model():
+    # NCCL 2.27 tuning table for H100 (autoparallel _H100_AGRS_RING, SIMPLE): all-gather
+    # latency 1204 us at 32 nodes x 8 ranks, 442.4 us at 32 x 1, 70 us at 2 x 8.
+    for nodes, ppn, expected in ((32, 8, 1204e-6), (32, 1, 442.4e-6), (2, 8, 70e-6)):
+        n = nodes * ppn
+        link = group_link(group_size=n, stride=8 // ppn, devices_per_node=8, device=H100)
+        assert all_gather_s(0, n, link) == pytest.approx(expected, rel=0.15)
+
+
+def test_bucketed_link_has_no_latency():
+    from dataclasses import replace
+    link = replace(group_link(group_size=8, stride=1, devices_per_node=8, device=H100), latency_s=0.0)
+    assert all_reduce_s(0, 8, link) == 0.0

@@ -77,3 +77,63 @@ def test_intensity_and_ridge():
     t = compute_time_s(flops=flops, bytes_moved=bytes_moved, device=A100)
     assert t == pytest.approx(bytes_moved / (2.039e12 * 0.8))
     assert t == pytest.approx(flops / (312e12 * 0.6))
+
+
+# --- shape-dependent GEMM efficiency, attention, memory-bound kernels ---
+from autopar.cost.compute import (  # noqa: E402
+    ATTENTION_EFFICIENCY,
+    GEMM_LAUNCH_S,
+    gemm_efficiency,
+    kernel_time_s,
+)
+
+# cuBLAS bf16 on H100 (XLA's default matmul table, sm_90), TFLOP/s: (m, n, k) -> measured
+_XLA_H100 = {(4096, 4096, 4096): 783.3, (4096, 4096, 256): 392.2, (4096, 4096, 512): 543.1,
+             (1024, 4096, 4096): 738.5, (2048, 2048, 2048): 632.0, (1024, 2048, 2048): 524.3}
+
+
+@pytest.mark.parametrize("shape", sorted(_XLA_H100))
+def test_gemm_reproduces_measured_h100_points(shape):
+    m, n, k = shape
+    flops = 2 * m * n * k
+    t = kernel_time_s(kind="gemm", flops=flops, bytes_moved=0, device=DEVICES["H100"], gemm=shape)
+    assert flops / t / 1e12 == pytest.approx(_XLA_H100[shape], rel=0.15)
+
+
+def test_gemm_efficiency_is_monotone_and_bounded():
+    sizes = [1, 64, 256, 1024, 4096, 16384, 65536]
+    for i in range(3):
+        effs = [gemm_efficiency(*[s if j == i else 8192 for j in range(3)]) for s in sizes]
+        assert all(a < b for a, b in zip(effs[:5], effs[1:5]))  # strictly rising up to 4096
+        assert all(a <= b for a, b in zip(effs, effs[1:]))  # and never falling (saturates in floats)
+    assert 0.80 < gemm_efficiency(65536, 65536, 65536) <= 0.81
+    # small per-rank GEMMs after heavy tp: 8 ways on n is less efficient than 1 way
+    assert gemm_efficiency(16384, 4096 // 8, 4096) < gemm_efficiency(16384, 4096, 4096)
+
+
+def test_gemm_time_has_launch_floor_and_bytes_bound():
+    h100 = DEVICES["H100"]
+    assert kernel_time_s(kind="gemm", flops=2, bytes_moved=0, device=h100, gemm=(1, 1, 1)) >= GEMM_LAUNCH_S
+    assert kernel_time_s(kind="gemm", flops=0, bytes_moved=0, device=h100, gemm=(0, 0, 0)) == 0.0
+    # a GEMV (m = 1) moves its weight: memory bound
+    n = k = 8192
+    t = kernel_time_s(kind="gemm", flops=2 * n * k, bytes_moved=2 * n * k, device=h100, gemm=(1, n, k))
+    assert t >= 2 * n * k / (h100.hbm_bytes_per_s * 0.8)
+
+
+def test_attention_and_memory_bound_kernels():
+    h100 = DEVICES["H100"]
+    flops = 1e12
+    att = kernel_time_s(kind="attention", flops=flops, bytes_moved=0, device=h100)
+    assert att == pytest.approx(flops / (h100.peak("bf16") * ATTENTION_EFFICIENCY))
+    # a pointwise op (no FLOPs) is priced by its bytes alone
+    assert kernel_time_s(kind="other", flops=0, bytes_moved=1e9, device=h100) == pytest.approx(1e9 / (3.35e12 * 0.8))
+    with pytest.raises(ValueError, match="unknown kernel kind 'conv'"):
+        kernel_time_s(kind="conv", flops=1, bytes_moved=1, device=h100)
+
+
+def test_cpu_device_keeps_the_flat_roofline():
+    cpu = DEVICES["cpu"]
+    for kind in ("gemm", "attention", "other"):
+        assert kernel_time_s(kind=kind, flops=1e9, bytes_moved=1e6, device=cpu, gemm=(64, 64, 64)) == \
+            compute_time_s(flops=1e9, bytes_moved=1e6, device=cpu)

@@ -19,6 +19,34 @@ of nccl-tests (``doc/PERFORMANCE.md`` in https://github.com/NVIDIA/nccl-tests):
 a collective whose measured bus bandwidth equals the link bandwidth takes the
 time above. ``beta`` is the per-rank, per-direction bandwidth of the slowest hop
 of the ring (:func:`group_link` picks it).
+
+Calibration (:func:`group_link` builds the :class:`Link` of a group from it):
+
+- **Inside an NVSwitch node**, bus bandwidth depends on the group size. nccl-tests on
+  8x H100 NVSwitch, 1 GB messages (meta-pytorch/autoparallel,
+  ``autoparallel/cost_models/nccl_cost_model.py``, ``_NVSWITCH_BW_POINTS``, which are
+  *algorithm* bandwidths; bus bandwidth = algbw x (n-1)/n, x 2(n-1)/n for all-reduce):
+  all-gather / reduce-scatter 537, 434, 394 GB/s algbw at n = 2, 4, 8 -> 269, 326,
+  345 GB/s busbw = 0.60, 0.72, 0.77 of the 450 GB/s NVLink figure; all-reduce 324,
+  236, 267 -> 324, 354, 467 GB/s = 0.72, 0.79, 1.04 (NVLS reduces in the switch).
+  Latency at small messages (same file, ``_NVSWITCH_LAT_POINTS``): 8, 17, 30 us
+  (all-gather, reduce-scatter) and 10, 15, 31 us (all-reduce) at n = 2, 4, 8.
+  Other devices get the same fractions of their own NVLink figure (autoparallel does
+  the same for Blackwell); group sizes between the points are interpolated linearly.
+- **Across nodes**, NCCL runs one ring per channel and the channels leave the node
+  through different NICs, so a group with ``ppn`` ranks on each node gets ``ppn`` NICs:
+  bus bandwidth ``min(ppn x NIC x NETWORK_EFFICIENCY, intra-node busbw of ppn ranks)``.
+  NCCL 2.27's own tuning tables for H100 (same file, ``_H100_AGRS_RING``, SIMPLE protocol,
+  2-32 nodes) give 48 GB/s busbw per NIC for ppn = 1, 2, 4, 8 alike (0.96 of 50 GB/s),
+  and the correction autoparallel fitted to nccl-tests all-gather / reduce-scatter at
+  ppn = 8 (``_TABLE_RING_FULL_MESH_RAMP``, 0.87 for >= 32 MB per GPU) brings it to
+  0.96 x 0.87 = 0.835. Latency: NCCL's ring model, ``8.4 us`` base plus per ring step a
+  hop latency of 3.4 us on NVLink and 14 us on the network, averaged over the ring's
+  hops (``_BASE_LATENCIES`` / ``_HW_LAT_*`` ported from NCCL ``src/graph/tuning.cc``;
+  it reproduces that file's 2-32 node table, e.g. 1204 us at 32x8 ranks).
+- Message-size ramps (small messages reach less than the bandwidth above) are not
+  modelled: the collectives that matter for a plan (gradient, FSDP and tp
+  activations) are megabytes or more.
 """
 
 from __future__ import annotations
@@ -29,6 +57,8 @@ from autopar.cost.devices import DeviceSpec
 
 __all__ = [
     "Link",
+    "NETWORK_EFFICIENCY",
+    "nvswitch_busbw",
     "all_gather_s",
     "all_reduce_s",
     "all_to_all_s",
@@ -44,12 +74,25 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Link:
-    """The bottleneck link of a group: per-rank per-direction bandwidth and per-step latency."""
+    """The bottleneck link of a group: per-rank per-direction bandwidth and per-step latency.
+
+    A plain ``Link(bytes_per_s, latency_s)`` is the textbook alpha-beta link. The
+    calibrated links of :func:`group_link` also carry a fixed ``base_latency_s`` per
+    collective, an all-reduce bus bandwidth of its own, and, for groups inside one
+    NVSwitch node, ``nvswitch=True``: bandwidth and latency then come from the measured
+    tables by group size (module docstring) and ``bytes_per_s`` is the NVLink figure.
+    """
 
     bytes_per_s: float
-    """Bandwidth (beta) per rank per direction."""
+    """Bandwidth (beta) per rank per direction (bus bandwidth of all-gather / reduce-scatter)."""
     latency_s: float
     """Latency (alpha) of one step (one message) of a collective."""
+    base_latency_s: float = 0.0
+    """Fixed latency of one collective call, on top of its steps."""
+    all_reduce_bytes_per_s: float | None = None
+    """Bus bandwidth of all-reduce when it differs from ``bytes_per_s``."""
+    nvswitch: bool = False
+    """Inside one NVSwitch node: bandwidth and latency by group size from the measured tables."""
 
     def __post_init__(self) -> None:
         if not self.bytes_per_s > 0:
@@ -65,13 +108,55 @@ def _check(nbytes: float, group_size: int) -> None:
         raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
 
 
+# nccl-tests, 8x H100 NVSwitch, 1 GB messages (module docstring): bus bandwidth as a fraction
+# of the 450 GB/s NVLink figure, and latency in seconds, by group size.
+NVSWITCH_BUSBW_FRACTION = {
+    "all_gather": ((2, 537 * 1 / 2 / 450), (4, 434 * 3 / 4 / 450), (8, 394 * 7 / 8 / 450)),
+    "all_reduce": ((2, 324 * 2 * 1 / 2 / 450), (4, 236 * 2 * 3 / 4 / 450), (8, 267 * 2 * 7 / 8 / 450)),
+}
+NVSWITCH_LATENCY_S = {
+    "all_gather": ((2, 8e-6), (4, 17e-6), (8, 30e-6)),
+    "all_reduce": ((2, 10e-6), (4, 15e-6), (8, 31e-6)),
+}
+NETWORK_EFFICIENCY = 0.96 * 0.87
+"""Achieved fraction of the NIC's bandwidth per rank on a node (NCCL tuning x autoparallel's fit)."""
+NCCL_BASE_LATENCY_S = 8.4e-6
+"""NCCL ``baseLat`` of the ring algorithm, SIMPLE protocol (tuning.cc)."""
+NVLINK_HOP_LATENCY_S = 3.4e-6
+"""NCCL ``hwLat[NVLINK][RING][SIMPLE]`` (tuning.cc)."""
+NETWORK_HOP_LATENCY_S = 14e-6
+"""NCCL ``hwLat[NET][RING][SIMPLE]`` (tuning.cc)."""
+
+
+def _interp(points: tuple[tuple[int, float], ...], n: int) -> float:
+    """Linear interpolation in the group size, clamped at the measured ends."""
+    if n <= points[0][0]:
+        return points[0][1]
+    for (n0, v0), (n1, v1) in zip(points, points[1:]):
+        if n <= n1:
+            return v0 + (v1 - v0) * (n - n0) / (n1 - n0)
+    return points[-1][1]
+
+
+def nvswitch_busbw(kind: str, group_size: int, nvlink_bytes_per_s: float) -> float:
+    """Bus bandwidth of ``kind`` ("all_gather" for gathers, scatters and all-to-all, or
+    "all_reduce") among ``group_size`` ranks of one NVSwitch node."""
+    return nvlink_bytes_per_s * _interp(NVSWITCH_BUSBW_FRACTION[kind], group_size)
+
+
 def _ring_s(nbytes: float, group_size: int, link: Link, *, passes: int) -> float:
     """``passes`` ring sweeps of (n-1) steps, each moving 1/n of ``nbytes``."""
     _check(nbytes, group_size)
     if group_size == 1:
         return 0.0
     steps = passes * (group_size - 1)
-    return steps / group_size * nbytes / link.bytes_per_s + steps * link.latency_s
+    kind = "all_reduce" if passes == 2 else "all_gather"
+    if link.nvswitch:  # latency_s == 0 marks bucketed traffic (no latency of its own), as elsewhere
+        busbw = nvswitch_busbw(kind, group_size, link.bytes_per_s)
+        latency = _interp(NVSWITCH_LATENCY_S[kind], group_size) if link.latency_s > 0 else 0.0
+        return steps / group_size * nbytes / busbw + latency
+    busbw = link.all_reduce_bytes_per_s if passes == 2 and link.all_reduce_bytes_per_s else link.bytes_per_s
+    return steps / group_size * nbytes / busbw + steps * link.latency_s + link.base_latency_s
 
 
 def all_reduce_s(nbytes: float, group_size: int, link: Link) -> float:
@@ -109,26 +194,38 @@ def p2p_s(nbytes: float, link: Link) -> float:
 
 
 def group_link(*, group_size: int, stride: int, devices_per_node: int, device: DeviceSpec) -> Link:
-    """The bottleneck link of the groups of one mesh axis.
+    """The calibrated link of the groups of one mesh axis (see the module docstring).
 
     Ranks are numbered node-major (rank ``r`` lives on node ``r // devices_per_node``)
     and an axis of ``group_size`` ranks ``stride`` apart tiles the ranks in blocks of
     ``group_size * stride`` consecutive ranks. Every group of the axis stays inside
-    one node exactly when its block fits in a node and blocks do not straddle node
-    boundaries, i.e. when ``group_size * stride`` divides ``devices_per_node``; then
-    the NVLink figures apply. Otherwise some ring crosses the network and, with
-    hierarchical collectives, the per-GPU network bandwidth is the bottleneck.
-    Examples on 8-GPU nodes: (8, 1) -> NVLink; (16, 1) -> network; (8, 8) -> network;
-    (2, 4) -> NVLink; (4, 1) with 6-GPU nodes -> network (ranks 4..7 span two nodes).
-    A group of one rank never communicates and gets the NVLink figures.
+    one node exactly when ``group_size * stride`` divides ``devices_per_node``; then
+    the NVSwitch tables apply to the NVLink figure. Otherwise each group has
+    ``ppn = min(group_size, devices_per_node // stride)`` ranks on each of its nodes
+    (at least 1) and the bus bandwidth is ``ppn`` NICs' worth, capped by what
+    ``ppn`` ranks reach inside a node. Examples on 8-GPU H100 nodes: (8, 1) -> NVSwitch;
+    (16, 1) -> 8 NICs, 334 GB/s; (32, 8) -> one NIC per node, 42 GB/s; (8, 4) -> 2 NICs.
+    A group of one rank never communicates and gets the NVLink link.
     """
     for name, value in (("group_size", group_size), ("stride", stride),
                         ("devices_per_node", devices_per_node)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if device.name == "cpu":  # gloo processes on one machine: the plain alpha-beta figures
+        if group_size == 1 or devices_per_node % (group_size * stride) == 0:
+            return Link(bytes_per_s=device.intra_node_bytes_per_s, latency_s=device.intra_node_latency_s)
+        return Link(bytes_per_s=device.inter_node_bytes_per_s, latency_s=device.inter_node_latency_s)
     if group_size == 1 or devices_per_node % (group_size * stride) == 0:
-        return Link(bytes_per_s=device.intra_node_bytes_per_s, latency_s=device.intra_node_latency_s)
-    return Link(bytes_per_s=device.inter_node_bytes_per_s, latency_s=device.inter_node_latency_s)
+        return Link(bytes_per_s=device.intra_node_bytes_per_s, latency_s=device.intra_node_latency_s,
+                    nvswitch=True)
+    ppn = max(1, min(group_size, devices_per_node // stride))
+    nodes = -(-group_size // ppn)
+    nic = ppn * device.inter_node_bytes_per_s * NETWORK_EFFICIENCY
+    ag = nic if ppn == 1 else min(nic, nvswitch_busbw("all_gather", ppn, device.intra_node_bytes_per_s))
+    ar = nic if ppn == 1 else min(nic, nvswitch_busbw("all_reduce", ppn, device.intra_node_bytes_per_s))
+    # a ring of ppn * nodes ranks has `nodes` network hops and the rest on NVLink
+    hop = ((group_size - nodes) * NVLINK_HOP_LATENCY_S + nodes * NETWORK_HOP_LATENCY_S) / group_size
+    return Link(bytes_per_s=ag, latency_s=hop, base_latency_s=NCCL_BASE_LATENCY_S, all_reduce_bytes_per_s=ar)
 
 
 def stage_ranks(pp_rank: int, *, dp: int, tp: int) -> range:

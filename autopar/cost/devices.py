@@ -29,6 +29,8 @@ Sources:
   https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
 - [DGX-H100] NVIDIA DGX H100 datasheet (8x ConnectX-7 400 Gb/s for compute),
   https://resources.nvidia.com/en-us-dgx-systems/ai-enterprise-dgx
+- [GT] torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, "Hardware" (Meta's Grand
+  Teton H100 hosts), https://github.com/pytorch/torchtitan
 - [H200] NVIDIA H200 Tensor Core GPU datasheet (SXM column),
   https://www.nvidia.com/en-us/data-center/h200/
 - [B200] NVIDIA DGX B200 datasheet (1,440 GB HBM3e and 64 TB/s for 8 GPUs,
@@ -229,6 +231,25 @@ _H100 = DeviceSpec(
     inter_node_latency_s=_NETWORK_LATENCY_S,
 )
 
+# Meta's Grand Teton H100 (the machine of torchtitan's published Llama 3 and Qwen3 runs):
+# [GT] "96GB HBM2e with 2.4 TB/sec peak memory bandwidth", 400 Gb/s RDMA per GPU, NVLink
+# inside the host, 500 W power limit. Capacity as torch reports it: torchtitan's logs
+# print 81.85 GiB as 86.17% of the device (Qwen3-32B PR #1690), i.e. 94.99 GiB.
+# Compute: torchtitan computes MFU against the SXM figure (389.87 TFLOP/s = 39.42%);
+# its footnote says the true peak of this part lies between SXM and NVL. We keep the SXM
+# figures (one number, the one MFU is quoted against); the 500 W cap is left to the
+# achieved-efficiency tables in compute.py, which come from measurements on such parts.
+_H100_96GB = DeviceSpec(
+    name="H100-96GB",
+    peak_flops_per_s=_HOPPER_PEAKS,
+    hbm_bytes=int(94.99 * _GIB),  # [GT] via torchtitan's memory log (see above)
+    hbm_bytes_per_s=2.4e12,  # [GT] 2.4 TB/s HBM2e
+    intra_node_bytes_per_s=450e9,  # [GT] NVLink, as H100 SXM: 900 GB/s bidirectional
+    inter_node_bytes_per_s=50e9,  # [GT] 400 Gb/s per GPU
+    intra_node_latency_s=_NVLINK_LATENCY_S,
+    inter_node_latency_s=_NETWORK_LATENCY_S,
+)
+
 _H200 = DeviceSpec(
     name="H200",
     peak_flops_per_s=_HOPPER_PEAKS,
@@ -280,6 +301,7 @@ DEVICES: dict[str, DeviceSpec] = {
     "A100-80GB": _A100_80GB,
     "A100": _A100_80GB,  # alias: "A100" means the 80 GB SXM part
     "H100": _H100,
+    "H100-96GB": _H100_96GB,
     "H200": _H200,
     "B200": _B200,
     "cpu": _CPU,

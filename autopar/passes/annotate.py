@@ -29,13 +29,43 @@ import torch
 from torch import fx
 from torch.utils import flop_counter
 
-from autopar.cost.compute import compute_time_s
+from autopar.cost.compute import kernel_time_s
 from autopar.cost.devices import DeviceSpec
 from autopar.passes import meta_keys as mk
 
-__all__ = ["annotate_cost", "node_flops", "tensor_bytes"]
+__all__ = ["GemmShape", "annotate_cost", "kernel_of", "node_flops", "tensor_bytes"]
 
 aten = torch.ops.aten
+
+# Matmul ops and the positions of their two operands among the node's args.
+_GEMM_OPERANDS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1)}
+_ATTENTION_WORDS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+
+
+class GemmShape(tuple):
+    """``(m, n, k, a_index, b_index, a_rank, b_rank)`` of a matmul node: batch folded into m;
+    ``a_index``/``b_index`` are the operands' positions among the node's tensor inputs."""
+
+
+def kernel_of(node: fx.Node) -> tuple[str, GemmShape | None]:
+    """The kind of kernel a ``call_function`` node runs ("gemm", "attention", "other") and,
+    for a GEMM, its global shape (for :func:`autopar.cost.compute.kernel_time_s`)."""
+    target = node.target
+    if target in _GEMM_OPERANDS:
+        ia, ib = _GEMM_OPERANDS[target]
+        a, b = node.args[ia].meta.get("val"), node.args[ib].meta.get("val")
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            m = int(a.shape[:-1].numel())  # (B, M, K) or (M, K): batch folded into m
+            k, n = int(a.shape[-1]), int(b.shape[-1])
+            # tensor inputs in order: addmm's bias comes first
+            offset = 1 if target is aten.addmm.default and isinstance(node.args[0], fx.Node) else 0
+            return "gemm", GemmShape((m, n, k, offset, offset + 1, a.dim(), b.dim()))
+        return "gemm", None
+    name = str(getattr(target, "__name__", target))
+    if any(word in name for word in _ATTENTION_WORDS):
+        return "attention", None
+    return "other", None
+
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -76,8 +106,14 @@ def annotate_cost(gm: fx.GraphModule, *, device: DeviceSpec, compute_dtype: str 
         node.meta[mk.COST] = mk.NodeCost(
             flops=flops, bytes_read=read, bytes_written=written, output_bytes=out_bytes,
             saved_bytes=out_bytes if node in saved else 0.0, param_bytes=0.0,
-            time_s=compute_time_s(flops=flops, bytes_moved=read + written, device=device, dtype=dtype))
+            time_s=_time_s(node, flops, read + written, device, dtype))
     return gm
+
+
+def _time_s(node: fx.Node, flops: float, nbytes: float, device: DeviceSpec, dtype: str) -> float:
+    kind, shape = kernel_of(node)
+    return kernel_time_s(kind=kind, flops=flops, bytes_moved=nbytes, device=device, dtype=dtype,
+                         gemm=tuple(shape[:3]) if shape else None)
 
 
 def tensor_bytes(val: Any) -> float:

@@ -40,7 +40,7 @@ from torch import fx
 from torch.distributed.tensor.placement_types import Partial, Shard
 
 from autopar.passes import meta_keys as mk
-from autopar.passes.annotate import tensor_bytes
+from autopar.passes.annotate import kernel_of, tensor_bytes
 from autopar.passes.backward_split import split_backward, tied_gradient_sums
 from autopar.passes.dtensor_rules import op_candidates, tensor_inputs
 
@@ -88,6 +88,11 @@ class SNode:
     """Parameter name for "param" nodes, input name for "input" nodes."""
     shape: tuple[int, ...] = ()
     """Global shape of the (first) output."""
+    kernel: str = "other"
+    """Kind of kernel for pricing: "gemm", "attention" or "other" (``annotate.kernel_of``)."""
+    gemm: tuple | None = None
+    """For a GEMM: ``(m, n, k, a_in, b_in, a_rank, b_rank)``, global m/n/k as :class:`Affine`
+    in the batch (batch folded into m), the operands' positions in ``Strategy.ins`` and ranks."""
 
 
 @dataclass(frozen=True)
@@ -204,15 +209,30 @@ def build_strategy_graph(gm: fx.GraphModule, *, axis_size: int,
                                   batch)
         saved = _saved_outputs(node)
         layer = node.meta[mk.LAYER]
+        kernel, gemm = ("other", None) if kind != "op" else _gemm_affine(node, twin[node] if twin else None, batch)
         index[node] = len(nodes)
         nodes.append(SNode(
             name=node.name, layer=layer, weight=counts.get(layer, 1), kind=kind, phase=phases.get(node, ""),
             flops=flops, bytes_moved=bytes_moved, out_bytes=out_bytes, saved=saved,
             dtype=_DTYPES.get(getattr(vals[0], "dtype", None), "fp32"), candidates=cands,
             fqn=node.meta[mk.TRACE].fqn,
-            shape=tuple(int(d) for d in vals[0].shape) if isinstance(vals[0], torch.Tensor) else ()))
+            shape=tuple(int(d) for d in vals[0].shape) if isinstance(vals[0], torch.Tensor) else (),
+            kernel=kernel, gemm=gemm))
     edges = _edges(gm, index, nodes)
     return StrategyGraph(nodes=tuple(nodes), edges=tuple(edges), axis_size=n, global_batch=batch)
+
+
+def _gemm_affine(node: fx.Node, twin: fx.Node | None, batch: int) -> tuple[str, tuple | None]:
+    """The node's kernel kind and, for a GEMM, its shape with each dim affine in the batch."""
+    kernel, shape = kernel_of(node)
+    if shape is None:
+        return kernel, None
+    other = kernel_of(twin)[1] if twin is not None else None
+    if other is not None:
+        dims = tuple(_affine(a, b, batch) for a, b in zip(shape[:3], other[:3]))
+    else:  # one trace: m (tokens) scales with the batch, n and k are weights' dims
+        dims = (_affine(shape[0], 2 * shape[0], batch), Affine(float(shape[1]), 0.0), Affine(float(shape[2]), 0.0))
+    return kernel, dims + tuple(shape[3:])
 
 
 def _op_strategies(node: fx.Node, n: int) -> tuple[Strategy, ...]:

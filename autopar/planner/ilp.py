@@ -47,13 +47,13 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ortools.linear_solver import pywraplp
 
 from autopar.cost import comm
 from autopar.cost.comm import Link
-from autopar.cost.compute import compute_time_s
+from autopar.cost.compute import kernel_time_s
 from autopar.cost.devices import DeviceSpec
 from autopar.errors import InfeasibleError
 from autopar.passes.strategies import StrategyGraph, Strategy
@@ -114,6 +114,10 @@ class LayerCost:
     """The part of ``activation_bytes`` made by FLOP-free ops (what selective recompute drops)."""
     cheap_forward_s: float = 0.0
     """Forward time of the FLOP-free ops (what selective recompute re-runs)."""
+    transient_bytes: float = 0.0
+    """Largest working set of one op per device for one micro-batch: its outputs plus the inputs
+    it reads that nothing saves (e.g. the loss's fp32 logits gradient and its input), on top of
+    the saved activations and the training state while that op runs."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,7 +157,7 @@ def _edge_link(problem: Problem, dst_kind: str) -> Link:
     """Gradients return to their parameters in buckets (as DDP/FSDP do), so a
     parameter's gradient reduction pays bandwidth but not a collective latency of its own."""
     if dst_kind == "param":
-        return Link(bytes_per_s=problem.link.bytes_per_s, latency_s=0.0)
+        return replace(problem.link, latency_s=0.0, base_latency_s=0.0)
     return problem.link
 
 
@@ -167,8 +171,30 @@ def node_cost_s(problem: Problem, v: int, s: Strategy) -> float:
         return 0.0
     n = problem.graph.axis_size if _splits(s) else 1
     b = problem.batch
-    return compute_time_s(flops=node.flops(b) / n, bytes_moved=node.bytes_moved(b) / n, device=problem.device,
-                          dtype=problem.compute_dtype or node.dtype)
+    return kernel_time_s(kind=node.kernel, flops=node.flops(b) / n, bytes_moved=node.bytes_moved(b) / n,
+                         device=problem.device, dtype=problem.compute_dtype or node.dtype,
+                         gemm=_local_gemm(node, s, b, n))
+
+
+def _local_gemm(node, s: Strategy, b: float, n: int) -> tuple[float, float, float] | None:
+    """The per-device (m, n, k) of a GEMM under strategy ``s``: the dim its operands'
+    placements split is divided by the axis size (batch dims of a bmm count as m; a
+    split seen on neither operand, e.g. of the output only, is charged to m)."""
+    if node.gemm is None:
+        return None
+    m_a, n_a, k_a, ia, ib, rank_a, rank_b = node.gemm
+    dims = [m_a(b), n_a(b), k_a(b)]
+    if n > 1:
+        pa = s.ins[ia] if ia < len(s.ins) else "R"
+        pb = s.ins[ib] if ib < len(s.ins) else "R"
+        if pa and pa[0] == "S":
+            dims[2 if int(pa[1:]) == rank_a - 1 else 0] /= n
+        elif pb and pb[0] == "S":
+            d = int(pb[1:])
+            dims[1 if d == rank_b - 1 else 2 if d == rank_b - 2 else 0] /= n
+        else:
+            dims[0] /= n
+    return tuple(dims)
 
 
 def _param_bytes(problem: Problem, v: int, s: Strategy) -> float:
@@ -360,6 +386,33 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
                     wall_s=time.perf_counter() - start)
 
 
+def _local_out_bytes(problem: Problem, solution: Solution, v: int, o: int) -> float:
+    node = problem.graph.nodes[v]
+    placement = node.candidates[solution.choice[v]].outs[o]
+    if placement is None:
+        return 0.0
+    full = node.out_bytes[o](problem.batch)
+    return full / problem.graph.axis_size if placement.startswith("S") else full
+
+
+def _working_sets(problem: Problem, solution: Solution) -> dict[int, float]:
+    """Per op, the bytes live while it runs beyond what memory already counts: its outputs
+    that are not saved activations, plus the distinct op-produced inputs it reads that are not
+    saved either (a gradient handed from the op before). Parameters, and saved activations,
+    are counted elsewhere (training state, activations)."""
+    g = problem.graph
+    ws = {v: sum(_local_out_bytes(problem, solution, v, o) for o, saved in enumerate(node.saved) if not saved)
+          for v, node in enumerate(g.nodes) if node.kind == "op"}
+    seen = set()
+    for e in g.edges:
+        src = g.nodes[e.src]
+        if e.virtual or e.dst not in ws or src.kind != "op" or src.saved[e.src_out] or (e.src, e.src_out, e.dst) in seen:
+            continue
+        seen.add((e.src, e.src_out, e.dst))
+        ws[e.dst] += _local_out_bytes(problem, solution, e.src, e.src_out)
+    return ws
+
+
 def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
     """Recompute a solution's costs from scratch: per layer instance, and totals over all copies."""
     g = problem.graph
@@ -370,6 +423,7 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
     acts = defaultdict(float)
     cheap_acts = defaultdict(float)
     cheap_f = defaultdict(float)
+    transient = defaultdict(float)
     collectives: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     total_comp = total_comm = 0.0
     for v, node in enumerate(g.nodes):
@@ -392,6 +446,9 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
                 acts[node.layer] += local
                 if cheap:
                     cheap_acts[node.layer] += local
+    for v, ws in _working_sets(problem, solution).items():
+        layer = g.nodes[v].layer
+        transient[layer] = max(transient[layer], ws)
     for group in _tensor_groups(g):
         src = g.nodes[group[0].src]
         p = src.candidates[solution.choice[group[0].src]].outs[group[0].src_out]
@@ -414,7 +471,8 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
             collectives[kind]["time_s"] += weight * t
     layers = {name: LayerCost(compute_s=dict(comp[name]), comm_s=dict(com[name]), param_bytes=params[name],
                               n_params_local=nparams[name], activation_bytes=acts[name],
-                              cheap_activation_bytes=cheap_acts[name], cheap_forward_s=cheap_f[name])
+                              cheap_activation_bytes=cheap_acts[name], cheap_forward_s=cheap_f[name],
+                              transient_bytes=transient[name])
               for name in dict.fromkeys(n.layer for n in g.nodes)}
     return CostBreakdown(total_s=total_comp + total_comm, compute_s=total_comp, comm_s=total_comm,
                          layers=layers, collectives={k: dict(v) for k, v in collectives.items()})

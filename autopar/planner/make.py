@@ -158,6 +158,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                         cheap_f_s=lc.cheap_forward_s if lc else 0.0,
                         act_bytes=lc.activation_bytes if lc else 0.0,
                         cheap_act_bytes=lc.cheap_activation_bytes if lc else 0.0,
+                        transient_bytes=lc.transient_bytes if lc else 0.0,
                         boundary_bytes=layer.boundary_bytes * scale,
                         n_params=lc.n_params_local if lc else 0.0,
                         shared_params=tuple((fqn, owner, local.get(fqn, 0.0))

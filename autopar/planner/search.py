@@ -193,6 +193,8 @@ class Unit:
     boundary_bytes: float
     n_params: float
     """Parameters held per device under tensor parallelism (before ZeRO)."""
+    transient_bytes: float = 0.0
+    """Largest single-op working set beyond saved activations (``ilp.LayerCost.transient_bytes``)."""
     shared_params: tuple[tuple[str, str, float], ...] = ()
     """Parameters this unit reads that another unit owns (a tied embedding read by the output
     head): (name, owning unit, parameters per device). A stage without the owner holds a copy."""
@@ -730,8 +732,9 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
         stages.append(StagePlan(
             layers=tuple(u.path for u in chunk), f_s=f, b_s=b, w_s=w, comm_s=c, inflight=inflight[s],
             params_bytes=state.params, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
-            activations_bytes=inflight[s] * acts if cfg.recompute != "full" else
-            inflight[s] * (acts - max(u.act_bytes for u in chunk)) + max(u.act_bytes for u in chunk),
+            activations_bytes=(inflight[s] * acts if cfg.recompute != "full" else
+                               inflight[s] * (acts - max(u.act_bytes for u in chunk)) + max(u.act_bytes for u in chunk))
+            + max(u.transient_bytes for u in chunk),  # the largest op's working set, once
             grad_sync_s=sync, optimizer_s=opt_s,
             send_bytes=chunk[-1].boundary_bytes if s < len(cuts) - 1 else 0.0,
             groups=tuple(groups),
