@@ -99,16 +99,15 @@ def test_tp_never_crosses_a_node(gpt_small_build):
 
 def test_zero_stage_is_the_modelled_optimum_and_memory_can_force_one(gpt_small_build):
     """ZeRO is chosen by modelled step time, not "first stage that fits": the free plan is
-    the fastest of the four pinned ones (ZeRO-1 shards the optimizer step over dp for one
-    extra collective latency, so here it beats ZeRO-0). A tight device still gets a plan
-    that fits."""
+    the fastest of the four pinned ones (a sharded optimizer step, with collectives the step
+    program overlaps, beats ZeRO-0 here). A tight device still gets a plan that fits."""
     model, inputs, loss_fn, target = gpt_small_build
     fixed = {"tp": 1, "pp": 1}
     free = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target, fixed=fixed)
     pinned = {z: autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
                               fixed={**fixed, "zero": z}).predicted["step_time_s"] for z in range(4)}
     best = min(pinned, key=lambda z: (float(f"{pinned[z]:.6g}"), z))
-    assert free.zero == best == 1, pinned
+    assert free.zero == best != 0, pinned
     assert free.predicted["step_time_s"] == pytest.approx(pinned[best], rel=1e-12)
     need = free.predicted["peak_memory_bytes"]
     tight = parse_cluster("1x8xH100").with_overrides(hbm_bytes=int(need * 0.8))

@@ -62,14 +62,16 @@ def test_pruned_search_equals_exhaustive_and_bounds_hold():
 
 
 def test_zero_stage_by_modelled_cost_not_first_fit():
-    """Every stage fits; ZeRO-1's sharded optimizer step makes it the fastest, and the old
-    loop (stop at the first stage that fits, ZeRO-0) missed it."""
+    """Every stage fits; a sharded optimizer step makes a higher stage the fastest (which one
+    depends on how much of its collectives the step program hides), and the old loop (stop
+    at the first stage that fits, ZeRO-0) missed it."""
     units = _units(8, params=400e6)
     best, _ = _search(units, fixed={"pp": 1}, tp=(1,))
     times = {z: _search(units, fixed={"pp": 1, "zero": z}, tp=(1,))[0][0].step_time_s for z in range(4)}
-    assert best[0].config.zero == min(times, key=lambda z: (float(f"{times[z]:.6g}"), z)) == 1, times
+    fastest = min(times, key=lambda z: (float(f"{times[z]:.6g}"), z))
+    assert best[0].config.zero == fastest != 0, times
     assert times[1] < times[0]
-    assert best[0].step_time_s == times[1]
+    assert best[0].step_time_s == times[fastest]
 
 
 def test_grad_sync_follows_zero_def():

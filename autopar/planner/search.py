@@ -322,6 +322,7 @@ def _cuts_fit(units: list[Unit], cuts, recompute: str, *, cap: float, state_per_
             + inflight[s] * sum(_unit_times(u, recompute)[3] for u in chunk)
         if recompute == "full":
             mem += max(u.act_bytes for u in chunk)
+        mem += max(u.transient_bytes for u in chunk)  # the largest op's working set, as _estimate counts it
         if mem > cap:
             return False
     return True
@@ -336,6 +337,7 @@ def _cut(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
         times.append(f + b + w)
         acts.append(a)
         work.append(u.act_bytes if cfg.recompute == "full" else 0.0)
+    transient = [u.transient_bytes for u in units]
     n, pp = len(units), cfg.n_stages
     if pp > n:
         return None
@@ -347,7 +349,7 @@ def _cut(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
 
     def fits(i: int, j: int, s: int) -> bool:
         mem = state_per_param * (pre_p[j] - pre_p[i]) + inflight[s] * (pre_a[j] - pre_a[i])
-        return mem + (max(work[i:j]) if cfg.recompute == "full" else 0.0) <= cap
+        return mem + (max(work[i:j]) if cfg.recompute == "full" else 0.0) + max(transient[i:j], default=0.0) <= cap
 
     def greedy(bound: float) -> list[tuple[int, int]] | None:
         cuts, i = [], 0
