@@ -145,13 +145,27 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 # -- the state dict of a ParallelModule --------------------------------------------------
 
+def _placements(shard, mesh) -> list:
+    """The parameter's (dp, tp) placements. A plan may say "P" for a parameter on a tp axis of
+    size 1 (any placement is exact there); DCP refuses Partial, and Replicate is the same thing."""
+    from torch.distributed.tensor import Partial
+
+    from autopar.passes.shard import placement
+
+    tp = placement(shard.tp_placement)
+    if isinstance(tp, Partial):
+        if mesh.size(1) != 1:
+            raise CheckpointError(f"a parameter of shape {tuple(shard.shape)} is held Partial on a tp axis of "
+                                  f"size {mesh.size(1)}; autopar cannot checkpoint a parameter stored as a sum")
+        tp = Replicate()
+    return [Replicate(), tp]
+
+
 def _layout(shard, tensor: torch.Tensor, mesh) -> DTensor | FlatShard:
     """``tensor`` (the optimizer's parameter or one of its state tensors) as DCP sees it."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from autopar.passes.shard import placement
-
-    pls = [Replicate(), placement(shard.tp_placement)]
+    pls = _placements(shard, mesh)
     if shard.flat_range is None:
         stride = torch.empty(shard.shape, device="meta").stride()
         return DTensor.from_local(tensor, mesh, pls, run_check=False, shape=shard.shape, stride=stride)
@@ -384,13 +398,11 @@ def _load_full(pm, src) -> None:
     """Whole tensors (torch.save, safetensors): each rank copies only the boxes it holds."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from autopar.passes.shard import placement
-
     tensors = full_source(src, pm.model)
     for fqn in pm.params.entries:
         shard = pm.params.optimizer_shard(fqn)
         get = tensors[fqn]
-        pls = [Replicate(), placement(shard.tp_placement)]
+        pls = _placements(shard, pm.mesh)
         size, offset = compute_local_shape_and_global_offset(shard.shape, pm.mesh, pls)
         if shard.flat_range is None:
             boxes = [(tuple(offset), tuple(size), 0)]
