@@ -138,6 +138,14 @@ class _SavePlanner(DefaultSavePlanner):
 
 
 class _LoadPlanner(DefaultLoadPlanner):
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DCP's set-up (_init_state_dict) replaces values of types it does not know with None,
+        # in place: put the FlatShards back (the dict is flat, so the keys are unchanged).
+        flat = {k: v for k, v in state_dict.items() if isinstance(v, FlatShard)}
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        for d in (state_dict, self.state_dict, self.original_state_dict):
+            d.update(flat)
+
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict.get(index.fqn)
         return obj.__get_tensor_shard__(index) if isinstance(obj, FlatShard) else super().lookup_tensor(index)
