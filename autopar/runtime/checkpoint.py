@@ -235,9 +235,11 @@ def _set_rng_state(state: dict) -> None:
 _GROUPS: dict[int, Any] = {}
 
 
-def _group(timeout_s: float):
-    """A gloo group of its own for checkpoint traffic, so an asynchronous save's collectives
-    (in a thread) never interleave with training's on the default group."""
+def _async_group(timeout_s: float):
+    """A gloo group of its own for asynchronous saves, so their collectives (in a thread) never
+    interleave with training's on the default group. Synchronous saves and loads use the
+    default group: creating a group on every restart of a torchrun job (while its peer may
+    still be starting) is one more rendezvous that can fail."""
     key = id(dist.group.WORLD)
     if key not in _GROUPS:
         _GROUPS.clear()
@@ -272,7 +274,8 @@ def save(pm, root: str | os.PathLike, *, state: dict | None = None, async_save: 
         if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
             raise TypeError(f"state[{name!r}] is a {type(obj).__name__}, which has no state_dict/load_state_dict; "
                             f"pass objects such as a sampler or data loader that have both")
-    group = _group(pm.timeout_s)
+    _wait_for_saves()  # one save at a time on the checkpoint group
+    group = _async_group(pm.timeout_s) if async_save else None
     rank = dist.get_rank()
     root = Path(root)
     final = root / f"step-{pm.steps:08d}"
@@ -298,7 +301,8 @@ def save(pm, root: str | os.PathLike, *, state: dict | None = None, async_save: 
 
     future: Future = Future()
     if not async_save:
-        write()
+        with pm._guard(f"saving checkpoint {final} (DCP's plan exchange and barriers)"):
+            write()
         future.set_result(final)
         return SaveHandle(final, future)
 
@@ -310,7 +314,18 @@ def save(pm, root: str | os.PathLike, *, state: dict | None = None, async_save: 
             future.set_exception(e)
 
     threading.Thread(target=run, name=f"autopar-save-{pm.steps}", daemon=True).start()
-    return SaveHandle(final, future)
+    handle = SaveHandle(final, future)
+    _IN_FLIGHT.append(handle)
+    return handle
+
+
+_IN_FLIGHT: list[SaveHandle] = []
+
+
+def _wait_for_saves() -> None:
+    """Finish every asynchronous save still writing (their collectives share the checkpoint group)."""
+    while _IN_FLIGHT:
+        _IN_FLIGHT.pop(0).wait()
 
 
 def _aliases(model) -> dict[str, str]:
@@ -377,6 +392,7 @@ def load_shards(pm) -> None:
     src, pm._pending_checkpoint = pm._pending_checkpoint, None
     if src is None:
         return
+    _wait_for_saves()
     with torch.no_grad():
         if src.kind == "checkpoint":
             meta = read_meta(src.path)
@@ -384,7 +400,8 @@ def load_shards(pm) -> None:
             reader = FileSystemReader(src.path)
             sd, install = _state_dict(pm, metadata=reader.read_metadata())
             sd = {k: v for k, v in sd.items() if not k.startswith("buffer/")}
-            dcp.load(sd, storage_reader=reader, planner=_LoadPlanner(), process_group=_group(pm.timeout_s))
+            with pm._guard(f"loading checkpoint {src.path} (DCP's plan exchange)"):
+                dcp.load(sd, storage_reader=reader, planner=_LoadPlanner(), process_group=None)
             for param, state in install.items():
                 pm.optimizer.state[param] = state
             for key, value in sd.items():  # Python objects and 0-dim tensors come back by key
@@ -395,7 +412,7 @@ def load_shards(pm) -> None:
             buf_sd = {f"buffer/{n}": b for n, b in buffers.items()
                       if f"buffer/{n}" in reader.read_metadata().state_dict_metadata}
             if buf_sd:
-                dcp.load(buf_sd, storage_reader=FileSystemReader(src.path), process_group=_group(pm.timeout_s))
+                dcp.load(buf_sd, storage_reader=FileSystemReader(src.path), process_group=None)
         else:
             _load_full(pm, src)
         pm.params.after_step()  # ZeRO-1/2: every rank's parameters whole again from the loaded chunks
