@@ -148,7 +148,20 @@ def _resolve_device(cluster: Cluster, device: str | None) -> str:
 def _init_process_group(device: str, timeout_s: float) -> None:
     if dist.is_initialized():  # the caller's group keeps its own timeout; pipeline receives still use timeout_s
         return
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    backend = "nccl" if device == "cuda" else "gloo"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # A restarted torchrun job (--max-restarts) talks to the agent's store, which still holds the
+        # previous attempt's gloo addresses under the same keys: a rank that reads one before its peer
+        # overwrites it connects to a dead port ("Connection refused"; seen on every restart test
+        # here). Keys of this attempt's own avoid it (used by checkpoint resumption).
+        store = dist.PrefixStore(f"autopar/attempt-{restart}/", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=timedelta(seconds=timeout_s)))
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
+        return
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
 _WATCHES: dict[int, Any] = {}
