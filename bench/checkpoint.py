@@ -14,6 +14,7 @@ collectives), and the bytes of the DCP data file each rank wrote, plus the check
 """
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -62,8 +63,13 @@ def _bench(rank, world, size, repeats, root):
             t0 = time.perf_counter()
             pm.load_checkpoint(f"{where}-sync")
             times["load"].append(time.perf_counter() - t0)
-        step_dir = next(Path(f"{root}/{name.split()[0]}-0-sync").glob("step-*"))
-        files = {p.name: p.stat().st_size for p in step_dir.iterdir()}
+            if i == 0:
+                step_dir = next(Path(f"{where}-sync").glob("step-*"))
+                files = {p.name: p.stat().st_size for p in step_dir.iterdir()}
+            dist.barrier()
+            if rank == 0:  # (disk space: one checkpoint of 125m with AdamW state is ~1.5 GB)
+                shutil.rmtree(f"{where}-sync")
+                shutil.rmtree(f"{where}-async")
         out[name] = {"median_s": {k: statistics.median(v) for k, v in times.items()}, "params": n_params,
                      "bytes": files.get(f"__{rank}_0.distcp", 0), "total": sum(files.values())}
     return out
