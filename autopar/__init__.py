@@ -13,7 +13,7 @@ import importlib
 # `autopar.plan` names both a module and the planning function; importing the module now
 # keeps a later `import autopar.plan` from rebinding the attribute to the module.
 import autopar.plan as _plan_module  # noqa: F401
-from autopar.errors import (AutoparError, ClusterSpecError, InfeasibleError, InputError, LossError, OutputPathError,
+from autopar.errors import (AutoparError, CheckpointError, ClusterSpecError, InfeasibleError, InputError, LossError, OutputPathError,
                             PeerError, PlanError, TraceError, UserCodeError)
 
 __version__ = "0.1.0"
@@ -30,7 +30,7 @@ _LAZY = {
 
 del plan  # the submodule bound by the import above; `autopar.plan` is the function (see __getattr__)
 
-__all__ = ["analyze", "plan", "Plan", "parallelize", "ParallelModule", "Cluster", "parse_cluster", "AutoparError", "ClusterSpecError",
+__all__ = ["analyze", "plan", "Plan", "parallelize", "ParallelModule", "Cluster", "parse_cluster", "AutoparError", "CheckpointError", "ClusterSpecError",
            "InfeasibleError", "InputError", "LossError", "OutputPathError", "PeerError", "PlanError", "TraceError",
            "UserCodeError", "__version__"]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "AutoparError",
+    "CheckpointError",
     "ClusterSpecError",
     "InfeasibleError",
     "InputError",
@@ -24,6 +25,11 @@ __all__ = [
 
 class AutoparError(Exception):
     """Base class of every error autopar raises on purpose."""
+
+
+class CheckpointError(AutoparError, ValueError):
+    """A checkpoint cannot be loaded as asked: missing or truncated files, an incomplete save,
+    another model's parameters or other shapes (:mod:`autopar.runtime.checkpoint`)."""
 
 
 class ClusterSpecError(AutoparError, ValueError):

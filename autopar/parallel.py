@@ -59,6 +59,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,8 +89,12 @@ def parallelize(model: nn.Module, *, cluster: str | Cluster, plan: Plan | str | 
                 loss_fn: Callable | None = None,
                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
                 fixed: dict | None = None, compile: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
-                device: str | None = None) -> ParallelModule:
+                device: str | None = None, resume_from: str | os.PathLike | None = None) -> ParallelModule:
     """Wrap ``model`` for sharded training on ``cluster`` (see the module docstring).
+
+    ``resume_from`` is a checkpoint (:meth:`ParallelModule.load_checkpoint`) to continue from:
+    a directory of checkpoints that holds no complete one yet starts afresh, so a job that
+    restarts itself can always pass its checkpoint directory.
 
     ``compile=True`` runs the per-rank program traced once (:mod:`autopar.passes.shard`);
     ``False`` interprets the joint graph over DTensors every step (slower, same numbers).
@@ -99,8 +104,18 @@ def parallelize(model: nn.Module, *, cluster: str | Cluster, plan: Plan | str | 
     ``"cuda"`` for a GPU cluster, which is an error on a machine without CUDA, and
     ``"cpu"`` for a ``cpu`` cluster.
     """
-    return ParallelModule(model, cluster=cluster, plan=plan, loss_fn=loss_fn, optimizer=optimizer, fixed=fixed,
-                          compile=compile, timeout_s=timeout_s, device=device)
+    pm = ParallelModule(model, cluster=cluster, plan=plan, loss_fn=loss_fn, optimizer=optimizer, fixed=fixed,
+                        compile=compile, timeout_s=timeout_s, device=device)
+    if resume_from is not None:
+        from autopar.runtime.checkpoint_io import latest
+
+        p = Path(resume_from)
+        if p.is_dir() and not (p / "autopar.json").exists() and not any(p.glob("*.safetensors")) \
+                and latest(p) is None:  # (an interrupted first save leaves only step-N.tmp)
+            log.info("resume_from=%s holds no checkpoint yet: starting afresh", p)
+        else:
+            pm.load_checkpoint(p)
+    return pm
 
 
 def _check_world(cluster: Cluster) -> int:
@@ -134,7 +149,20 @@ def _resolve_device(cluster: Cluster, device: str | None) -> str:
 def _init_process_group(device: str, timeout_s: float) -> None:
     if dist.is_initialized():  # the caller's group keeps its own timeout; pipeline receives still use timeout_s
         return
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    backend = "nccl" if device == "cuda" else "gloo"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # A restarted torchrun job (--max-restarts) talks to the agent's store, which still holds the
+        # previous attempt's gloo addresses under the same keys: a rank that reads one before its peer
+        # overwrites it connects to a dead port ("Connection refused"; seen on every restart test
+        # here). Keys of this attempt's own avoid it (used by checkpoint resumption).
+        store = dist.PrefixStore(f"autopar/attempt-{restart}/", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=timedelta(seconds=timeout_s)))
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
+        return
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
 _WATCHES: dict[int, Any] = {}
@@ -210,6 +238,9 @@ class ParallelModule:
         self._compiled = False
         self._watch = None
         self._first_batch: int | None = None
+        self.steps = 0
+        """Optimizer steps taken (restored by load_checkpoint)."""
+        self._pending_checkpoint = None  # loaded right after compiling (autopar.runtime.checkpoint)
 
     def _guard(self, action: str, peers=None):
         """Turn a backend failure inside the block into a PeerError naming ``action`` and the peers."""
@@ -464,10 +495,15 @@ class ParallelModule:
         if not self._compiled:
             self._compile(names, values, target is not None)
             self._first_batch = got
+            if self._pending_checkpoint is not None:  # load_checkpoint / resume_from before the first step
+                from autopar.runtime.checkpoint import load_shards
+
+                load_shards(self)
         batch = self.plan.model["global_batch"]
         if got != batch:
             raise ValueError(f"train_step got a batch of {got} but the plan is for a global batch of {batch}; "
                              f"pass the global batch (every rank the same), or re-plan for this batch size")
+        self.steps += 1
         if self.plan.mesh["pp"] > 1:
             return self._pipeline_step(values)
         m = self.plan.schedule["microbatches"]
@@ -534,6 +570,29 @@ class ParallelModule:
                                      n_micro=old.n_micro, n_virtual=n_stages // pp, rank_of_stage=old.rank_of_stage,
                                      guard=old.guard, timeout_s=old.timeout_s, tp_ranks=old.tp_ranks)
         self.plan = replace(self.plan, schedule={**self.plan.schedule, "kind": kind})
+
+    def save_checkpoint(self, path: str | os.PathLike, *, state: dict | None = None, async_save: bool = False,
+                        keep: int | None = None):
+        """Save a sharded checkpoint of this step into ``path/step-NNNNNNNN`` (every rank calls it).
+
+        ``state`` maps names to objects with ``state_dict``/``load_state_dict`` (a sampler's data
+        position), saved per rank. ``async_save`` copies the shards and writes them in a thread
+        while training goes on; ``keep`` removes all but the newest ``keep`` checkpoints. Returns
+        a handle whose ``wait()`` gives the directory once published (see
+        :mod:`autopar.runtime.checkpoint`)."""
+        from autopar.runtime.checkpoint import save
+
+        self._require_compiled()
+        return save(self, path, state=state, async_save=async_save, keep=keep)
+
+    def load_checkpoint(self, path: str | os.PathLike, *, state: dict | None = None) -> None:
+        """Continue from checkpoint ``path`` (or the newest complete one in it) under this plan, or
+        start from whole weights (a ``torch.save`` state dict, safetensors, a ``save_pretrained``
+        directory). The step, RNG and ``state`` objects are restored at once, the shards now or,
+        before the first step, right after compiling. Bad checkpoints raise ``CheckpointError``."""
+        from autopar.runtime.checkpoint import load
+
+        load(self, path, state=state)
 
     def local_batch(self, value: torch.Tensor) -> torch.Tensor:
         """This data-parallel rank's slice of a global batch tensor."""

@@ -2,17 +2,25 @@
 
     torchrun --nproc-per-node 4 examples/train.py --cluster 1x4xcpu
     torchrun --nproc-per-node 2 examples/train.py --cluster 1x2xcpu --steps 50 --fix zero=3
+    torchrun --standalone --nproc-per-node 2 --max-restarts 3 examples/train.py --cluster 1x2xcpu \
+        --checkpoint-dir ckpt --checkpoint-every 10     # a killed rank restarts the job from ckpt/
 
 The data is a fixed synthetic "language": each sequence counts upward from a
 random start modulo the vocabulary, so the next token is predictable and the loss
 falls fast from ln(vocab). Every rank builds the same model from the same seed and
 passes the same global batch; autopar gives each data-parallel rank its slice.
 Rank 0 prints the plan, a progress bar and the loss.
+
+With ``--checkpoint-dir`` the run saves a sharded checkpoint every
+``--checkpoint-every`` steps (with the data position) and, when it starts, resumes
+from the newest complete one there: under ``torchrun --max-restarts K`` a job whose
+rank was killed restarts and continues where its last checkpoint left it.
 """
 
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -26,12 +34,26 @@ import autopar.progress  # noqa: E402
 import gpt  # noqa: E402
 
 
-def batches(*, batch: int, seq: int, vocab: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        start = torch.randint(0, vocab, (batch, 1), generator=g)  # (B, 1)
-        tokens = (start + torch.arange(seq + 1)) % vocab  # (B, T+1)
-        yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+class Batches:
+    """The synthetic batches, with a data position a checkpoint saves (``state_dict``)."""
+
+    def __init__(self, *, batch: int, seq: int, vocab: int, seed: int):
+        self.batch, self.seq, self.vocab = batch, seq, vocab
+        self.g = torch.Generator().manual_seed(seed)
+        self.drawn = 0
+
+    def __next__(self):
+        start = torch.randint(0, self.vocab, (self.batch, 1), generator=self.g)  # (B, 1)
+        tokens = (start + torch.arange(self.seq + 1)) % self.vocab  # (B, T+1)
+        self.drawn += 1
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def state_dict(self) -> dict:
+        return {"rng": self.g.get_state(), "drawn": self.drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.g.set_state(state["rng"])
+        self.drawn = state["drawn"]
 
 
 def main() -> None:
@@ -45,6 +67,12 @@ def main() -> None:
     parser.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--timeout-s", type=float, default=600.0,
                         help="seconds a rank waits on a dead or stuck peer before it stops with an error naming it")
+    parser.add_argument("--checkpoint-dir", help="save checkpoints here, and resume from the newest one at start")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="save every N steps")
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints kept in --checkpoint-dir")
+    parser.add_argument("--kill-at-step", type=int, default=0, metavar="N",
+                        help="(for restart tests) on the job's first attempt, the last rank kills itself with "
+                             "SIGKILL after step N")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     fixed = dict(kv.split("=", 1) for kv in args.fix)
@@ -56,13 +84,27 @@ def main() -> None:
     vocab = model.config.vocab_size if hasattr(model, "config") else 256
     pm = autopar.parallelize(model, cluster=args.cluster, loss_fn=loss_fn, fixed=fixed or None,
                              optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr), timeout_s=args.timeout_s)
-    data = batches(batch=args.batch, seq=args.seq, vocab=vocab, seed=1)
+    data = Batches(batch=args.batch, seq=args.seq, vocab=vocab, seed=1)
+    if args.checkpoint_every and not args.checkpoint_dir:
+        parser.error("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_dir:
+        from autopar.runtime.checkpoint import latest
+
+        if latest(args.checkpoint_dir) is not None:
+            pm.load_checkpoint(args.checkpoint_dir, state={"data": data})
+            if rank == 0:
+                print(f"resumed from {latest(args.checkpoint_dir)} at step {pm.steps}", flush=True)
     first = None
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    for step in range(pm.steps + 1, args.steps + 1):
         tokens, target = next(data)
         loss = pm.train_step((tokens,), target)
-        if step == 1 and rank == 0:
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            pm.save_checkpoint(args.checkpoint_dir, state={"data": data}, keep=args.keep)
+        if step == args.kill_at_step and first_attempt and rank == int(os.environ.get("WORLD_SIZE", "1")) - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if first is None and rank == 0:
             print(pm.plan.summary(), flush=True)
             print(f"loss at start {loss:.3f} (ln vocab = {math.log(vocab):.3f})", flush=True)
         first = loss if first is None else first
@@ -71,8 +113,9 @@ def main() -> None:
             rate = step / (time.perf_counter() - start)
             print(f"\r[{'#' * done}{'.' * (30 - done)}] step {step}/{args.steps} loss {loss:.4f} "
                   f"({rate:.1f} steps/s)", end="", flush=True)
-    if rank == 0:
+    if rank == 0 and first is not None:
         print(f"\nloss {first:.3f} -> {loss:.3f}")
+        print(f"final loss {loss!r}", flush=True)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from autopar.passes.meta_keys import GradReturn
 from autopar.passes.shard import placement
 
-__all__ = ["ShardedParams", "StateBytes", "TpBucket", "tp_buckets"]
+__all__ = ["OptimizerShard", "ShardedParams", "StateBytes", "TpBucket", "tp_buckets"]
 
 # torch 2.13 renamed these (the old names warn); 2.11 has only the old ones.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -52,6 +52,25 @@ class StateBytes:
     params: int
     grads: int
     optimizer: int
+
+
+@dataclass(frozen=True)
+class OptimizerShard:
+    """The tensor the optimizer steps for one parameter on this rank, and where it lies in
+    the whole parameter (read by :mod:`autopar.runtime.checkpoint`; the optimizer's state
+    tensors have the same layout)."""
+
+    param: nn.Parameter
+    shape: torch.Size
+    """The whole parameter's shape."""
+    tp_placement: str
+    """The plan's placement on tp ("R", "S0", ...): ``param`` is in this tp shard."""
+    local_shape: torch.Size
+    """The tp shard's shape."""
+    flat_range: tuple[int, int] | None
+    """None when ``param`` is the whole tp shard (ZeRO-0); else ``param`` is a flat chunk whose
+    first ``stop - start`` elements are elements [start, stop) of the flattened tp shard (the
+    rest is padding)."""
 
 
 class _Entry:
@@ -239,6 +258,19 @@ class ShardedParams:
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return [e.opt_param for e in self.entries.values()]
+
+    def optimizer_shard(self, fqn: str) -> OptimizerShard:
+        """Where this rank's optimizer tensor of ``fqn`` lies in the whole parameter (for checkpoints).
+
+        Writing into ``param`` in place and then calling :meth:`after_step` makes every
+        rank's parameters whole again (ZeRO-1/2 gather the updated chunks)."""
+        e = self.entries[fqn]
+        rng = None
+        if self.zero:
+            start = min(self.dp_rank * e.chunk, e.numel)
+            rng = (start, min(start + e.chunk, e.numel))
+        return OptimizerShard(param=e.opt_param, shape=e.shape, tp_placement=e.tp_placement,
+                              local_shape=e.local_shape, flat_range=rng)
 
     # -- inspection -------------------------------------------------------------
 
