@@ -79,7 +79,7 @@ def trace_joint(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _collapsed(model, repeats), _fake_state(model, fake_mode), warnings.catch_warnings():
+    with _collapsed(model, repeats), _caches_off(model), _fake_state(model, fake_mode), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fake_inputs = [_to_fake(x, fake_mode) for x in flat]
         joint, flat_to_fqn = _export(wrapper, fake_inputs, type(model).__name__)
@@ -207,6 +207,34 @@ def _collapsed(model: nn.Module, repeats: tuple[mk.Repeat, ...]) -> Iterator[Non
     finally:
         for container, modules in saved:
             container._modules = modules
+
+
+# -- caches ------------------------------------------------------------------
+
+_CACHE_NOTED: set[str] = set()
+
+
+@contextlib.contextmanager
+def _caches_off(model: nn.Module) -> Iterator[None]:
+    """Trace with Hugging Face's key/value cache off (``config.use_cache``), then restore it.
+
+    Training never reads the cache, but with it on the model builds a cache object and
+    attends over ``cat(empty cache, keys)``: tensor constants and copies that cost time
+    and memory in the plan and are no part of the loss. Said once per model class.
+    """
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "use_cache", False) is True}
+    if configs and type(model).__name__ not in _CACHE_NOTED:
+        _CACHE_NOTED.add(type(model).__name__)
+        log.warning("%s has use_cache=True; autopar traces it with use_cache=False (a training step "
+                    "never reads the key/value cache), your model is left as it was", type(model).__name__)
+    try:
+        for c in configs.values():
+            c.use_cache = False
+        yield
+    finally:
+        for c in configs.values():
+            c.use_cache = True
 
 
 # -- fake state --------------------------------------------------------------
@@ -338,6 +366,9 @@ def _annotate_nodes(gm: fx.GraphModule, flat_to_fqn: dict[str, str], input_names
                 info = mk.NodeTrace(role=mk.Role.INPUT, module_path="", fqn=name)
         elif node.op == "output":
             info = mk.NodeTrace(role=mk.Role.OUTPUT, module_path="")
+        elif node.op == "get_attr":  # a tensor constant (torch.tensor([...]) in the forward)
+            node.meta.setdefault("val", getattr(gm, node.target))
+            info = mk.NodeTrace(role=mk.Role.CONSTANT, module_path="", fqn=node.target)
         else:
             backward = node.meta.get("partitioner_tag") == "is_backward" or node.meta.get("autograd_backward", False)
             if not backward:
