@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autopar.errors import LossError
+from autopar.errors import InputError, LossError
 from autopar.passes import meta_keys as mk
 from autopar.passes.train_checks import check_trainable, checked_loss
-from autopar.passes.trace_errors import trace_error
+from autopar.passes.trace_errors import CACHE_OBJECT, trace_error
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ def trace_joint(
         op or source line when the model cannot be traced.
     """
     names, flat, kw_names = flatten_inputs(example_inputs)
+    _check_no_cache(names, flat)
     check_trainable(model, names, flat, example_target)
     if example_target is not None:
         names, flat = names + ("target",), flat + [example_target]
@@ -121,6 +122,16 @@ def flatten_inputs(example_inputs: Any) -> tuple[tuple[str, ...], list[Any], tup
     raise TypeError(
         f"example_inputs must be a tuple of positional arguments, a dict of keyword "
         f"arguments or a single tensor; got {type(example_inputs).__name__}")
+
+
+def _check_no_cache(names: tuple[str, ...], flat: list[Any]) -> None:
+    """A key/value cache passed as an input (``past_key_values=DynamicCache()``) is refused by name."""
+    for name, value in zip(names, flat):
+        if any(c.__name__ == "Cache" for c in type(value).__mro__):
+            raise InputError(
+                f"{CACHE_OBJECT}: input {name!r} is a {type(value).__name__}, a key/value cache for generation; "
+                f"a training step reads none. Try: leave {name!r} out of the inputs (autopar traces Hugging Face "
+                f"models with use_cache=False)")
 
 
 class _TrainStep(nn.Module):
