@@ -154,25 +154,47 @@ _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_tok
               "cls_token_id", "mask_token_id")
 
 
-def tiny_config(config_cls, **extra):
-    """``config_cls``'s default config with its size fields scaled down (2 layers, hidden 64, 4
-    heads of 16, ffn 128, vocab 512, 4 experts) and nothing else changed; token ids that fall
-    outside the smaller vocabulary become 0. Fields the default leaves unset (None, such as
-    GPT-2's n_inner) stay unset. ``extra`` overrides anything."""
-    default = config_cls()
+_LAYER_FIELDS = next(names for names in _TINY_FIELDS if "num_hidden_layers" in names)
+
+
+def _tiny_kwargs(default, *, layers: bool) -> dict:
+    """The size fields of ``default`` (a config) to change, sub-configs included."""
     kwargs = {}
     for names, value in _TINY_FIELDS.items():
+        if names is _LAYER_FIELDS and not layers:
+            continue
         for name in names:
             have = getattr(default, name, None)
             if isinstance(have, int) and not isinstance(have, bool) and have > value:
                 kwargs[name] = value
+    n_layers = getattr(default, "num_hidden_layers", None)
+    if layers and isinstance(n_layers, int) and n_layers > 2:  # per-layer lists (layer_types) follow the count
+        for name, have in default.to_dict().items():
+            if isinstance(have, list) and len(have) == n_layers and name not in kwargs:
+                kwargs[name] = have[:2]
     vocab = kwargs.get("vocab_size", getattr(default, "vocab_size", None))
     for name in _TOKEN_IDS:
         have = getattr(default, name, None)
         if isinstance(vocab, int) and isinstance(have, int) and have >= vocab:
             kwargs[name] = 0
-    kwargs.update(extra)
-    return config_cls(**kwargs)
+    for name, sub in vars(default).items():  # text_config, vision_config, ...
+        if isinstance(sub, transformers.PretrainedConfig):
+            kwargs[name] = {**sub.to_dict(), **_tiny_kwargs(sub, layers=layers)}
+    return kwargs
+
+
+def tiny_config(config_cls, **extra):
+    """``config_cls``'s default config with its size fields scaled down (2 layers, hidden 64, 4
+    heads of 16, ffn 128, vocab 512, 4 experts; sub-configs too) and nothing else changed;
+    per-layer lists follow the layer count and token ids that fall outside the smaller
+    vocabulary become 0. Fields the default leaves unset (None, such as GPT-2's n_inner)
+    stay unset. Where the config's own checks refuse 2 layers (layer patterns of a fixed
+    form), the layer count stays as it was. ``extra`` overrides anything."""
+    default = config_cls()
+    try:
+        return config_cls(**{**_tiny_kwargs(default, layers=True), **extra})
+    except Exception:  # the config validates its layer pattern: keep the default depth
+        return config_cls(**{**_tiny_kwargs(default, layers=False), **extra})
 
 
 # model -> (config class, auto class, kind of inputs): built from defaults (defaults=True)
