@@ -78,7 +78,8 @@ def build(kind: str, model_type: str, class_name: str, device: str = "meta"):
     n = sum(p.numel() for p in model.parameters())
     if n > MAX_PARAMS:
         raise ValueError(f"{n / 1e6:.0f}M parameters after scaling the config down")
-    inputs = hf._inputs(KINDS[kind][1], config, BATCH, SEQ, torch.device(device), 0)
+    sizes = config if kind == "image" else config.get_text_config()  # (multimodal: the text model's vocab)
+    inputs = hf._inputs(KINDS[kind][1], sizes, BATCH, SEQ, torch.device(device), 0)
     return model, inputs
 
 

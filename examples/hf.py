@@ -146,6 +146,7 @@ _TINY_FIELDS = {
     ("intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim"): 128,
     ("head_dim", "d_kv"): 16,
     ("num_local_experts", "num_experts", "n_routed_experts"): 4,
+    ("num_experts_per_tok", "moe_topk", "top_k"): 2,
     ("vocab_size",): 512,
     ("image_size",): 32,
     ("patch_size",): 8,
