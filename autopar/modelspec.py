@@ -89,6 +89,10 @@ def _user_error(e: BaseException, spec: str, path: str, doing: str) -> UserCodeE
     else:
         text = e.msg if isinstance(e, SyntaxError) else str(e)
         what = f"{type(e).__name__}: {text}" if text else type(e).__name__
+        if isinstance(e, ImportError):  # a package the file imports is missing: say so in plain words
+            missing = f" {e.name!r}" if getattr(e, "name", None) else ""
+            hint = (f"; this is an import error: install the missing package{missing} in this Python "
+                    f"environment, or fix the import")
     return UserCodeError(f"{where}: {what} (raised by your model spec while {doing}, not by autopar){hint}",
                          original=e, path=path, line=line)
 

@@ -186,6 +186,20 @@ _PLAN_ROUNDS = 0
 """Plans handed out in this process (every rank counts the same calls), naming their store keys."""
 
 
+def _share_rng_state(device: str) -> None:
+    """Start every rank's default generator from rank 0's state.
+
+    Dropout draws each mask whole on every rank and keeps its part
+    (:func:`autopar.passes.shard.random_ops`), so ranks must draw the same numbers: from the
+    same state, as one process would. Each step draws the same amounts on every rank, so
+    they stay together as long as the user's own code does too.
+    """
+    cuda = device == "cuda"
+    state = [torch.cuda.get_rng_state() if cuda else torch.get_rng_state()]
+    dist.broadcast_object_list(state, src=0, device=torch.device("cuda", torch.cuda.current_device()) if cuda else None)
+    (torch.cuda.set_rng_state if cuda else torch.set_rng_state)(state[0])
+
+
 def _batch_size(values: dict[str, Any]) -> int | None:
     return next((v.shape[0] for v in values.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
 
@@ -325,8 +339,11 @@ class ParallelModule:
         mesh_text = " x ".join(f"{a}={self.plan.mesh[a]}" for a in ("pp", "dp", "tp"))
         log.info("rank %d: building the %s mesh, tracing and sharding %s", dist.get_rank(), mesh_text,
                  type(self.model).__name__)
+        rng_devices = [torch.cuda.current_device()] if device == "cuda" else []
+        # building runs the program once on real tensors: it must not draw from the user's random stream
         with progress(f"tracing and sharding {type(self.model).__name__} on a {mesh_text} mesh"), \
-                self._guard("building the device mesh and sharding the parameters from rank 0"):
+                self._guard("building the device mesh and sharding the parameters from rank 0"), \
+                torch.random.fork_rng(devices=rng_devices):
             if pp > 1:
                 self.pp_mesh = init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
                 self.mesh = self.pp_mesh["dp", "tp"]
@@ -334,6 +351,11 @@ class ParallelModule:
             else:
                 self.mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
                 self._build(names, values, has_target)
+        from autopar.passes.shard import random_ops
+
+        if random_ops(self.gm):
+            with self._guard("starting every rank's random generator from rank 0's state"):
+                _share_rng_state(device)
 
     def _build(self, names, values, has_target) -> None:
         """Trace at the micro-batch size, map the plan, shard the parameters, generate the program."""

@@ -13,12 +13,20 @@ References:
 
     autopar plan examples/hf.py:build --arg model=llama --arg size=70b --cluster 8x8xH100
 
-build(model="gpt2", size="tiny", device=..., batch=..., seq=..., seed=0)
+build(model="gpt2", size="tiny", device=..., batch=..., seq=..., seed=0, defaults=False)
 returns (model, inputs, None, None): inputs is a dict of keyword arguments that
-includes `labels`, so the model computes its own `.loss`. Configs set
-use_cache=False (no cache objects in the output) and attn_implementation="sdpa"
-(every model here, T5 included, runs forward and backward with it). Sizes of 1B parameters and more are
+includes `labels`, so the model computes its own `.loss`. Sizes of 1B parameters and more are
 built on "meta" by default.
+
+Two ways to build a tiny model:
+- defaults=False (the default): the configs below, with use_cache=False, dropout 0 and
+  attn_implementation="sdpa": deterministic runs that compare exactly with one process.
+- defaults=True: the way a user builds it. The architecture's default config with only
+  its sizes scaled down (`tiny_config`), `AutoModelFor*.from_config`, training mode:
+  caches on, dropout as configured (GPT-2 and T5: 0.1), the configured attention
+  implementation, tied or untied heads as the config says.
+
+    autopar plan examples/hf.py:build --arg model=gpt2 --arg defaults=1 --cluster 1x8xH100
 """
 import torch
 
@@ -128,6 +136,82 @@ def _vit(size):
     ), transformers.ViTForImageClassification
 
 
+# Size fields of Hugging Face configs -> the tiny value; every other field keeps its default.
+_TINY_FIELDS = {
+    ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers",
+     "n_layers"): 2,
+    ("hidden_size", "n_embd", "d_model"): 64,
+    ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads"): 4,
+    ("num_key_value_heads", "num_kv_heads"): 2,
+    ("intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim"): 128,
+    ("head_dim", "d_kv"): 16,
+    ("num_local_experts", "num_experts", "n_routed_experts"): 4,
+    ("num_experts_per_tok", "moe_topk", "top_k"): 2,
+    ("vocab_size",): 512,
+    ("image_size",): 32,
+    ("patch_size",): 8,
+}
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+              "cls_token_id", "mask_token_id")
+
+
+_LAYER_FIELDS = next(names for names in _TINY_FIELDS if "num_hidden_layers" in names)
+
+
+def _tiny_kwargs(default, *, layers: bool) -> dict:
+    """The size fields of ``default`` (a config) to change, sub-configs included."""
+    kwargs = {}
+    for names, value in _TINY_FIELDS.items():
+        if names is _LAYER_FIELDS and not layers:
+            continue
+        for name in names:
+            have = getattr(default, name, None)
+            if isinstance(have, int) and not isinstance(have, bool) and have > value:
+                kwargs[name] = value
+    n_layers = getattr(default, "num_hidden_layers", None)
+    if layers and isinstance(n_layers, int) and n_layers > 2:  # per-layer lists (layer_types) follow the count
+        for name, have in default.to_dict().items():
+            if isinstance(have, list) and len(have) == n_layers and name not in kwargs:
+                kwargs[name] = have[:2]
+    vocab = kwargs.get("vocab_size", getattr(default, "vocab_size", None))
+    for name in _TOKEN_IDS:
+        have = getattr(default, name, None)
+        if isinstance(vocab, int) and isinstance(have, int) and have >= vocab:
+            kwargs[name] = 0
+    for name, sub in vars(default).items():  # text_config, vision_config, ...
+        if isinstance(sub, transformers.PretrainedConfig):
+            kwargs[name] = {**sub.to_dict(), **_tiny_kwargs(sub, layers=layers)}
+    return kwargs
+
+
+def tiny_config(config_cls, **extra):
+    """``config_cls``'s default config with its size fields scaled down (2 layers, hidden 64, 4
+    heads of 16, ffn 128, vocab 512, 4 experts; sub-configs too) and nothing else changed;
+    per-layer lists follow the layer count and token ids that fall outside the smaller
+    vocabulary become 0. Fields the default leaves unset (None, such as GPT-2's n_inner)
+    stay unset. Where the config's own checks refuse 2 layers (layer patterns of a fixed
+    form), the layer count stays as it was. ``extra`` overrides anything."""
+    default = config_cls()
+    try:
+        return config_cls(**{**_tiny_kwargs(default, layers=True), **extra})
+    except Exception:  # the config validates its layer pattern: keep the default depth
+        return config_cls(**{**_tiny_kwargs(default, layers=False), **extra})
+
+
+# model -> (config class, auto class, kind of inputs): built from defaults (defaults=True)
+DEFAULT_MODELS = {
+    "gpt2": ("GPT2Config", "AutoModelForCausalLM", "causal"),
+    "llama": ("LlamaConfig", "AutoModelForCausalLM", "causal"),
+    "mistral": ("MistralConfig", "AutoModelForCausalLM", "causal"),
+    "qwen2": ("Qwen2Config", "AutoModelForCausalLM", "causal"),
+    "mixtral": ("MixtralConfig", "AutoModelForCausalLM", "causal"),
+    "gemma": ("GemmaConfig", "AutoModelForCausalLM", "causal"),
+    "phi": ("PhiConfig", "AutoModelForCausalLM", "causal"),
+    "bert": ("BertConfig", "AutoModelForMaskedLM", "masked"),
+    "t5": ("T5Config", "AutoModelForSeq2SeqLM", "seq2seq"),
+    "vit": ("ViTConfig", "AutoModelForImageClassification", "image"),
+}
+
 # model -> (config factory, sizes it offers, kind of inputs)
 MODELS = {
     "gpt2": (_gpt2, ("tiny",), "causal"),
@@ -170,8 +254,10 @@ def _inputs(kind, config, batch, seq, device, seed):
     raise AssertionError(kind)
 
 
-def build(model="gpt2", size="tiny", device=None, batch=None, seq=None, seed=0):
+def build(model="gpt2", size="tiny", device=None, batch=None, seq=None, seed=0, defaults=False):
     """Return (hf_model, inputs_dict, None, None). All arguments may be strings."""
+    if str(defaults).lower() in ("1", "true", "yes"):
+        return _build_default(model, size, device, batch, seq, seed)
     if model not in MODELS:
         raise ValueError(f"unknown hf model {model!r}; choose one of {', '.join(MODELS)}")
     make_config, sizes, kind = MODELS[model]
@@ -193,3 +279,22 @@ def build(model="gpt2", size="tiny", device=None, batch=None, seq=None, seed=0):
     with torch.device(device):
         hf_model = model_cls._from_config(config, attn_implementation="sdpa")
     return hf_model, _inputs(kind, config, batch, seq, device, seed), None, None
+
+
+def _build_default(model, size, device, batch, seq, seed):
+    """A tiny model from the architecture's default config, built as a user builds it."""
+    if model not in DEFAULT_MODELS:
+        raise ValueError(f"unknown hf model {model!r} for defaults=1; choose one of {', '.join(DEFAULT_MODELS)}")
+    if size != "tiny":
+        raise ValueError(f"defaults=1 builds only size 'tiny', not {size!r}")
+    config_name, auto_name, kind = DEFAULT_MODELS[model]
+    config = tiny_config(getattr(transformers, config_name))
+    device = torch.device(device if device is not None else "cpu")
+    if device.type != "meta":
+        torch.manual_seed(int(seed))
+    with torch.device(device):
+        hf_model = getattr(transformers, auto_name).from_config(config)
+    hf_model.train()  # (from_config leaves it in training mode; from_pretrained would not)
+    batch = int(batch) if batch is not None else 8
+    seq = int(seq) if seq is not None else 32
+    return hf_model, _inputs(kind, config, batch, seq, device, int(seed)), None, None

@@ -217,9 +217,9 @@ CASES = [
     Case("forward-raises", plan("specs.py:forward_raises"),
          rf"specs.py:{line_of('forward_raises')}: KeyError: 'out' \(raised by RaisesInForward's forward or the loss_fn"),
     Case("inputs-wrong-shape", plan("specs.py:wrong_width"),
-         r"could not trace Linear: RuntimeError: .*\[8, 5\] X \[4, 4\]\. Try: check that the example inputs"),
+         r"could not trace Linear: inputs that do not fit the model: RuntimeError: .*\[8, 5\] X \[4, 4\]\. Try: check that the example inputs"),
     Case("inputs-too-many", plan("specs.py:too_many_inputs"),
-         r"TypeError: Too many positional arguments: got 3, expected 2\. Try: check that the example inputs"),
+         r"inputs that do not fit the model: TypeError: Too many positional arguments: got 3, expected 2\. Try: check that the example inputs"),
     Case("loss-fn-raises", plan("specs.py:loss_raises"), rf"specs.py:{line_of('loss_raises')}: ValueError: loss broke"),
     # --fix: checked before the model spec runs
     Case("fix-unknown-key", plan(MLP, "--fix", "foo=1"), r"unknown key 'foo'; accepted keys: tp, pp"),

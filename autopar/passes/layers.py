@@ -93,7 +93,7 @@ def group_layers(gm: fx.GraphModule) -> fx.GraphModule:
             layer[n] = by_seq.get(info.seq_nr) or _layer_from_users(n, layer) or last
         elif info.role in (mk.Role.PARAM, mk.Role.BUFFER):
             layer[n] = _layer_from_users(n, layer, forward_only=True) or first
-        elif info.role is mk.Role.INPUT:
+        elif info.role in (mk.Role.INPUT, mk.Role.CONSTANT):
             layer[n] = _layer_from_users(n, layer, forward_only=True) or first
         elif info.role is mk.Role.TANGENT:
             layer[n] = last

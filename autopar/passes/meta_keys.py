@@ -41,6 +41,7 @@ class Role(str, enum.Enum):
     BUFFER = "buffer"  # a non-trainable buffer (placeholder)
     INPUT = "input"  # a user input or the loss target (placeholder)
     TANGENT = "tangent"  # the seed gradient of the loss (placeholder)
+    CONSTANT = "constant"  # a tensor constant the graph holds (get_attr), replicated everywhere
     FORWARD = "forward"  # computed in the forward pass
     BACKWARD = "backward"  # computed in the backward pass
     OUTPUT = "output"  # the graph's output node (loss and gradients)

@@ -63,7 +63,7 @@ from autopar.passes import meta_keys as mk
 from autopar.passes.dtensor_rules import dtensor_dispatches
 
 __all__ = ["OpPlacements", "placement", "run_joint", "interpret", "grad_partial", "grad_addends",
-           "shard_joint_graph"]
+           "shard_joint_graph", "random_ops"]
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,41 @@ def _contiguous(v: Any) -> Any:
         return v
     return DTensor.from_local(v.to_local().contiguous(), v.device_mesh, v.placements, run_check=False,
                               shape=v.shape, stride=tuple(stride))
+
+
+_RANDOM_LIKE = {torch.ops.aten.native_dropout.default, torch.ops.aten.bernoulli.p,
+                torch.ops.aten.rand_like.default, torch.ops.aten.randn_like.default}
+
+
+def _random_like(op, args, kwargs, mesh: DeviceMesh):
+    """A random op shaped like its DTensor argument, drawn whole and then sliced.
+
+    Every rank draws the op's *global* shape from its default generator, in graph order,
+    and keeps its own part (Replicate -> Shard is a local slice, no communication). So the
+    values are the same whatever the mesh: tp ranks that hold a replicated activation drop
+    the same entries, dp ranks take their rows of one mask, and with one micro-batch per
+    step the masks are exactly those of the model run eagerly in one process from the
+    same generator state (``F.dropout`` on CPU draws like ``native_dropout`` on ones).
+    The ranks' generators must agree: ``ParallelModule`` starts them from rank 0's state.
+    The price is drawing the whole tensor on every rank, cheap beside the matmuls.
+    """
+    like = args[0]
+    pls = [Replicate() if p.is_partial() else p for p in like.placements]
+
+    def place(t: torch.Tensor) -> DTensor:
+        whole = DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return whole.redistribute(mesh, pls) if any(not p.is_replicate() for p in pls) else whole
+
+    if op is torch.ops.aten.native_dropout.default:  # (input, p, train) -> (input * keep / (1 - p), keep)
+        scaled, keep = op(torch.ones(like.shape, dtype=like.dtype), *args[1:], **kwargs)
+        return like * place(scaled), place(keep)
+    return place(op(torch.empty(like.shape, dtype=like.dtype), *args[1:], **kwargs))
+
+
+def random_ops(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of ``gm`` that draw random numbers (dropout, ``rand``, ...)."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in n.target.tags]
 
 
 def _to_partial(v: DTensor, mesh: DeviceMesh, tp_dim: int, want: list) -> DTensor:
@@ -278,6 +313,9 @@ def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, me
             seed = torch.full(tuple(val.shape), loss_scale, dtype=val.dtype)
             env[node] = distribute_tensor(seed, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
         return
+    if node.op == "get_attr":  # a graph constant: the same value on every rank
+        env[node] = _wrap_replicated(getattr(node.graph.owning_module, node.target), mesh)
+        return
     if node.op != "call_function":
         return
     args = fx.node.map_arg(node.args, lambda a: env[a])
@@ -292,7 +330,9 @@ def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, me
         args = tree_map(_contiguous, args)
     has_dtensor = any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs)))
     try:
-        if has_dtensor and rule is not None and not dtensor_dispatches(node.target):
+        if node.target in _RANDOM_LIKE and isinstance(args[0], DTensor):
+            env[node] = _random_like(node.target, args, kwargs, mesh)
+        elif has_dtensor and rule is not None and not dtensor_dispatches(node.target):
             env[node] = _run_local(node, args, kwargs, rule, mesh, tp_dim, dp_dim)
         else:
             env[node] = tree_map(lambda v: _wrap_replicated(v, mesh), node.target(*args, **kwargs))

@@ -197,6 +197,10 @@ def build_strategy_graph(gm: fx.GraphModule, *, axis_size: int,
             if kind == "param":  # the gradient must come back in the parameter's own layout
                 cands = tuple(Strategy(outs=c.outs, ins=c.outs) for c in cands)
             flops = bytes_moved = Affine(0.0, 0.0)
+        elif node.op == "get_attr":  # a graph constant: the same value on every rank
+            kind, cands = "input", (Strategy(outs=("R",), ins=()),)
+            out_bytes = tuple(Affine(tensor_bytes(v), 0.0) for v in vals)
+            flops = bytes_moved = Affine(0.0, 0.0)
         else:
             kind = "op"
             cands = _op_strategies(node, n)

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autopar.errors import LossError
+from autopar.errors import InputError, LossError
 from autopar.passes import meta_keys as mk
 from autopar.passes.train_checks import check_trainable, checked_loss
-from autopar.passes.trace_errors import trace_error
+from autopar.passes.trace_errors import CACHE_OBJECT, trace_error
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ def trace_joint(
         op or source line when the model cannot be traced.
     """
     names, flat, kw_names = flatten_inputs(example_inputs)
+    _check_no_cache(names, flat)
     check_trainable(model, names, flat, example_target)
     if example_target is not None:
         names, flat = names + ("target",), flat + [example_target]
@@ -79,7 +80,7 @@ def trace_joint(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _collapsed(model, repeats), _fake_state(model, fake_mode), warnings.catch_warnings():
+    with _collapsed(model, repeats), _caches_off(model), _fake_state(model, fake_mode), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fake_inputs = [_to_fake(x, fake_mode) for x in flat]
         joint, flat_to_fqn = _export(wrapper, fake_inputs, type(model).__name__)
@@ -121,6 +122,16 @@ def flatten_inputs(example_inputs: Any) -> tuple[tuple[str, ...], list[Any], tup
     raise TypeError(
         f"example_inputs must be a tuple of positional arguments, a dict of keyword "
         f"arguments or a single tensor; got {type(example_inputs).__name__}")
+
+
+def _check_no_cache(names: tuple[str, ...], flat: list[Any]) -> None:
+    """A key/value cache passed as an input (``past_key_values=DynamicCache()``) is refused by name."""
+    for name, value in zip(names, flat):
+        if any(c.__name__ == "Cache" for c in type(value).__mro__):
+            raise InputError(
+                f"{CACHE_OBJECT}: input {name!r} is a {type(value).__name__}, a key/value cache for generation; "
+                f"a training step reads none. Try: leave {name!r} out of the inputs (autopar traces Hugging Face "
+                f"models with use_cache=False)")
 
 
 class _TrainStep(nn.Module):
@@ -207,6 +218,34 @@ def _collapsed(model: nn.Module, repeats: tuple[mk.Repeat, ...]) -> Iterator[Non
     finally:
         for container, modules in saved:
             container._modules = modules
+
+
+# -- caches ------------------------------------------------------------------
+
+_CACHE_NOTED: set[str] = set()
+
+
+@contextlib.contextmanager
+def _caches_off(model: nn.Module) -> Iterator[None]:
+    """Trace with Hugging Face's key/value cache off (``config.use_cache``), then restore it.
+
+    Training never reads the cache, but with it on the model builds a cache object and
+    attends over ``cat(empty cache, keys)``: tensor constants and copies that cost time
+    and memory in the plan and are no part of the loss. Said once per model class.
+    """
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "use_cache", False) is True}
+    if configs and type(model).__name__ not in _CACHE_NOTED:
+        _CACHE_NOTED.add(type(model).__name__)
+        log.warning("%s has use_cache=True; autopar traces it with use_cache=False (a training step "
+                    "never reads the key/value cache), your model is left as it was", type(model).__name__)
+    try:
+        for c in configs.values():
+            c.use_cache = False
+        yield
+    finally:
+        for c in configs.values():
+            c.use_cache = True
 
 
 # -- fake state --------------------------------------------------------------
@@ -338,6 +377,9 @@ def _annotate_nodes(gm: fx.GraphModule, flat_to_fqn: dict[str, str], input_names
                 info = mk.NodeTrace(role=mk.Role.INPUT, module_path="", fqn=name)
         elif node.op == "output":
             info = mk.NodeTrace(role=mk.Role.OUTPUT, module_path="")
+        elif node.op == "get_attr":  # a tensor constant (torch.tensor([...]) in the forward)
+            node.meta.setdefault("val", getattr(gm, node.target))
+            info = mk.NodeTrace(role=mk.Role.CONSTANT, module_path="", fqn=node.target)
         else:
             backward = node.meta.get("partitioner_tag") == "is_backward" or node.meta.get("autograd_backward", False)
             if not backward:

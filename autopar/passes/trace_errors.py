@@ -37,8 +37,56 @@ def _observed(chain: list[BaseException]) -> tuple[str, str] | None:
     return None
 
 
+# Causes in plain words, each with its fix. The cause is the first thing a reader sees.
+DATA_DEPENDENT = "data-dependent control flow"
+UNSUPPORTED_OP = "unsupported op"
+UNSUPPORTED_PYTHON = "Python that TorchDynamo cannot trace"
+IMPORT_ERROR = "import error"
+CACHE_OBJECT = "cache object"
+BAD_INPUTS = "inputs that do not fit the model"
+_FIXES = {
+    DATA_DEPENDENT: ("a Python branch, shape or number depends on a tensor's values (`if t.sum() > 0:`, "
+                     "`.item()`, `.tolist()`, `int(t)`); compute it with tensor ops (torch.where, masks) or "
+                     "move it out of forward, so one graph serves every batch"),
+    UNSUPPORTED_OP: ("the op has no shape (fake/meta) implementation, so autopar cannot trace it without "
+                     "running it; register one (torch.library.register_fake) or replace the op"),
+    UNSUPPORTED_PYTHON: ("rewrite that line with torch ops, or move it out of forward (see the graph-break "
+                         "explanation in the error's details)"),
+    IMPORT_ERROR: ("the model's forward imports a package that is not installed; install it, or configure "
+                   "the model not to need it (for Hugging Face: attn_implementation='sdpa' or 'eager')"),
+    CACHE_OBJECT: ("a key/value cache object reached the trace; a training step needs none: set "
+                   "config.use_cache=False and pass no past_key_values"),
+    BAD_INPUTS: ("check that the example inputs and target have the number, shapes and dtypes that the "
+                 "model's forward and the loss_fn expect"),
+}
+
+
+def _cause(text: str, root: BaseException | None, chain: list[BaseException], source: str) -> str:
+    """Which of the causes above explains ``text`` (the whole exception chain, as text)."""
+    if isinstance(root, ImportError):
+        return IMPORT_ERROR
+    if "Cache" in source or re.search(r"\w*Cache\b.*(not supported|unsupported|cannot)", text):
+        return CACHE_OBJECT
+    if any(k in text for k in ("Data-dependent", "data-dependent", "_local_scalar_dense", "DataDependent",
+                               "data dependent")):
+        return DATA_DEPENDENT
+    if any(k in text for k in ("no fake impl", "no meta impl", "NotImplementedError", "does not have a meta",
+                               "fake tensor mode", "Could not run")):
+        return UNSUPPORTED_OP
+    if isinstance(root, TypeError) or any(type(c).__name__ == "TorchRuntimeError" for c in chain):
+        return BAD_INPUTS
+    return UNSUPPORTED_PYTHON
+
+
 def trace_error(e: BaseException, model_name: str) -> Exception:
-    """The one-line error to raise for ``e``, an exception from capturing ``model_name``."""
+    """The one-line error to raise for ``e``, an exception from capturing ``model_name``.
+
+    It reads "could not trace M at FILE:LINE (op X): CAUSE: what torch said. Try: FIX", where
+    FILE:LINE is the innermost frame outside torch and autopar (the user's or the model
+    library's line) and CAUSE one of the plain-words causes above; an exception the traced
+    code raised itself is reported as the user's, and an import error as an import error.
+    The whole chain is kept in ``.details``.
+    """
     chain, cur = [], e
     while cur is not None and len(chain) < 20:
         chain.append(cur)
@@ -46,15 +94,23 @@ def trace_error(e: BaseException, model_name: str) -> Exception:
     for c in chain:
         if isinstance(c, LossError):
             return c
-    observed = _observed(chain)
+    text = "\n".join(str(c) for c in chain)
+    observed = _observed(chain) or _observed_in_text(text)
     if observed and observed[0] == LossError.__name__:
         return LossError(observed[1])
-    text = "\n".join(str(c) for c in chain)
     first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-    frames = [(f, ln) for f, ln in re.findall(r'File "([^"]+)", line (\d+)', text)
-              if "/torch/" not in f and "/autopar/passes/" not in f]
+    found = re.findall(r'File "([^"]+)", line (\d+)', text)
+    for c in chain:  # Dynamo keeps the traced code's stack on some exceptions rather than in their text
+        found += [(fs.filename, str(fs.lineno)) for fs in getattr(c, "real_stack", None) or ()]
+    frames = [(f, ln) for f, ln in found if "/torch/" not in f and "/autopar/passes/" not in f]
+    where = f"{frames[-1][0]}:{frames[-1][1]}" if frames else ""
+    if observed and observed[0] in ("ImportError", "ModuleNotFoundError"):
+        err = TraceError(f"could not trace {model_name}{' at ' + where if where else ''}: {IMPORT_ERROR}: "
+                         f"{observed[0]}: {observed[1][:300]}. Try: {_FIXES[IMPORT_ERROR]}")
+        err.details = text
+        return err
     if observed and frames:  # the user's code raised, as it would have outside the trace: say so, and where
-        err = TraceError(f"{frames[-1][0]}:{frames[-1][1]}: {observed[0]}: {observed[1][:300]} (raised by "
+        err = TraceError(f"{where}: {observed[0]}: {observed[1][:300]} (raised by "
                          f"{model_name}'s forward or the loss_fn while autopar traced it, not by autopar)")
         err.details = text
         return err
@@ -63,25 +119,26 @@ def trace_error(e: BaseException, model_name: str) -> Exception:
     root = next((c for c in reversed(chain) if type(c).__module__ == "builtins" and str(c).strip()), None)
     if root is not None:
         first = f"{type(root).__name__}: {str(root).strip().splitlines()[0]}"
-    mismatch = isinstance(root, TypeError) or any(type(c).__name__ == "TorchRuntimeError" for c in chain)
-    where = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
-    op = re.search(r"(aten\.\w+(?:\.\w+)?)", text)
-    what = f" (op {op.group(1)})" if op else ""
-    hint = ""
     source = linecache.getline(frames[-1][0], int(frames[-1][1])) if frames else ""
+    op = re.search(r"(aten\.\w+(?:\.\w+)?)", text) or re.search(r"<CustomOpDef\(([\w:.]+)\)>", text)
+    what = f" (op {op.group(1)})" if op else ""
+    cause = _cause(text, root, chain, source)
+    fix = _FIXES[cause]
     if frames and "/transformers/" in frames[-1][0] and "expert" in source:
         # Hugging Face's "eager" experts loop in Python over the experts that received tokens
-        hint = ("; for this Hugging Face mixture-of-experts model, load it with "
-                "experts_implementation='grouped_mm' (the default), which runs all experts as one grouped matmul")
-    if mismatch and not hint:  # an op refused its arguments: most often inputs that do not fit the model
-        advice = ("check that the example inputs and target have the number, shapes and dtypes that the "
-                  "model's forward and the loss_fn expect")
-    else:
-        advice = ("make the model's forward free of data-dependent Python control flow, return plain tensors "
-                  f"(use_cache=False for Hugging Face models), or build it on 'cpu' with small shapes{hint}")
-    err = TraceError(f"could not trace {model_name}{where}{what}: {first[:200].rstrip('.')}. Try: {advice}")
+        fix = ("for this Hugging Face mixture-of-experts model, load it with "
+               "experts_implementation='grouped_mm' (the default), which runs all experts as one grouped matmul")
+    err = TraceError(f"could not trace {model_name}{' at ' + where if where else ''}{what}: {cause}: "
+                     f"{first[:200].rstrip('.')}. Try: {fix}")
     err.details = text
     return err
+
+
+def _observed_in_text(text: str) -> tuple[str, str] | None:
+    """An exception the traced code raised, as Dynamo's graph-break text names it
+    ("Developer debug context: raised exception ImportError('...')")."""
+    m = re.search(r"raised exception (\w+)\((.*?)\)\s*$", text, re.M)
+    return (m.group(1), _literal_message(m.group(2))) if m else None
 
 
 def _literal_message(args_repr: str) -> str:

@@ -1,0 +1,194 @@
+"""Hugging Face coverage: which architectures autopar plans, built as users build them.
+
+    python bench/hf_coverage.py                                  # every architecture (long: see README)
+    python bench/hf_coverage.py --kinds causal --every 4          # every 4th causal-LM architecture
+    python bench/hf_coverage.py --only gpt2,llama,t5 --train gpt2,llama
+    python bench/hf_coverage.py --out coverage.jsonl             # one JSON line per architecture
+
+For every architecture in transformers' causal-LM, masked-LM, seq2seq and
+image-classification auto mappings: take its default config, scale its size fields down
+(``examples/hf.py``'s ``tiny_config``: 2 layers, hidden 64, 4 heads, vocab 512, ...; nothing
+else changes, so caches, dropout and the attention implementation stay as configured),
+build it with ``AutoModelFor*.from_config`` on ``meta``, and plan it on 1x8xH100 with
+``autopar.plan``. Each architecture lands in one of:
+
+- planned: a plan came back;
+- refused: autopar raised one of its own errors (``AutoparError``: a trace error naming the
+  cause and line, an input error, ...), specific by construction;
+- crashed: anything else escaped autopar (a TypeError, AttributeError, ... from inside it):
+  a bug to fix;
+- not tiny: no model could be built from the scaled-down config (the architecture's own
+  config or constructor refused it, or it stayed above 50M parameters): not autopar's.
+
+``--train A,B`` then runs those planned architectures on 2 gloo ranks under dp=2 and tp=2
+against the same model in one process (2 steps; losses, gradients and parameters judged by
+``tests/dist/parallel_compare.py``), counted as trained equal or not.
+"""
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tests" / "dist")]
+
+import transformers  # noqa: E402
+from transformers.models.auto import modeling_auto  # noqa: E402
+
+import autopar  # noqa: E402
+import hf  # noqa: E402
+from autopar.errors import AutoparError  # noqa: E402
+
+KINDS = {  # kind -> (auto mapping of model_type -> class name, inputs kind of examples/hf.py)
+    "causal": (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "causal"),
+    "masked": (modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, "masked"),
+    "seq2seq": (modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, "seq2seq"),
+    "image": (modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES, "image"),
+}
+MAX_PARAMS = 50_000_000
+BATCH, SEQ = 8, 32
+
+
+def architectures(kinds: list[str], only: set[str] | None, every: int) -> list[tuple[str, str, str]]:
+    """(kind, model_type, class name), in the mappings' order; every ``every``-th per kind."""
+    out = []
+    for kind in kinds:
+        mapping, _ = KINDS[kind]
+        rows = [(kind, t, c if isinstance(c, str) else c[0]) for t, c in mapping.items()]
+        rows = [r for r in rows if only is None or r[1] in only]
+        out += rows[::every] if only is None else rows
+    return out
+
+
+def build(kind: str, model_type: str, class_name: str, device: str = "meta"):
+    """The tiny model and its inputs; raises when the architecture cannot be made tiny."""
+    config_cls = transformers.CONFIG_MAPPING[model_type]
+    config = hf.tiny_config(config_cls)
+    if kind == "image" and isinstance(getattr(config, "image_size", None), int):
+        config.num_labels = 10
+    model_cls = getattr(transformers, class_name)
+    with torch.device(device):
+        model = model_cls(config)
+    model.train()
+    n = sum(p.numel() for p in model.parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"{n / 1e6:.0f}M parameters after scaling the config down")
+    sizes = config if kind == "image" else config.get_text_config()  # (multimodal: the text model's vocab)
+    inputs = hf._inputs(KINDS[kind][1], sizes, BATCH, SEQ, torch.device(device), 0)
+    return model, inputs
+
+
+def plan_one(kind: str, model_type: str, class_name: str) -> dict:
+    """One architecture's row: outcome, the error's first line or the mesh, seconds."""
+    row = {"kind": kind, "model_type": model_type, "class": class_name}
+    start = time.perf_counter()
+    try:
+        model, inputs = build(kind, model_type, class_name)
+    except Exception as e:  # the architecture's own code refused the tiny config: not autopar's
+        row.update(outcome="not tiny", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        return row
+    try:
+        plan = autopar.plan(model, inputs, cluster="1x8xH100")
+        row.update(outcome="planned", mesh=plan.mesh)
+    except AutoparError as e:
+        row.update(outcome="refused", error=f"{type(e).__name__}: {str(e)[:400]}")
+    except Exception as e:
+        tb = traceback.extract_tb(e.__traceback__)
+        inner = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(tb) if "/autopar/" in f.filename), "")
+        row.update(outcome="crashed", error=f"{type(e).__name__} at {inner}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-5)  # eps: see tests/dist/test_parallel.py
+
+
+def _train_world(rank, world, rows):
+    """On each of 2 ranks: every architecture under dp=2 and tp=2 against one process."""
+    from autopar.testing import tp_friendly_cluster
+    from parallel_compare import Reference, errors, train_alongside
+
+    out = {}
+    for kind, model_type, class_name in rows:
+        for name, cluster, fixed in (("dp", "1x2xcpu", {"dp": 2, "tp": 1, "microbatches": 1}),
+                                     ("tp", tp_friendly_cluster("1x2xcpu"), {"tp": 2, "microbatches": 1})):
+            try:
+                torch.manual_seed(0)
+                model, inputs = build(kind, model_type, class_name, device="cpu")
+                reference = Reference(model, _optimizer)
+                pm = autopar.parallelize(model, cluster=cluster, fixed=fixed, optimizer=_optimizer)
+                seed = [0]
+
+                def run(pm):
+                    seed[0] += 1
+                    torch.manual_seed(seed[0])  # the same dropout masks in both runs
+                    return pm.train_step(inputs)
+
+                def run_reference(ref, like):
+                    torch.manual_seed(seed[0])
+                    return ref(**like(inputs)).loss
+
+                losses = train_alongside(pm, reference, steps=2, run=run, run_reference=run_reference)
+                grad_err, param_err = errors(pm, reference)
+                bad = [k for k, g in [*grad_err.items(), *param_err.items()] if not g.ok] + \
+                      [f"loss {i}" for i, g in enumerate(losses) if not g.ok]
+                out[model_type, name] = "equal" if not bad else f"differs: {bad[:3]}"
+            except Exception as e:
+                out[model_type, name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", default="causal,masked,seq2seq,image")
+    ap.add_argument("--only", default=None, help="comma-separated model types (e.g. gpt2,llama)")
+    ap.add_argument("--every", type=int, default=1, help="plan every N-th architecture of each mapping")
+    ap.add_argument("--train", default="", help="comma-separated planned model types to run on 2 gloo ranks")
+    ap.add_argument("--out", default=None, help="append one JSON line per architecture to this file")
+    args = ap.parse_args()
+    import logging
+    logging.disable(logging.WARNING)  # one line per architecture; use_cache notes and HF warnings off
+    transformers.logging.set_verbosity_error()
+    only = set(args.only.split(",")) if args.only else None
+    rows = architectures(args.kinds.split(","), only, args.every)
+    print(f"{len(rows)} architectures; planning each on 1x8xH100", flush=True)
+    start = time.perf_counter()
+    results = []
+    for kind, model_type, class_name in rows:
+        row = plan_one(kind, model_type, class_name)
+        results.append(row)
+        detail = row.get("mesh") or row.get("error", "")
+        print(f"{kind:8} {model_type:28} {row['outcome']:9} {row.get('seconds', 0):6.1f}s  {detail}", flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row, sort_keys=True) + "\n")
+    trained = {}
+    wanted = [r for r in results if r["model_type"] in set(filter(None, args.train.split(",")))
+              and r["outcome"] == "planned"]
+    if wanted:
+        from autopar.testing import spawn_world
+
+        trained = spawn_world(_train_world, 2, [(r["kind"], r["model_type"], r["class"]) for r in wanted])[0]
+        for (model_type, config), verdict in sorted(trained.items()):
+            print(f"trained  {model_type:28} {config}: {verdict}", flush=True)
+    print(f"\n| kind | architectures | planned | refused (specific error) | crashed | not tiny |")
+    print("|---|---|---|---|---|---|")
+    for kind in args.kinds.split(","):
+        mine = [r for r in results if r["kind"] == kind]
+        count = {o: sum(r["outcome"] == o for r in mine) for o in ("planned", "refused", "crashed", "not tiny")}
+        print(f"| {kind} | {len(mine)} | {count['planned']} | {count['refused']} | {count['crashed']} | "
+              f"{count['not tiny']} |")
+    if trained:
+        equal = sum(v == "equal" for v in trained.values())
+        print(f"\ntrained equal to one process on 2 gloo ranks: {equal} of {len(trained)} (architecture, dp|tp) runs")
+    print(f"total {time.perf_counter() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Hugging Face models as users build them (issue 15): the architecture's default config with
+only its sizes scaled down (``examples/hf.py``'s ``tiny_config``), ``from_config``, training
+mode. So the key/value cache is on (autopar traces with it off), dropout is on where the
+config has it (GPT-2 and T5: 0.1 on embeddings, residuals and attention), attention is the
+configured implementation, and heads are tied or untied as the config says.
+
+Each model trains 2 AdamW steps on 2 gloo ranks under dp=2 and tp=2 against the same model
+in one process (losses, last gradients, parameters: ``parallel_compare``'s criterion), one
+spawned world per model. The suite runs GPT-2 (dropout, a tied head, a cache, sdpa with
+attention dropout): about 2 minutes on a loaded 2-core machine per model, so the other seven
+(Llama, Mistral, Qwen2, Mixtral, Gemma, Phi, T5) run with ``AUTOPAR_HF_DEFAULTS=all``
+(Llama, Mistral, Qwen2, Mixtral and T5 with fixed configs are in test_hf_models.py).
+
+Dropout is compared exactly, not statistically: autopar draws each dropout mask whole on
+every rank, from the default generator in graph order, and keeps its part
+(``autopar.passes.shard._random_like``), so with one micro-batch per step the masks are the
+ones the model draws in one process from the same generator state. Each step therefore
+starts the parallel run and both references (fp32, fp64) from the same seed.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopar.testing import spawn_world, tp_friendly_cluster
+from parallel_compare import Reference, assert_matches, errors, train_alongside
+
+pytest.importorskip("transformers")
+
+EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
+STEPS = 2
+ALL_MODELS = ["gpt2", "llama", "mistral", "qwen2", "mixtral", "gemma", "phi", "t5"]
+MODELS = ALL_MODELS if os.environ.get("AUTOPAR_HF_DEFAULTS") == "all" else ["gpt2"]
+CONFIGS = [("dp", "1x2xcpu", {"dp": 2, "tp": 1, "microbatches": 1}),
+           ("tp", tp_friendly_cluster("1x2xcpu"), {"tp": 2, "microbatches": 1})]
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-5)  # eps: see test_parallel.py
+
+
+def _train(rank, world, models, configs):
+    sys.path.insert(0, EXAMPLES)
+    import autopar
+    import hf
+
+    report = {}
+    for model_name in models:
+        for name, cluster, fixed in configs:
+            model, inputs, _, _ = hf.build(model=model_name, defaults=1, batch=4, seq=16)
+            reference = Reference(model, _optimizer)
+            pm = autopar.parallelize(model, cluster=cluster, fixed=fixed, optimizer=_optimizer)
+            step = iter(range(10**6))
+            seeds = {}
+
+            def run(pm):
+                seeds["now"] = 1000 + next(step)
+                torch.manual_seed(seeds["now"])  # the parallel step and both references: same masks
+                return pm.train_step(inputs)
+
+            def run_reference(ref, like):
+                torch.manual_seed(seeds["now"])
+                return ref(**like(inputs)).loss  # labels are in the inputs
+
+            losses = train_alongside(pm, reference, steps=STEPS, run=run, run_reference=run_reference)
+            grad_err, param_err = errors(pm, reference)
+            report[model_name, name] = {
+                "losses": losses, "grad_err": grad_err, "param_err": param_err, "mesh": pm.plan.mesh,
+                "missing": sorted(set(dict(reference.fp32.named_parameters())) - set(grad_err)),
+                "dropout": sum(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()),
+            }
+    return report
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def results(request):
+    return request.param, spawn_world(_train, 2, [request.param], CONFIGS)
+
+
+@pytest.mark.parametrize("config", [c[0] for c in CONFIGS])
+def test_default_config_trains_equal_to_one_process(results, config):
+    model_name, per_rank = results
+    for rank_result in per_rank:
+        r = rank_result[model_name, config]
+        where = f"{model_name} {config} (default config)"
+        assert r["mesh"][config] == 2, (where, r["mesh"])
+        assert not r["missing"], f"{where}: no gradient for {r['missing']}"
+        assert_matches(r["losses"], r["grad_err"], r["param_err"], where)
+
+
+def test_dropout_is_on_where_the_config_has_it(results):
+    """The comparison above covers dropout only if the models really have it."""
+    model_name, per_rank = results
+    if model_name in ("gpt2", "t5"):
+        assert per_rank[0][model_name, "dp"]["dropout"] > 0

@@ -1,0 +1,49 @@
+"""A fast subset of bench/hf_coverage.py: architectures not in examples/hf.py, built from their
+default configs scaled down, plan on 1x8xH100; and the bench sorts outcomes as it says
+(autopar's own errors are "refused", anything else escaping autopar is "crashed")."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from autopar.errors import TraceError  # noqa: E402
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "hf_coverage.py"
+
+
+@pytest.fixture(scope="module")
+def coverage():
+    spec = importlib.util.spec_from_file_location("hf_coverage", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kind, model_type", [("causal", "gpt_neo"), ("masked", "roberta")])
+def test_default_config_architecture_plans(coverage, kind, model_type):
+    (row,) = [coverage.plan_one(k, t, c) for k, t, c in coverage.architectures([kind], {model_type}, 1)]
+    assert row["outcome"] == "planned", row
+    assert row["mesh"]["pp"] * row["mesh"]["dp"] * row["mesh"]["tp"] == 8, row
+
+
+def test_tiny_config_is_tiny(coverage):
+    model, inputs = coverage.build("causal", "gpt_neo", "GPTNeoForCausalLM")
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    c = model.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.vocab_size) == (2, 64, 4, 512)
+    assert len(c.attention_layers) == 2  # its per-layer pattern follows the depth
+    assert model.training and model.config.use_cache is True and inputs["input_ids"].shape == (coverage.BATCH, coverage.SEQ)
+
+
+@pytest.mark.parametrize("raised, outcome", [(TraceError("could not trace X: unsupported op: ..."), "refused"),
+                                             (TypeError("op_candidates needs an ATen op call"), "crashed")])
+def test_outcomes_are_sorted_by_whose_error(coverage, monkeypatch, raised, outcome):
+    def plan(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(coverage.autopar, "plan", plan)
+    (row,) = [coverage.plan_one(k, t, c) for k, t, c in coverage.architectures(["causal"], {"gpt2"}, 1)]
+    assert row["outcome"] == outcome and type(raised).__name__ in row["error"], row

@@ -1,0 +1,126 @@
+"""The refusal path (issue 15): when a model cannot be traced, the one-line error names the
+user's file and line, the cause in plain words and the fix. One case per cause, each a tiny
+model whose forward has exactly that problem; every message must name its cause, point at
+this file (the user's code) where a line is to blame, and stay on one line."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.errors import InputError, TraceError, UserCodeError
+from autopar.modelspec import load_model_spec
+from autopar.passes import trace_errors as te
+from autopar.passes.trace import trace_joint
+
+HERE = Path(__file__).name
+
+
+@torch.library.custom_op("autopar_test::no_fake_impl", mutates_args=())
+def _no_fake_impl(x: torch.Tensor) -> torch.Tensor:  # an op with a CPU kernel and no shape function
+    return x.clone()
+
+
+class _Base(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+
+class DataDependentBranch(_Base):
+    def forward(self, x):
+        h = self.lin(x)
+        if h.sum() > 0:  # a Python branch on a tensor's value
+            h = h * 2
+        return h.sum()
+
+
+class DataDependentShape(_Base):
+    def forward(self, x):
+        h = self.lin(x)
+        k = int((h > 0).sum())  # a shape from a tensor's values
+        return h.reshape(-1)[:k].sum()
+
+
+class UnsupportedOp(_Base):
+    def forward(self, x):
+        return _no_fake_impl(self.lin(x)).sum()
+
+
+class ImportsMissingPackage(_Base):
+    def forward(self, x):
+        import autopar_no_such_package  # noqa: F401  (as a model importing flash_attn when it is absent)
+        return self.lin(x).sum()
+
+
+class Raises(_Base):
+    def forward(self, x):
+        raise ValueError("expects 3-d inputs")
+
+
+def _refusal(model, inputs):
+    with pytest.raises((TraceError, InputError)) as excinfo:
+        trace_joint(model, inputs)
+    message = str(excinfo.value)
+    assert "\n" not in message, message
+    return message
+
+
+def _line_of(text: str) -> int:
+    return next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1) if text in line)
+
+
+@pytest.mark.parametrize("model, cause, line", [
+    (DataDependentBranch, te.DATA_DEPENDENT, "if h.sum() > 0:"),
+    (DataDependentShape, te.DATA_DEPENDENT, "k = int((h > 0).sum())"),
+    (UnsupportedOp, te.UNSUPPORTED_OP, "return _no_fake_impl(self.lin(x)).sum()"),
+    (ImportsMissingPackage, te.IMPORT_ERROR, "import autopar_no_such_package"),
+])
+def test_refusal_names_cause_file_and_line(model, cause, line):
+    message = _refusal(model(), (torch.randn(4, 8),))
+    assert f": {cause}: " in message, message
+    assert f"{HERE}:{_line_of(line)}" in message, message
+    assert "Try: " + te._FIXES[cause] in message, message
+
+
+def test_unsupported_op_is_named():
+    assert "(op autopar_test::no_fake_impl)" in _refusal(UnsupportedOp(), (torch.randn(4, 8),))
+
+
+def test_inputs_that_do_not_fit():
+    message = _refusal(DataDependentBranch(), (torch.randn(4, 5),))
+    assert f": {te.BAD_INPUTS}: RuntimeError: " in message and "[4, 5] X [8, 8]" in message, message
+
+
+def test_exception_of_the_users_code_is_theirs():
+    message = _refusal(Raises(), (torch.randn(4, 8),))
+    assert message.startswith(f"{Path(__file__)}:{_line_of('raise ValueError')}: ValueError: expects 3-d inputs")
+    assert "not by autopar" in message
+
+
+def test_cache_object_in_inputs():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=32, vocab_size=64)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 8))
+    message = _refusal(model, {"input_ids": ids, "labels": ids,
+                               "past_key_values": transformers.DynamicCache(config=config)})
+    assert message.startswith(f"{te.CACHE_OBJECT}: input 'past_key_values' is a DynamicCache"), message
+
+
+def test_import_error_while_loading_a_model_spec(tmp_path, monkeypatch):
+    (tmp_path / "spec.py").write_text("import torch\nimport autopar_no_such_package\n\ndef build():\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserCodeError) as excinfo:
+        load_model_spec("spec.py:build")
+    message = str(excinfo.value)
+    assert re.match(r"spec\.py:2 in <module>: ModuleNotFoundError: No module named 'autopar_no_such_package'", message)
+    assert "this is an import error: install the missing package 'autopar_no_such_package'" in message
+
+
+def test_every_cause_has_a_fix():
+    causes = [v for k, v in vars(te).items() if k.isupper() and isinstance(v, str)]
+    assert len(causes) >= 5 and set(causes) == set(te._FIXES)
