@@ -34,6 +34,7 @@ from autopar.planner.frontend import trace_pair
 from autopar.planner.ilp import Solution, build_problem, evaluate, solve
 from autopar.planner.search import Candidate, Fixed, Unit, search
 from autopar.progress import progress
+from autopar.zero_def import step_collective_counts
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,66 @@ def _shared_params(gm: fx.GraphModule) -> dict[str, list[tuple[str, str]]]:
         for layer in sorted(readers - {owner}):
             out[layer].append((trace.fqn, owner))
     return out
+
+
+def _dp_buckets(gm: fx.GraphModule, stages: list[dict], layer_dict: dict, *, zero: int, dp: int,
+                tp: int) -> list[dict]:
+    """The dp gradient buckets of a step: one per (stage, layer group, dtype), as ``runtime/zero.py`` makes them.
+
+    A bucket holds the trainable parameters a layer owns (its first reader), and a stage that
+    reads a parameter another stage's layer owns (a tied head) holds that owner's bucket too.
+    Stage layer lists name every instance of a collapsed block ("h.7"); its parameters are
+    those of the block that stood for it ("h.1"), renamed. ``bytes`` is what one collective of
+    the bucket moves: each parameter's tp shard (tp rank 0's piece) padded to a multiple of
+    dp at ZeRO >= 1, whole at ZeRO-0 (the runtime pads only what it slices).
+    """
+    info: mk.GraphTrace = gm.meta[mk.GRAPH]
+    itemsize = {}
+    for n in gm.graph.find_nodes(op="placeholder"):
+        if n.meta[mk.TRACE].role is mk.Role.PARAM:
+            itemsize[n.meta[mk.TRACE].fqn] = (str(n.meta["val"].dtype).removeprefix("torch."),
+                                              n.meta["val"].element_size())
+    owned = {}  # layer instance -> [(fqn of the instance, fqn in the plan's layer, plan layer)]
+    for path in (p for st in stages for p in st["layers"]):
+        src = _stand_in(path, layer_dict)
+        owned[path] = [(path + f[len(src):] if f.startswith(src + ".") else f, f, src)
+                       for f in layer_dict[src]["params"]] if src else []
+    owner_of = {f: path for path, items in owned.items() for f, _, _ in items}
+    shared = _shared_params(gm)
+    out = []
+    for s, st in enumerate(stages):
+        groups: dict[str, list] = {path: list(owned[path]) for path in st["layers"]}
+        for path in st["layers"]:
+            for fqn, owner in shared.get(_stand_in(path, layer_dict) or path, []):
+                owner = owner_of.get(fqn, owner)
+                if owner not in groups:
+                    groups[owner] = [item for item in owned.get(owner, []) if item[0] == fqn]
+        for path, items in groups.items():
+            by_dtype: dict[str, int] = defaultdict(int)
+            for _, fqn, src in items:
+                if fqn not in info.grad_outputs:
+                    continue
+                local = list(layer_dict[src]["param_shapes"][fqn])
+                placement = layer_dict[src]["params"][fqn]
+                if placement.startswith("S"):
+                    d = int(placement[1:])
+                    local[d] = -(-local[d] // tp)
+                numel = math.prod(local)
+                dtype, size = itemsize[fqn]
+                by_dtype[dtype] += (-(-numel // dp) * dp if zero else numel) * size
+            for dtype, nbytes in by_dtype.items():
+                out.append({"stage": s, "layer": path, "dtype": dtype, "bytes": nbytes})
+    return out
+
+
+def _stand_in(path: str, layer_dict: dict) -> str | None:
+    """The plan's layer for an instance: itself, or the block that stood for it (h.7 -> h.1)."""
+    if path in layer_dict:
+        return path
+    container, _, index = path.rpartition(".")
+    if index.isdigit() and f"{container}.1" in layer_dict and int(index) >= 1:
+        return f"{container}.1"
+    return None
 
 
 def _local_param_counts(sg: StrategyGraph, sol: Solution, tp: int) -> dict[str, float]:
@@ -302,14 +363,16 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         communication[kind]["tp"] = {"count": c["count"] * cfg.microbatches, "bytes": c["bytes"] * cfg.microbatches,
                                      "time_s": c["time_s"] * cfg.microbatches}
     if cfg.dp > 1:
-        grad_bytes = sum(st.grads_bytes * (cfg.dp if cfg.zero >= 2 else 1) for st in best.stages)
-        kinds = ["all_reduce"] if cfg.zero == 0 else ["reduce_scatter", "all_gather"]
         per_rank = [0.0] * cfg.pp  # a rank syncs the stages it holds one after the other
         for s, st in enumerate(best.stages):
             per_rank[s % cfg.pp] += st.grad_sync_s
-        for kind in kinds:
-            communication[kind]["dp"] = {"count": len(best.stages), "bytes": grad_bytes,
-                                         "time_s": max(per_rank) / len(kinds)}
+        buckets = _dp_buckets(gm, stages, layer_dict, zero=cfg.zero, dp=cfg.dp, tp=cfg.tp)
+        counts = step_collective_counts(cfg.zero, n_micro=cfg.microbatches)
+        for kind, k in counts.items():  # zero_def: how often each bucket's collectives run in a step
+            rows = [{**b, "count": k} for b in buckets]
+            communication[kind]["dp"] = {"count": sum(r["count"] for r in rows),
+                                         "bytes": sum(r["bytes"] * r["count"] for r in rows),
+                                         "time_s": max(per_rank) / len(counts), "buckets": rows}
     if cfg.pp > 1:  # activations forward and their gradients back, every micro-batch, every cut (its own link)
         communication["p2p"]["pp"] = {
             "count": 2 * cfg.microbatches * (len(best.stages) - 1),
