@@ -414,10 +414,12 @@ class ShardedParams:
         """Stages 1-2: all-gather the updated slices back into the full parameters, one bucket per group."""
         if self.stage.param_gather != "after_step":
             return
-        started = [self._start_gather(g) for g in range(len(self.groups))]
-        for pending in started:
+        pending = self._start_gather(0) if self.groups else []
+        for g in range(len(self.groups)):  # one group gathered ahead, as stage 3's prefetch
+            ahead = self._start_gather(g + 1) if g + 1 < len(self.groups) else []
             for fqn, whole in self._finish_gather(pending).items():
                 self.entries[fqn].full_local().copy_(whole)
+            pending = ahead
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return [e.opt_param for e in self.entries.values()]

@@ -66,13 +66,16 @@ def insert_zero_calls(gm: fx.GraphModule, *, params, param_inputs: dict[int, str
     if gather:
         _insert_unshard(graph, params, pnode, forward, order, key)
     _insert_reduce(graph, params, outs, grad_outputs, order)
-    new_outs = [None if i in grad_outputs else v for i, v in enumerate(outs)]
+    now = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
+    new_outs = [None if i in grad_outputs else v for i, v in enumerate(now)]
     out_node.args = (tuple(new_outs),)
     roots = set(pnode.values())
     if gather:  # the views the readers no longer use (they would read the unused placeholders)
         for n in reversed(list(graph.nodes)):
             if n.op == "call_function" and n.target in _VIEWS and not n.users and _views_param(n, roots):
                 graph.erase_node(n)
+        left = {p.name: [u.format_node() for u in p.users] for p in roots if p.users}
+        assert not left, f"parameters still read after the gathers were inserted: {left}"
     graph.lint()
     gm.recompile()
     return gm
