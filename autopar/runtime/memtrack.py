@@ -22,10 +22,13 @@ __all__ = ["LiveBytes"]
 
 
 class LiveBytes:
-    def __init__(self) -> None:
+    def __init__(self, sums: dict[str, tuple[str, ...]] | None = None) -> None:
         self.now: dict[str, int] = {}
         self.peak = 0
         self.peak_by_kind: dict[str, int] = {}
+        self.sums = dict(sums or {})
+        """Named sets of kinds whose summed peak is kept too (``peak_of``)."""
+        self.peak_of: dict[str, int] = {name: 0 for name in self.sums}
         self._seen: weakref.WeakSet = weakref.WeakSet()
 
     def track(self, t: torch.Tensor, kind: str) -> torch.Tensor:
@@ -38,6 +41,8 @@ class LiveBytes:
         self.now[kind] = self.now.get(kind, 0) + nbytes
         self.peak_by_kind[kind] = max(self.peak_by_kind.get(kind, 0), self.now[kind])
         self.peak = max(self.peak, sum(self.now.values()))
+        for name, kinds in self.sums.items():
+            self.peak_of[name] = max(self.peak_of[name], sum(self.now.get(k, 0) for k in kinds))
         weakref.finalize(storage, self._free, kind, nbytes)
         return t
 
@@ -47,6 +52,7 @@ class LiveBytes:
     def reset_peak(self) -> None:
         self.peak = sum(self.now.values())
         self.peak_by_kind = dict(self.now)
+        self.peak_of = {name: sum(self.now.get(k, 0) for k in kinds) for name, kinds in self.sums.items()}
 
     def total(self) -> int:
         return sum(self.now.values())

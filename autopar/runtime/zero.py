@@ -140,7 +140,7 @@ class ShardedParams:
         self.dp_group = mesh.get_group(dp_dim)
         self.dp = mesh.size(dp_dim)
         self.dp_rank = mesh.get_local_rank(dp_dim)
-        self.live = LiveBytes()
+        self.live = LiveBytes(sums={"state": ("params", "grads", "gathered")})
         self.overlap = True
         """False: every collective is waited for at once (a debugging aid; same numbers, no overlap)."""
         self.guard = lambda action, peers=None: contextlib.nullcontext()
