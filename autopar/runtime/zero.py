@@ -241,7 +241,7 @@ class ShardedParams:
         with self.guard(f"parameter all-gather over dp group {self._dp_ranks}", self._dp_ranks):
             work.wait()
 
-    def _finish_gather(self, started: list) -> dict[str, torch.Tensor]:
+    def _finish_gather(self, started: list, kind: str = "gathered") -> dict[str, torch.Tensor]:
         out = {}
         for work, recv, b in started:
             self._wait_gather(work)
@@ -249,7 +249,7 @@ class ShardedParams:
             for e, col in zip(b.entries, b.col):
                 whole = table[:, col: col + e.chunk].reshape(-1)[: e.numel].view(e.local_shape)
                 out[e.fqn] = self.live.track(whole.clone() if whole.untyped_storage() is recv.untyped_storage()
-                                             else whole, "gathered")
+                                             else whole, kind)
         return out
 
     # -- gradients ------------------------------------------------------------
@@ -417,7 +417,7 @@ class ShardedParams:
         pending = self._start_gather(0) if self.groups else []
         for g in range(len(self.groups)):  # one group gathered ahead, as stage 3's prefetch
             ahead = self._start_gather(g + 1) if g + 1 < len(self.groups) else []
-            for fqn, whole in self._finish_gather(pending).items():
+            for fqn, whole in self._finish_gather(pending, "buffers").items():  # copied in at once
                 self.entries[fqn].full_local().copy_(whole)
             pending = ahead
 
