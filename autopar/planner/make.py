@@ -184,6 +184,7 @@ def _dp_buckets(gm: fx.GraphModule, stages: list[dict], layer_dict: dict, *, zer
                        for f in layer_dict[src]["params"]] if src else []
     owner_of = {f: path for path, items in owned.items() for f, _, _ in items}
     shared = _shared_params(gm)
+    read_in_backward = _read_in_backward(gm)
     out = []
     for s, st in enumerate(stages):
         groups: dict[str, list] = {path: list(owned[path]) for path in st["layers"]}
@@ -205,8 +206,28 @@ def _dp_buckets(gm: fx.GraphModule, stages: list[dict], layer_dict: dict, *, zer
                 numel = math.prod(local)
                 dtype, size = itemsize[fqn]
                 by_dtype[dtype] += (-(-numel // dp) * dp if zero else numel) * size
+            readers = {_stand_in(layer, layer_dict) or layer for layer in st["layers"]}
+            backward = any(read_in_backward.get(f, set()) & readers for _, f, _ in items)
             for dtype, nbytes in by_dtype.items():
-                out.append({"stage": s, "layer": path, "dtype": dtype, "bytes": nbytes})
+                out.append({"stage": s, "layer": path, "dtype": dtype, "bytes": nbytes,
+                            "read_in_backward": backward})
+    return out
+
+
+def _read_in_backward(gm: fx.GraphModule) -> dict[str, set[str]]:
+    """Parameter -> the layers whose backward reads it, directly or through views of it."""
+    out: dict[str, set[str]] = defaultdict(set)
+    for p in gm.graph.find_nodes(op="placeholder"):
+        if p.meta[mk.TRACE].role is not mk.Role.PARAM:
+            continue
+        stack = list(p.users)
+        while stack:
+            u = stack.pop()
+            if u.op == "call_function" and (getattr(u.target, "is_view", False) or "view" in str(u.target)
+                                            or "reshape" in str(u.target)):
+                stack.extend(u.users)
+            elif u.op != "output" and u.meta[mk.TRACE].role is mk.Role.BACKWARD:
+                out[p.meta[mk.TRACE].fqn].add(u.meta[mk.LAYER])
     return out
 
 
@@ -369,7 +390,10 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         buckets = _dp_buckets(gm, stages, layer_dict, zero=cfg.zero, dp=cfg.dp, tp=cfg.tp)
         counts = step_collective_counts(cfg.zero, n_micro=cfg.microbatches)
         for kind, k in counts.items():  # zero_def: how often each bucket's collectives run in a step
-            rows = [{**b, "count": k} for b in buckets]
+            # stage 3 gathers a group for backward only when the backward reads it (the embedding's
+            # gradient needs no weight): zero_def's 2 x n_micro is forward + backward
+            rows = [{**b, "count": k // 2 if kind == "all_gather" and cfg.zero == 3 and not b["read_in_backward"]
+                     else k} for b in buckets]
             communication[kind]["dp"] = {"count": sum(r["count"] for r in rows),
                                          "bytes": sum(r["bytes"] * r["count"] for r in rows),
                                          "time_s": max(per_rank) / len(counts), "buckets": rows}
