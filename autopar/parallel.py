@@ -89,7 +89,8 @@ def parallelize(model: nn.Module, *, cluster: str | Cluster, plan: Plan | str | 
                 loss_fn: Callable | None = None,
                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
                 fixed: dict | None = None, compile: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
-                device: str | None = None, resume_from: str | os.PathLike | None = None) -> ParallelModule:
+                device: str | None = None, overlap: bool | None = None,
+                resume_from: str | os.PathLike | None = None) -> ParallelModule:
     """Wrap ``model`` for sharded training on ``cluster`` (see the module docstring).
 
     ``resume_from`` is a checkpoint (:meth:`ParallelModule.load_checkpoint`) to continue from:
@@ -102,10 +103,12 @@ def parallelize(model: nn.Module, *, cluster: str | Cluster, plan: Plan | str | 
     past it, or as soon as a peer's connection drops, :class:`PeerError` names the dead
     or silent rank. ``device`` is ``"cuda"`` (NCCL) or ``"cpu"`` (gloo); by default
     ``"cuda"`` for a GPU cluster, which is an error on a machine without CUDA, and
-    ``"cpu"`` for a ``cpu`` cluster.
+    ``"cpu"`` for a ``cpu`` cluster. ``overlap=False`` waits for every ZeRO/dp collective as
+    soon as it is issued instead of overlapping it with compute (a debugging and benchmarking
+    aid: same numbers; also set by the environment variable ``AUTOPAR_OVERLAP=0``).
     """
     pm = ParallelModule(model, cluster=cluster, plan=plan, loss_fn=loss_fn, optimizer=optimizer, fixed=fixed,
-                        compile=compile, timeout_s=timeout_s, device=device)
+                        compile=compile, timeout_s=timeout_s, device=device, overlap=overlap)
     if resume_from is not None:
         from autopar.runtime.checkpoint_io import latest
 
@@ -215,6 +218,34 @@ def _check_scalar_loss(gm) -> None:
                         f"to one number (.mean(), or reduction='mean' instead of reduction='none')")
 
 
+def _layer_groups(gm) -> list[tuple[str, ...]]:
+    """The planner's layer groups (forward order): the parameters of each, ZeRO's buckets."""
+    return [layer.param_fqns for layer in sorted(gm.meta[mk.LAYERS], key=lambda layer: layer.index)]
+
+
+def _with_zero_calls(program, stages: list[int], params):
+    """The pipeline program with each of ``stages``' pieces running its ZeRO calls (gathers, buckets)."""
+    from dataclasses import replace
+
+    from autopar.passes.pipeline import PARAM_PREFIX, Piece
+    from autopar.runtime.zero_program import insert_zero_calls
+
+    out = list(program.stages)
+    for s in stages:
+        st = program.stages[s]
+        pieces = {}
+        for field, kind in (("forward", "F"), ("backward_input", "B"), ("backward_weight", "W")):
+            piece: Piece = getattr(st, field)
+            gm = insert_zero_calls(
+                piece.gm, params=params,
+                param_inputs={i: k[len(PARAM_PREFIX):] for i, k in enumerate(piece.inputs) if k.startswith(PARAM_PREFIX)},
+                grad_outputs={i: st.grads[n] for i, n in enumerate(piece.outputs) if n in st.grads},
+                phase="F" if kind == "F" else "B", gather=params.zero == 3, key=f"{s}{kind}:")
+            pieces[field] = replace(piece, gm=gm)
+        out[s] = replace(st, **pieces)
+    return replace(program, stages=out)
+
+
 def _split_batch(values: dict[str, Any], parts: int, batch: int) -> list[dict[str, Any]]:
     out = [dict() for _ in range(parts)]
     for name, v in values.items():
@@ -231,8 +262,10 @@ class ParallelModule:
     """A model sharded by a plan: ``train_step``, ``plan``, ``state_dict``, ``named_parameters``."""
 
     def __init__(self, model: nn.Module, *, cluster: str | Cluster, plan=None, loss_fn=None, optimizer=None,
-                 fixed=None, compile: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None):
+                 fixed=None, compile: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None,
+                 overlap: bool | None = None):
         self.model = model
+        self.overlap = os.environ.get("AUTOPAR_OVERLAP", "1") != "0" if overlap is None else bool(overlap)
         self.compile = compile
         self.cluster = parse_cluster(cluster)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -374,23 +407,35 @@ class ParallelModule:
         info: mk.GraphTrace = self.gm.meta[mk.GRAPH]
         trainable = [f for f in info.param_fqns if f in info.grad_outputs]
         self.params = ShardedParams(self.model, mesh=self.mesh, tp_placements=tp_params, zero=self.plan.zero,
-                                    trainable=trainable)
+                                    trainable=trainable, groups=_layer_groups(self.gm))
+        self._setup_params()
         self.frozen = self._frozen_state(set(trainable))
         self.trainable = trainable
         self.tp_params = tp_params
         self.step_program = None
         if self.compile:
             from autopar.passes.shard import shard_joint_graph
+            from autopar.runtime.zero_program import insert_zero_calls
 
             micro_inputs = dict(first)
             self.input_names = list(micro_inputs)
-            self.step_program = shard_joint_graph(
+            program = shard_joint_graph(
                 self.gm, mesh=self.mesh, ops=self.ops, params=self.params.compute_params(), frozen=self.frozen,
                 trainable=trainable, tp_placements=tp_params, inputs=micro_inputs,
                 loss_scale=1.0 / self.plan.schedule["microbatches"])
-            self.grad_returns = self.step_program.meta[mk.GRAD_RETURNS]
+            self.grad_returns = program.meta[mk.GRAD_RETURNS]
+            self.params.set_tp_returns(self.grad_returns)
+            # the step's ZeRO collectives go inside the program: gathers before use, buckets when final
+            self.step_program = insert_zero_calls(
+                program, params=self.params, param_inputs=dict(enumerate(trainable)),
+                grad_outputs={1 + j: f for j, f in enumerate(trainable)}, loss_output=0,
+                gather=self.plan.zero == 3, key="step")
         self.optimizer = self.optimizer_factory(self.params.optimizer_params())
         self._compiled = True
+
+    def _setup_params(self) -> None:
+        self.params.guard = self._guard
+        self.params.overlap = self.overlap
 
     def _build_pipeline(self, names, values, has_target) -> None:
         """pp > 1: trace, tag each node with its stage, shard, cut into F/B/W pieces per stage.
@@ -448,8 +493,15 @@ class ParallelModule:
         held = {f for s in mine for f in self.pipeline.stages[s].params}
         self.trainable = [f for f in trainable if f in held]
         self.tp_params = tp_params
+        addends: dict[str, int] = {}
+        for s in mine:
+            for fqn in self.pipeline.stages[s].grads.values():
+                addends[fqn] = addends.get(fqn, 0) + 1
         self.params = ShardedParams(self.model, mesh=self.mesh, tp_placements=tp_params, zero=plan.zero,
-                                    trainable=self.trainable)
+                                    trainable=self.trainable, groups=_layer_groups(self.gm), addends=addends)
+        self._setup_params()
+        self.params.set_tp_returns(self.grad_returns)
+        self.pipeline = _with_zero_calls(self.pipeline, mine, self.params)
         coords = self.pp_mesh.mesh  # global rank at (pp, dp, tp)
         dp_rank, tp_rank = self.mesh.get_local_rank(0), self.mesh.get_local_rank(1)
         self.tied_groups = {}
@@ -465,7 +517,8 @@ class ParallelModule:
         self.runner = PipelineRunner(self.pipeline, pp=pp, pp_rank=pp_rank, schedule=plan.schedule["kind"],
                                      n_micro=m, n_virtual=n_stages // pp,
                                      rank_of_stage=lambda s: int(coords[s % pp, dp_rank, tp_rank]),
-                                     guard=self._guard, timeout_s=self.timeout_s, tp_ranks=self._group_ranks("tp"))
+                                     guard=self._guard, timeout_s=self.timeout_s, tp_ranks=self._group_ranks("tp"),
+                                     begin_microbatch=self.params.begin_microbatch)
         self.last_stage_rank = int(coords[(n_stages - 1) % pp, 0, 0])
         self.step_program = None
         self.optimizer = self.optimizer_factory(self.params.optimizer_params())
@@ -474,12 +527,11 @@ class ParallelModule:
     def _pipeline_step(self, values) -> float:
         m = self.plan.schedule["microbatches"]
         micro = _split_batch(values, m, self.plan.model["global_batch"])
-        loss, grads = self.runner.run(micro, self.params.local_params())
-        for fqn, group in self.tied_groups.items():  # the stages sharing a parameter add their addends
-            ranks = dist.get_process_group_ranks(group)
-            with self._guard(f"all-reduce of tied parameter {fqn}'s gradient over ranks {ranks}", ranks):
-                dist.all_reduce(grads[fqn], group=group)
-        self._reduce_and_step(grads)
+        self.params.begin_step(m)
+        held = ({f: None for f in self.trainable} if self.plan.zero == 3  # stage 3: the pieces gather per group
+                else self.params.local_params())
+        loss, _ = self.runner.run(micro, held)  # the gradients went to their buckets inside the pieces
+        self._finish_and_step(self.tied_groups)
         total = torch.zeros(())
         if dist.get_rank() == self.last_stage_rank:
             total += loss
@@ -530,16 +582,18 @@ class ParallelModule:
             return self._pipeline_step(values)
         m = self.plan.schedule["microbatches"]
         total_loss = 0.0
-        acc: dict[str, torch.Tensor] = {}
         tp_ranks = self._group_ranks("tp")
+        self.params.begin_step(m)
         for i, micro in enumerate(_split_batch(values, m, batch)):
+            self.params.begin_microbatch(i)
             if self.step_program is not None:
-                local = self.params.local_params()
+                # stage 3 passes no parameters: the program gathers each layer group itself
+                local = {} if self.plan.zero == 3 else self.params.local_params()
                 with self._guard(f"forward and backward of micro-batch {i} (tp collectives over tp group "
                                  f"{tp_ranks})", tp_ranks):
-                    out = self.step_program(*[local[n] for n in self.trainable],
+                    out = self.step_program(*[local.get(n) for n in self.trainable],
                                             *[micro[n] for n in self.input_names])
-                loss, partials = out[0], dict(zip(self.trainable, out[1:]))
+                loss = out[0]  # the gradients went to their buckets inside the program
             else:
                 params = self.params.compute_params()
                 dloss, grads = run_joint(self.gm, mesh=self.mesh, ops=self.ops, params={**params, **self.frozen},
@@ -547,21 +601,23 @@ class ParallelModule:
                 loss = dloss.full_tensor()
                 local, self.grad_returns = grad_addends([(n, grads[n]) for n in self.trainable], mesh=self.mesh,
                                                         tp_placements=self.tp_params)
-                partials = dict(zip(self.trainable, local))
+                self.params.set_tp_returns(self.grad_returns)
+                for fqn, g in zip(self.trainable, local):
+                    self.params.add_grad(fqn, g, i)
             total_loss += float(loss) / m
-            for fqn, g in partials.items():
-                acc[fqn] = g if fqn not in acc else acc[fqn] + g
-        self._reduce_and_step(acc)
+        self._finish_and_step()
         return total_loss
 
-    def _reduce_and_step(self, grads: dict[str, torch.Tensor]) -> None:
-        """dp gradient reduction, the optimizer on the local slices, ZeRO's parameter all-gather."""
-        dp_ranks = self._group_ranks("dp")
-        with self._guard(f"gradient reduction over dp group {dp_ranks}", None):  # also the tp buckets; any rank may be the dead one
-            self.params.reduce_gradients(grads, tp_returns=self.grad_returns)
+    def _finish_and_step(self, tied: dict | None = None) -> None:
+        """Wait for the gradient buckets, sum tied addends across stages, step, gather back (ZeRO 1-2)."""
+        with self._guard(f"gradient reduction over dp group {self._group_ranks('dp')}", None):
+            self.params.finish_step()
+        for fqn, group in (tied or {}).items():  # the stages sharing a parameter add their reduced gradients
+            ranks = dist.get_process_group_ranks(group)
+            with self._guard(f"all-reduce of tied parameter {fqn}'s gradient over ranks {ranks}", ranks):
+                dist.all_reduce(self.params.entries[fqn].grad, group=group)
         self.optimizer.step()
-        with self._guard(f"parameter all-gather over dp group {dp_ranks}", dp_ranks):
-            self.params.after_step()
+        self.params.after_step()
 
     def set_schedule(self, kind: str) -> None:
         """Run later steps under another pipeline schedule, without recompiling.
@@ -590,7 +646,8 @@ class ParallelModule:
         old = self.runner
         self.runner = PipelineRunner(self.pipeline, pp=pp, pp_rank=old.pp_rank, schedule=kind,
                                      n_micro=old.n_micro, n_virtual=n_stages // pp, rank_of_stage=old.rank_of_stage,
-                                     guard=old.guard, timeout_s=old.timeout_s, tp_ranks=old.tp_ranks)
+                                     guard=old.guard, timeout_s=old.timeout_s, tp_ranks=old.tp_ranks,
+                                     begin_microbatch=old.begin_microbatch)
         self.plan = replace(self.plan, schedule={**self.plan.schedule, "kind": kind})
 
     def save_checkpoint(self, path: str | os.PathLike, *, state: dict | None = None, async_save: bool = False,

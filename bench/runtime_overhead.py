@@ -8,6 +8,9 @@ Pairs (autopar plan pinned with fixed= | the hand-written baseline):
   ZeRO-3  {"dp": 2, "zero": 3}             | fully_shard (FSDP2) per block and root
   TP      {"tp": 2} (Megatron from the MIP) | parallelize_module: Colwise wq/wk/wv/w1/w3,
                                               Rowwise wo/w2 (torchtitan's Llama plan)
+and one row of autopar against itself, the same ZeRO-3 plan run twice:
+  overlap      parallelize(...)                | parallelize(..., overlap=False): every
+                                                 collective waited for as soon as issued
 Each step of every variant runs in turn (round robin), between barriers, so machine
 noise hits all variants alike; the first steps are warm-up. Reported: median step
 time per variant and the ratio autopar / hand-written (1.00 = equal, target <= 1.10).
@@ -82,6 +85,13 @@ def _bench(rank, world, size, batch, seq, steps, warmup):
         hand, split_batch = _handwritten(kind, ref, mesh1d)
         variants[f"autopar {kind}"] = ("autopar", pm)
         variants[f"torch {kind}"] = ("torch", (hand, _adam(hand.parameters()), split_batch))
+        if kind == "ZeRO-3":  # the same plan without overlap: the runtime waits on each collective at once
+            torch.manual_seed(0)
+            model, _, _, _ = llama.build(size=size, batch=batch, seq=seq)
+            serial = autopar.parallelize(model, cluster=cluster, loss_fn=loss_fn, optimizer=_adam, plan=pm.plan,
+                                         overlap=False)
+            serial.train_step(inputs, target)
+            variants["autopar ZeRO-3 overlap=False"] = ("autopar", serial)
     inputs, target, loss_fn = data
     times = {name: [] for name in variants}
     for step in range(warmup + steps):
@@ -120,6 +130,8 @@ def main():
     for kind in ("DP", "ZeRO-3", "TP"):
         a, t = med[f"autopar {kind}"], med[f"torch {kind}"]
         print(f"| {kind} | {a * 1e3:.1f} ms | {t * 1e3:.1f} ms | {a / t:.2f} |")
+    a, t = med["autopar ZeRO-3"], med["autopar ZeRO-3 overlap=False"]
+    print(f"| ZeRO-3 overlap vs overlap=False (same plan) | {a * 1e3:.1f} ms | {t * 1e3:.1f} ms | {a / t:.2f} |")
 
 
 if __name__ == "__main__":

@@ -78,8 +78,8 @@ def test_gpt_rank_program_runs_the_plans_collectives(cluster):
     assert plan.mesh == {"pp": 1, "dp": 1, "tp": 2}
     census = rank_collectives(spec, SPEC_ARGS, plan=plan, cluster=c)
     assert _run_totals(census) == _tp_totals(plan)
-    kinds = [(b["kind"], b["dtype"]) for b in census["buckets"]]
-    assert len(kinds) == len(set(kinds))  # one call per (kind, dtype)
+    kinds = [(b["group"], b["kind"], b["dtype"]) for b in census["buckets"]]
+    assert len(kinds) == len(set(kinds))  # one call per (layer group, kind, dtype)
 
 
 def test_llama_sequence_parallel_reshards_once_per_placement(llama_sp):
@@ -97,12 +97,14 @@ def test_llama_sequence_parallel_reshards_once_per_placement(llama_sp):
 
 def test_llama_gradient_returns_are_one_bucket_per_kind(llama_sp):
     """The MIP prices gradients returning to their parameters bucketed; the program leaves
-    them to the runtime, which issues one call per (kind, dtype), not one per parameter."""
+    them to the runtime, which issues one call per (layer group, kind, dtype) right before the
+    group's dp bucket, not one per parameter."""
     plan, census = llama_sp
     assert "all_reduce" not in census["program"]  # every tp all-reduce of this plan returns a gradient
-    kinds = [(b["kind"], b["dtype"]) for b in census["buckets"]]
+    kinds = [(b["group"], b["kind"], b["dtype"]) for b in census["buckets"]]
     assert len(kinds) == len(set(kinds))
-    reduced = next(b for b in census["buckets"] if b["kind"] == "all_reduce")
-    assert len(reduced["grads"]) == plan.communication["all_reduce"]["tp"]["count"]  # norms and the embedding
-    assert reduced["bytes"] == plan.communication["all_reduce"]["tp"]["bytes"]
-    assert "tok_embeddings.weight" in reduced["grads"]
+    reduced = [b for b in census["buckets"] if b["kind"] == "all_reduce"]
+    assert sum(len(b["grads"]) for b in reduced) == plan.communication["all_reduce"]["tp"]["count"]  # norms, embedding
+    assert sum(b["bytes"] for b in reduced) == plan.communication["all_reduce"]["tp"]["bytes"]
+    assert any("tok_embeddings.weight" in b["grads"] for b in reduced)
+    assert len(reduced) < sum(len(b["grads"]) for b in reduced)  # bucketed: fewer calls than gradients

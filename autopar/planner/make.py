@@ -35,6 +35,7 @@ from autopar.planner.frontend import trace_pair
 from autopar.planner.ilp import Solution, build_problem, evaluate, solve
 from autopar.planner.search import Candidate, Fixed, Unit, search
 from autopar.progress import progress
+from autopar.zero_def import step_collective_counts
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +265,87 @@ def _shared_params(gm: fx.GraphModule) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
+def _dp_buckets(gm: fx.GraphModule, stages: list[dict], layer_dict: dict, *, zero: int, dp: int,
+                tp: int) -> list[dict]:
+    """The dp gradient buckets of a step: one per (stage, layer group, dtype), as ``runtime/zero.py`` makes them.
+
+    A bucket holds the trainable parameters a layer owns (its first reader), and a stage that
+    reads a parameter another stage's layer owns (a tied head) holds that owner's bucket too.
+    Stage layer lists name every instance of a collapsed block ("h.7"); its parameters are
+    those of the block that stood for it ("h.1"), renamed. ``bytes`` is what one collective of
+    the bucket moves: each parameter's tp shard (tp rank 0's piece) padded to a multiple of
+    dp at ZeRO >= 1, whole at ZeRO-0 (the runtime pads only what it slices).
+    """
+    info: mk.GraphTrace = gm.meta[mk.GRAPH]
+    itemsize = {}
+    for n in gm.graph.find_nodes(op="placeholder"):
+        if n.meta[mk.TRACE].role is mk.Role.PARAM:
+            itemsize[n.meta[mk.TRACE].fqn] = (str(n.meta["val"].dtype).removeprefix("torch."),
+                                              n.meta["val"].element_size())
+    owned = {}  # layer instance -> [(fqn of the instance, fqn in the plan's layer, plan layer)]
+    for path in (p for st in stages for p in st["layers"]):
+        src = _stand_in(path, layer_dict)
+        owned[path] = [(path + f[len(src):] if f.startswith(src + ".") else f, f, src)
+                       for f in layer_dict[src]["params"]] if src else []
+    owner_of = {f: path for path, items in owned.items() for f, _, _ in items}
+    shared = _shared_params(gm)
+    read_in_backward = _read_in_backward(gm)
+    out = []
+    for s, st in enumerate(stages):
+        groups: dict[str, list] = {path: list(owned[path]) for path in st["layers"]}
+        for path in st["layers"]:
+            for fqn, owner in shared.get(_stand_in(path, layer_dict) or path, []):
+                owner = owner_of.get(fqn, owner)
+                if owner not in groups:
+                    groups[owner] = [item for item in owned.get(owner, []) if item[0] == fqn]
+        for path, items in groups.items():
+            by_dtype: dict[str, int] = defaultdict(int)
+            for _, fqn, src in items:
+                if fqn not in info.grad_outputs:
+                    continue
+                local = list(layer_dict[src]["param_shapes"][fqn])
+                placement = layer_dict[src]["params"][fqn]
+                if placement.startswith("S"):
+                    d = int(placement[1:])
+                    local[d] = -(-local[d] // tp)
+                numel = math.prod(local)
+                dtype, size = itemsize[fqn]
+                by_dtype[dtype] += (-(-numel // dp) * dp if zero else numel) * size
+            readers = {_stand_in(layer, layer_dict) or layer for layer in st["layers"]}
+            backward = any(read_in_backward.get(f, set()) & readers for _, f, _ in items)
+            for dtype, nbytes in by_dtype.items():
+                out.append({"stage": s, "layer": path, "dtype": dtype, "bytes": nbytes,
+                            "read_in_backward": backward})
+    return out
+
+
+def _read_in_backward(gm: fx.GraphModule) -> dict[str, set[str]]:
+    """Parameter -> the layers whose backward reads it, directly or through views of it."""
+    out: dict[str, set[str]] = defaultdict(set)
+    for p in gm.graph.find_nodes(op="placeholder"):
+        if p.meta[mk.TRACE].role is not mk.Role.PARAM:
+            continue
+        stack = list(p.users)
+        while stack:
+            u = stack.pop()
+            if u.op == "call_function" and (getattr(u.target, "is_view", False) or "view" in str(u.target)
+                                            or "reshape" in str(u.target)):
+                stack.extend(u.users)
+            elif u.op != "output" and u.meta[mk.TRACE].role is mk.Role.BACKWARD:
+                out[p.meta[mk.TRACE].fqn].add(u.meta[mk.LAYER])
+    return out
+
+
+def _stand_in(path: str, layer_dict: dict) -> str | None:
+    """The plan's layer for an instance: itself, or the block that stood for it (h.7 -> h.1)."""
+    if path in layer_dict:
+        return path
+    container, _, index = path.rpartition(".")
+    if index.isdigit() and f"{container}.1" in layer_dict and int(index) >= 1:
+        return f"{container}.1"
+    return None
+
+
 def _local_param_counts(sg: StrategyGraph, sol: Solution, tp: int) -> dict[str, float]:
     """Parameter -> elements held per device on tp (a shard is 1/tp of it)."""
     out = {}
@@ -422,14 +504,19 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         communication[kind]["tp"] = {"count": c["count"] * cfg.microbatches, "bytes": c["bytes"] * cfg.microbatches,
                                      "time_s": c["time_s"] * cfg.microbatches}
     if cfg.dp > 1:
-        grad_bytes = sum(st.grads_bytes * (cfg.dp if cfg.zero >= 2 else 1) for st in best.stages)
-        kinds = ["all_reduce"] if cfg.zero == 0 else ["reduce_scatter", "all_gather"]
         per_rank = [0.0] * cfg.pp  # a rank syncs the stages it holds one after the other
         for s, st in enumerate(best.stages):
             per_rank[s % cfg.pp] += st.grad_sync_s
-        for kind in kinds:
-            communication[kind]["dp"] = {"count": len(best.stages), "bytes": grad_bytes,
-                                         "time_s": max(per_rank) / len(kinds)}
+        buckets = _dp_buckets(gm, stages, layer_dict, zero=cfg.zero, dp=cfg.dp, tp=cfg.tp)
+        counts = step_collective_counts(cfg.zero, n_micro=cfg.microbatches)
+        for kind, k in counts.items():  # zero_def: how often each bucket's collectives run in a step
+            # stage 3 gathers a group for backward only when the backward reads it (the embedding's
+            # gradient needs no weight): zero_def's 2 x n_micro is forward + backward
+            rows = [{**b, "count": k // 2 if kind == "all_gather" and cfg.zero == 3 and not b["read_in_backward"]
+                     else k} for b in buckets]
+            communication[kind]["dp"] = {"count": sum(r["count"] for r in rows),
+                                         "bytes": sum(r["bytes"] * r["count"] for r in rows),
+                                         "time_s": max(per_rank) / len(counts), "buckets": rows}
     if cfg.pp > 1:  # activations forward and their gradients back, every micro-batch, every cut (its own link)
         communication["p2p"]["pp"] = {
             "count": 2 * cfg.microbatches * (len(best.stages) - 1),

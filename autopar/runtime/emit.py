@@ -128,10 +128,13 @@ def _census(pm, pp_rank) -> dict:
                 mine = program.setdefault(kind, {}).setdefault(axis, {"count": 0, "bytes": 0})
                 mine["count"] += c["count"]
                 mine["bytes"] += c["bytes"]
-    returns = [r for r in pm.grad_returns if r.fqn in pm.params.entries]
-    dtypes = {r.fqn: pm.params.entries[r.fqn].dtype for r in returns}
-    buckets = [{"kind": b.kind, "axis": "tp", "dtype": str(b.dtype), "grads": [r.fqn for r in b.grads],
-                "bytes": b.nbytes} for b in tp_buckets(returns, dtypes)]
+    returns = {r.fqn: r for r in pm.grad_returns if r.fqn in pm.params.entries}
+    buckets = []
+    for g, fqns in enumerate(pm.params.groups):  # the runtime returns them per layer group (runtime/zero.py)
+        mine = [returns[f] for f in fqns if f in returns]
+        dtypes = {r.fqn: pm.params.entries[r.fqn].dtype for r in mine}
+        buckets += [{"kind": b.kind, "axis": "tp", "group": g, "dtype": str(b.dtype),
+                     "grads": [r.fqn for r in b.grads], "bytes": b.nbytes} for b in tp_buckets(mine, dtypes)]
     return {"program": program, "buckets": buckets}
 
 

@@ -59,8 +59,10 @@ class PipelineRunner:
     def __init__(self, program: PipelineProgram, *, pp: int, pp_rank: int, schedule: str, n_micro: int,
                  rank_of_stage: Callable[[int], int], n_virtual: int = 1,
                  guard: Callable[[str, list[int] | None], ContextManager] = _no_guard, timeout_s: float | None = None,
-                 tp_ranks: list[int] | None = None):
+                 tp_ranks: list[int] | None = None, begin_microbatch: Callable[[int], None] | None = None):
         self.program = program
+        self.begin_microbatch = begin_microbatch
+        """Called with the micro-batch before each compute piece (the ZeRO calls inside read it)."""
         self.guard = guard
         """``guard(action, peers)``: a context that turns a failed wait on ``peers`` into an error naming them."""
         self.timeout_s = timeout_s
@@ -134,10 +136,14 @@ class PipelineRunner:
         piece = {"F": st.forward, "B": st.backward_input, "W": st.backward_weight}[kind]
         store = self._store.setdefault((stage, mb), {})
         what = f"stage {stage} {kind} of micro-batch {mb} (tp collectives over ranks {self.tp_ranks})"
+        if self.begin_microbatch is not None:
+            self.begin_microbatch(mb)
         with self.guard(what, self.tp_ranks):
             values = piece(self._values(piece, stage, mb))
         for name, value in zip(piece.outputs, values):
             fqn = st.grads.get(name)
+            if fqn is not None and value is None:
+                continue  # handed to its gradient bucket inside the piece
             if fqn is not None:
                 self._grads[fqn] = value if fqn not in self._grads else self._grads[fqn] + value
             elif name == st.loss:

@@ -1,25 +1,48 @@
-"""Parameters, gradients and optimizer state of one rank, sharded by ZeRO stage.
+"""Parameters, gradients and optimizer state of one rank, sharded by ZeRO stage, and the
+dp collectives of a step, as :mod:`autopar.zero_def` defines them.
 
 Every parameter first gets its tensor-parallel shard (the plan's placement on tp);
-on the dp axis:
+on the dp axis (Rajbhandari et al. 2020, "ZeRO", sec. 5):
 
-    stage   parameters held        gradients held         optimizer state held
-    0       full (tp shard)        full                   full
-    1       full                   full                   1/dp slice
-    2       full                   1/dp slice             1/dp slice
-    3       1/dp slice             1/dp slice             1/dp slice
+    stage   parameters held   gradients held                 optimizer   dp collectives per bucket
+    0       full (tp shard)   full buffer, across micro      full        all-reduce once a step
+    1       full              full buffer, across micro      1/dp        reduce-scatter once a step,
+                                                                         all-gather after the optimizer
+    2       full              1/dp slice                     1/dp        reduce-scatter every micro-batch,
+                                                                         all-gather after the optimizer
+    3       1/dp slice        1/dp slice                     1/dp        reduce-scatter every micro-batch,
+                                                                         all-gather per use (forward and
+                                                                         backward of every micro-batch)
 
-(Rajbhandari et al. 2020, "ZeRO", sec. 5.) A slice is one of ``dp`` equal chunks of
-the flattened tp shard, padded at the end to a multiple of ``dp`` so the collectives
-see equal chunks (at most ``dp - 1`` extra elements per parameter). The optimizer
-the user's factory builds sees, per parameter, the tensor this rank updates: the
-whole tp shard at stage 0, its slice otherwise; slices are views into the full
-parameter storage at stages 1-2, so no second copy exists, and after the step the
-slices are all-gathered back into it. Gradients are reduced over dp once per step
-(after micro-batch accumulation): all-reduce at stages 0-1, reduce-scatter at 2-3.
-Before that, gradients the program left Partial or sharded on tp (their parameter is
-replicated there) are summed or gathered over tp, one bucket per collective and dtype.
-Stage 3 all-gathers each parameter for every micro-batch.
+A slice is one of ``dp`` equal chunks of the flattened tp shard, padded at the end to a
+multiple of ``dp`` (at most ``dp - 1`` extra elements per parameter). The optimizer sees,
+per parameter, the tensor this rank updates: the whole tp shard at stage 0, its slice
+otherwise (at stages 1-2 a view into the full parameter, so no second copy exists).
+
+Buckets. The parameters are grouped as the planner groups layers (one group per layer,
+``passes/layers.py``, given as ``groups``); a bucket is one group's parameters of one
+dtype. Each bucket is one collective: a gradient bucket is issued, asynchronously
+(``async_op=True``), as soon as its group's gradients of the micro-batch are final
+(:meth:`ShardedParams.add_grad`; at stages 0-1 only after the last micro-batch), so it
+runs while the rest of the backward computes. At most :data:`MAX_INFLIGHT_REDUCES`
+buckets are in flight: issuing one more first waits for the oldest, which bounds the
+send buffers at stages 2-3 to a few layer groups (no full-size gradient exists there).
+:meth:`ShardedParams.finish_step` waits for the rest before the optimizer reads them.
+
+Stage 3 gathers one group at a time (:meth:`ShardedParams.unshard`) right before its
+first use and issues the gather of the group used next (prefetch depth
+:data:`autopar.zero_def.PREFETCH_GROUPS`); the gathered tensors are handed to the
+program, which drops them after their last use (``runtime/zero_program.py`` inserts the
+calls into the rank's fx program), so at most the group in use and the prefetched one
+are alive, once for forward and again for backward.
+
+Gradients the tp program left Partial or sharded on tp (their parameter is replicated
+there) are summed or gathered over tp right before their bucket's dp collective, one tp
+collective per (kind, dtype) of the group (:meth:`ShardedParams.finish_tp`).
+
+``live`` (a :class:`~autopar.runtime.memtrack.LiveBytes`) tracks every buffer this class
+allocates by kind (params, grads, gathered weights, collective buffers) until its storage
+is freed, so tests read the step's real peak.
 
 Weights come from rank 0's copy of the model (``distribute_tensor`` with source rank
 0), so every rank starts from exactly the single-device model's values.
@@ -27,8 +50,9 @@ Weights come from rank 0's copy of the model (``distribute_tensor`` with source 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,14 +61,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from autopar import zero_def
 from autopar.passes.meta_keys import GradReturn
 from autopar.passes.shard import placement
+from autopar.runtime.memtrack import LiveBytes
 
-__all__ = ["OptimizerShard", "ShardedParams", "StateBytes", "TpBucket", "tp_buckets"]
+__all__ = ["MAX_INFLIGHT_REDUCES", "OptimizerShard", "ShardedParams", "StateBytes", "TpBucket", "tp_buckets"]
 
 # torch 2.13 renamed these (the old names warn); 2.11 has only the old ones.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+MAX_INFLIGHT_REDUCES = 2
+"""Gradient buckets in flight at once; one more waits for the oldest first."""
 
 
 @dataclass(frozen=True)
@@ -86,22 +115,56 @@ class _Entry:
         self.rank, self.zero = rank, zero
         self.flat: torch.Tensor | None = None  # padded full tp shard (stages 0-2)
         self.slice: torch.Tensor | None = None  # this rank's chunk (stages 1-3)
-        self.grad: torch.Tensor | None = None  # accumulated gradient: full (0-1) or chunk (2-3)
+        self.grad: torch.Tensor | None = None  # reduced gradient: full tp shard (0) or this rank's chunk (1-3)
         self.opt_param: nn.Parameter | None = None
 
     def full_local(self) -> torch.Tensor:
         return self.flat[: self.numel].view(self.local_shape)
 
 
+class _Bucket:
+    """The parameters of one layer group and dtype: one dp collective each time it runs.
+
+    ``col[i]`` is entry i's first column in the (dp, width) layout of reduce-scatter and
+    all-gather buffers (stages 1-3; each entry ``chunk`` columns wide), or its offset in the
+    flat all-reduce buffer (stage 0; ``numel`` wide).
+    """
+
+    def __init__(self, group: int, entries: list[_Entry], zero: int):
+        self.group, self.entries, self.dtype = group, entries, entries[0].dtype
+        widths = [e.numel if zero == 0 else e.chunk for e in entries]
+        self.col = [sum(widths[:i]) for i in range(len(entries))]
+        self.width = sum(widths)
+        self.full: torch.Tensor | None = None  # stages 0-1: the gradient accumulated over micro-batches
+        self.grad: torch.Tensor | None = None  # stages 1-3: this rank's reduced slice, (width,)
+
+    def nbytes(self, dp: int, zero: int) -> int:
+        """Bytes of the whole bucket (all dp chunks) as its collectives move it."""
+        return self.width * (1 if zero == 0 else dp) * self.entries[0].opt_param.element_size()
+
+
 class ShardedParams:
-    """The rank's parameters under a plan's tp placements and ZeRO stage."""
+    """The rank's parameters under a plan's tp placements and ZeRO stage (see the module docstring).
+
+    ``groups`` lists the layer groups' parameter names in forward order (default: one
+    group); ``addends`` how many gradient addends of a parameter one micro-batch yields
+    on this rank (default 1; 2 for a tied parameter both of whose stages run here).
+    """
 
     def __init__(self, model: nn.Module, *, mesh: DeviceMesh, tp_placements: dict[str, str], zero: int,
-                 trainable: list[str], dp_dim: int = 0, tp_dim: int = 1):
+                 trainable: list[str], groups: Sequence[Sequence[str]] | None = None,
+                 addends: dict[str, int] | None = None, dp_dim: int = 0, tp_dim: int = 1):
         self.mesh, self.zero, self.dp_dim, self.tp_dim = mesh, zero, dp_dim, tp_dim
+        self.stage = zero_def.stage(zero)
         self.dp_group = mesh.get_group(dp_dim)
         self.dp = mesh.size(dp_dim)
         self.dp_rank = mesh.get_local_rank(dp_dim)
+        self.live = LiveBytes(sums={"state": ("params", "grads", "gathered")})
+        self.overlap = True
+        """False: every collective is waited for at once (a debugging aid; same numbers, no overlap)."""
+        self.guard = lambda action, peers=None: contextlib.nullcontext()
+        """``guard(action, peers)``: a context that turns a failed wait into an error naming them."""
+        self._dp_ranks = dist.get_process_group_ranks(self.dp_group)
         named = dict(model.named_parameters())
         self.entries: dict[str, _Entry] = {}
         for fqn in trainable:
@@ -114,13 +177,32 @@ class ShardedParams:
             flat = torch.zeros(e.padded, dtype=local.dtype)
             flat[: e.numel] = local.reshape(-1)
             if zero == 3:
-                e.slice = flat[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk].clone()
+                e.slice = self.live.track(flat[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk].clone(),
+                                          "params")
             else:
-                e.flat = flat
+                e.flat = self.live.track(flat, "params")
                 if zero >= 1:
                     e.slice = flat[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk]
             e.opt_param = nn.Parameter(e.full_local() if zero == 0 else e.slice)
             self.entries[fqn] = e
+        self.groups = _complete_groups(groups, trainable)
+        self.group_of = {f: g for g, fqns in enumerate(self.groups) for f in fqns}
+        self.buckets: list[list[_Bucket]] = []  # per group, one bucket per dtype
+        for g, fqns in enumerate(self.groups):
+            by_dtype: dict[torch.dtype, list[_Entry]] = {}
+            for f in fqns:
+                by_dtype.setdefault(self.entries[f].dtype, []).append(self.entries[f])
+            self.buckets.append([_Bucket(g, es, zero) for es in by_dtype.values()])
+        self.addends = {f: (addends or {}).get(f, 1) for f in trainable}
+        self.tp_returns: dict[str, GradReturn] = {}
+        self._n_micro = 1
+        self._inflight: list[tuple[dist.Work, callable]] = []
+        self._gathers: dict[str, list] = {}  # stage 3: prefetched gathers by the program's key
+        self._microbatch = 0
+
+    def set_tp_returns(self, returns: Iterable[GradReturn]) -> None:
+        """The gradients the tp program left Partial or sharded (see :meth:`finish_tp`)."""
+        self.tp_returns = {r.fqn: r for r in returns if r.fqn in self.entries}
 
     # -- compute view -------------------------------------------------------
 
@@ -130,9 +212,13 @@ class ShardedParams:
         return pls
 
     def local_params(self) -> dict[str, torch.Tensor]:
-        """Every parameter's tp shard, whole on dp (ZeRO-3 gathers its slices first)."""
+        """Every parameter's tp shard, whole on dp (at stage 3 a gather of every group: for tracing
+        and the interpreted path; the compiled step gathers group by group, :meth:`unshard`)."""
         if self.zero == 3:
-            return self._gather({fqn: e.slice for fqn, e in self.entries.items()})
+            out = {}
+            for g in range(len(self.groups)):
+                out.update(self._finish_gather(self._start_gather(g)))
+            return out
         return {fqn: e.full_local() for fqn, e in self.entries.items()}
 
     def compute_params(self) -> dict[str, DTensor]:
@@ -142,53 +228,167 @@ class ShardedParams:
                                         stride=_contiguous_stride(self.entries[fqn].shape))
                 for fqn, local in self.local_params().items()}
 
+    # -- stage 3: gather a group before its use -------------------------------
+
+    def unshard(self, group: int, key: str = "", next_key: str | None = None,
+                next_group: int | None = None) -> tuple[torch.Tensor, ...]:
+        """Stage 3: group ``group``'s parameters whole on dp (tp shards), in ``groups`` order.
+
+        Waits for the gather issued ahead under ``key`` (or issues it now), then issues the
+        gather of ``next_group`` under ``next_key`` (the group the program reads next), so it
+        runs during this group's compute (prefetch of one group).
+        """
+        pending = self._gathers.pop(key, None) or self._start_gather(group)
+        out = self._finish_gather(pending)
+        if next_group is not None and next_key not in self._gathers:
+            self._gathers[next_key] = self._start_gather(next_group)
+        return tuple(out[f] for f in self.groups[group])
+
+    def _start_gather(self, group: int, source: str = "slice") -> list:
+        """Issue the all-gather of each bucket of ``group`` (of ``slice`` or the reduced ``grad``)."""
+        started = []
+        for b in self.buckets[group]:
+            send = torch.cat([getattr(e, source).reshape(-1) for e in b.entries]) if b.entries else None
+            recv = self.live.track(torch.empty(self.dp * b.width, dtype=b.dtype), "buffers")
+            work = _all_gather(recv, send, group=self.dp_group, async_op=True)
+            if not self.overlap:
+                self._wait_gather(work)
+            started.append((work, recv, b))
+        return started
+
+    def _wait_gather(self, work) -> None:
+        with self.guard(f"parameter all-gather over dp group {self._dp_ranks}", self._dp_ranks):
+            work.wait()
+
+    def _finish_gather(self, started: list, kind: str = "gathered") -> dict[str, torch.Tensor]:
+        out = {}
+        for work, recv, b in started:
+            self._wait_gather(work)
+            table = recv.view(self.dp, b.width)
+            for e, col in zip(b.entries, b.col):
+                whole = table[:, col: col + e.chunk].reshape(-1)[: e.numel].view(e.local_shape)
+                out[e.fqn] = self.live.track(whole.clone() if whole.untyped_storage() is recv.untyped_storage()
+                                             else whole, kind)
+        return out
+
     # -- gradients ------------------------------------------------------------
+
+    def begin_step(self, n_micro: int) -> None:
+        """Start a step of ``n_micro`` micro-batches: zero the gradient buffers."""
+        self._n_micro = n_micro
+        self._seen: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._counts: dict[tuple[int, int], int] = {}
+        self._done = [0] * len(self.groups)  # micro-batches whose gradients a group has received
+        self.live.reset_peak()
+        for bs in self.buckets:
+            for b in bs:
+                if self.stage.full_grad_buffer:
+                    if b.full is None:
+                        rows = 1 if self.zero == 0 else self.dp
+                        b.full = self.live.track(torch.zeros(rows * b.width, dtype=b.dtype), "grads")
+                    else:
+                        b.full.zero_()
+                if self.zero == 1:  # the reduced slice lands in this rank's row of the full buffer
+                    b.grad = b.full.view(self.dp, b.width)[self.dp_rank]
+                elif self.zero >= 2:
+                    if b.grad is None:
+                        b.grad = self.live.track(torch.zeros(b.width, dtype=b.dtype), "grads")
+                    else:
+                        b.grad.zero_()
+                for e, col in zip(b.entries, b.col):
+                    e.grad = (b.full[col: col + e.numel].view(e.local_shape) if self.zero == 0
+                              else b.grad[col: col + e.chunk])
+                    e.opt_param.grad = e.grad
+
+    def add_grad(self, fqn: str, grad: torch.Tensor, microbatch: int) -> None:
+        """This rank's addend of ``fqn``'s gradient for ``microbatch``; once its layer group has
+        all of them, the group's buckets are reduced (asynchronously)."""
+        g = self.group_of[fqn]
+        seen = self._seen.setdefault((g, microbatch), {})
+        seen[fqn] = grad if fqn not in seen else seen[fqn] + grad
+        self._counts[(g, microbatch)] = self._counts.get((g, microbatch), 0) + 1
+        if self._counts[(g, microbatch)] == sum(self.addends[f] for f in self.groups[g]):
+            self._group_ready(g, self._seen.pop((g, microbatch)))
+
+    def begin_microbatch(self, microbatch: int) -> None:
+        """The micro-batch the program about to run computes (for :meth:`grads_ready`)."""
+        self._microbatch = microbatch
+
+    def grads_ready(self, group: int, fqns: tuple[str, ...], *grads: torch.Tensor) -> None:
+        """REDUCE_GRAD, called from inside the program: :meth:`add_grad` of each, this micro-batch."""
+        for fqn, grad in zip(fqns, grads):
+            self.add_grad(fqn, grad, self._microbatch)
+
+    def _group_ready(self, g: int, grads: dict[str, torch.Tensor]) -> None:
+        self._done[g] += 1
+        grads = self.finish_tp(grads, [self.tp_returns[f] for f in grads if f in self.tp_returns])
+        if self.stage.grad_reduce_every_microbatch:
+            self._issue_reduce(g, grads)
+            return
+        for b in self.buckets[g]:  # stages 0-1: accumulate into the full buffer, reduce after the last
+            rows = b.full.view(1 if self.zero == 0 else self.dp, b.width)
+            for e, col in zip(b.entries, b.col):
+                _add_padded(rows, col, e, grads[e.fqn], self.zero)
+        if self._done[g] == self._n_micro:
+            self._issue_reduce(g, None)
+
+    def _issue_reduce(self, g: int, grads: dict[str, torch.Tensor] | None) -> None:
+        """Issue the dp collective of each bucket of group ``g``: from ``grads`` (one
+        micro-batch, stages 2-3) or from the accumulated full buffer (stages 0-1)."""
+        for b in self.buckets[g]:
+            if len(self._inflight) >= MAX_INFLIGHT_REDUCES:
+                self._wait_oldest()
+            if self.zero == 0:
+                work = dist.all_reduce(b.full, group=self.dp_group, async_op=True) if self.dp > 1 else None
+                done = None
+            else:
+                if grads is None:
+                    send = b.full
+                else:
+                    send = self.live.track(torch.zeros(self.dp * b.width, dtype=b.dtype), "buffers")
+                    rows = send.view(self.dp, b.width)
+                    for e, col in zip(b.entries, b.col):
+                        _add_padded(rows, col, e, grads[e.fqn], self.zero)
+                recv = self.live.track(torch.empty(b.width, dtype=b.dtype), "buffers")
+                work = _reduce_scatter(recv, send, group=self.dp_group, async_op=True)
+                if grads is None:  # stage 1: into this rank's row of the full buffer, once the send is done
+                    done = (lambda b=b, recv=recv: b.grad.copy_(recv))
+                else:  # stages 2-3: accumulated into the held slice
+                    done = (lambda b=b, recv=recv, send=send: b.grad.add_(recv))
+            if work is not None:
+                self._inflight.append((work, done))
+                if not self.overlap:
+                    self._wait_oldest()
+            elif done is not None:
+                done()
+
+    def _wait_oldest(self) -> None:
+        work, done = self._inflight.pop(0)
+        with self.guard(f"gradient reduction over dp group {self._dp_ranks}", None):  # any rank may be the dead one
+            work.wait()
+        if done is not None:
+            done()
+
+    def finish_step(self) -> None:
+        """Wait for every gradient bucket in flight; the optimizer may then read the gradients."""
+        while self._inflight:
+            self._wait_oldest()
+        missing = [self.groups[g][0] for g, n in enumerate(self._done) if n != self._n_micro]
+        if missing or self._seen:
+            raise AssertionError(f"gradients of {missing or sorted(self._seen)} were not all produced this step "
+                                 f"({self._done} of {self._n_micro} micro-batches per group)")
 
     def reduce_gradients(self, partials: dict[str, torch.Tensor], *,
                          tp_returns: Sequence[GradReturn] = ()) -> None:
-        """Sum each gradient's per-rank addends over dp, into the parameter's gradient buffer.
-
-        ``partials[fqn]`` is this rank's addend on the parameter's tp shard (see
-        :func:`autopar.passes.shard.grad_addends`), accumulated over micro-batches;
-        for the parameters in ``tp_returns`` it is still Partial or a Shard(dim) piece
-        on tp, and is first summed or gathered over tp (:meth:`finish_tp`).
-        All parameters of a dtype travel in one bucket: one collective per step, as
-        DDP's and FSDP's buckets do, instead of one per parameter.
-        """
-        partials = self.finish_tp(partials, tp_returns)
-        for group in self._by_dtype():
-            if self.zero <= 1:  # all-reduce over dp: each rank gets the full tp-shard gradient
-                bucket = torch.zeros(sum(e.padded for e in group), dtype=group[0].dtype)
-                offset = 0
-                for e in group:
-                    bucket[offset: offset + e.numel] = partials[e.fqn].reshape(-1)
-                    offset += e.padded
-                if self.dp > 1:
-                    dist.all_reduce(bucket, group=self.dp_group)
-                offset = 0
-                for e in group:
-                    buf = bucket[offset: offset + e.padded]
-                    e.grad = buf if self.zero == 1 else buf[: e.numel].view(e.local_shape)
-                    offset += e.padded
-            else:  # reduce-scatter over dp: each rank gets its chunk of every parameter
-                send = torch.zeros(self.dp, sum(e.chunk for e in group), dtype=group[0].dtype)
-                col = 0
-                for e in group:
-                    padded = torch.zeros(e.padded, dtype=e.dtype)
-                    padded[: e.numel] = partials[e.fqn].reshape(-1)
-                    send[:, col: col + e.chunk] = padded.view(self.dp, e.chunk)
-                    col += e.chunk
-                recv = torch.empty(send.shape[1], dtype=send.dtype)
-                _reduce_scatter(recv, send.reshape(-1), group=self.dp_group)
-                col = 0
-                for e in group:
-                    e.grad = recv[col: col + e.chunk]
-                    col += e.chunk
-        for e in self.entries.values():
-            if self.zero == 1:
-                e.opt_param.grad = e.grad[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk]
-            else:
-                e.opt_param.grad = e.grad
+        """One micro-batch's addends of every parameter (``n_micro=1``): the whole step's
+        reduction at once (the interpreted path and tests; the compiled step reduces
+        group by group while the backward runs)."""
+        self.set_tp_returns(tp_returns)
+        self.begin_step(1)
+        for fqn, g in partials.items():
+            for _ in range(self.addends[fqn]):
+                self.add_grad(fqn, g / self.addends[fqn], 0)
+        self.finish_step()
 
     def finish_tp(self, partials: dict[str, torch.Tensor], returns: Sequence[GradReturn]) -> dict[str, torch.Tensor]:
         """The tp collectives the program left to the runtime, one per bucket of :func:`tp_buckets`:
@@ -228,33 +428,17 @@ class ShardedParams:
                 offset += w
         return out
 
+
     def after_step(self) -> None:
-        """Stages 1-2: all-gather the updated slices back into the full parameters."""
-        if self.zero in (1, 2):
-            full = self._gather({fqn: e.slice for fqn, e in self.entries.items()})
-            for fqn, e in self.entries.items():
-                e.full_local().copy_(full[fqn])
-
-    def _by_dtype(self, only=None) -> list[list[_Entry]]:
-        groups: dict[torch.dtype, list[_Entry]] = {}
-        for e in self.entries.values():
-            if only is None or e.fqn in only:
-                groups.setdefault(e.dtype, []).append(e)
-        return list(groups.values())
-
-    def _gather(self, slices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """All-gather every parameter's dp chunks in one bucket; the full tp shards."""
-        out = {}
-        for group in self._by_dtype(slices):
-            send = torch.cat([slices[e.fqn].reshape(-1) for e in group])
-            recv = torch.empty(self.dp * send.numel(), dtype=send.dtype)
-            _all_gather(recv, send, group=self.dp_group)
-            table = recv.view(self.dp, send.numel())
-            col = 0
-            for e in group:
-                out[e.fqn] = table[:, col: col + e.chunk].reshape(-1)[: e.numel].view(e.local_shape)
-                col += e.chunk
-        return out
+        """Stages 1-2: all-gather the updated slices back into the full parameters, one bucket per group."""
+        if self.stage.param_gather != "after_step":
+            return
+        pending = self._start_gather(0) if self.groups else []
+        for g in range(len(self.groups)):  # one group gathered ahead, as stage 3's prefetch
+            ahead = self._start_gather(g + 1) if g + 1 < len(self.groups) else []
+            for fqn, whole in self._finish_gather(pending, "buffers").items():  # copied in at once
+                self.entries[fqn].full_local().copy_(whole)
+            pending = ahead
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return [e.opt_param for e in self.entries.values()]
@@ -280,29 +464,64 @@ class ShardedParams:
         for e in self.entries.values():
             held = e.slice if self.zero == 3 else e.flat
             params += held.numel() * held.element_size()
-            if e.grad is not None:
-                grads += e.grad.numel() * e.grad.element_size()
             for value in optimizer.state.get(e.opt_param, {}).values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:  # "step" counters aside
                     opt += value.numel() * value.element_size()
+        for bs in self.buckets:
+            for b in bs:
+                held = b.full if self.stage.full_grad_buffer else b.grad
+                if held is not None:
+                    grads += held.numel() * held.element_size()
         return StateBytes(params=params, grads=grads, optimizer=opt)
 
     def full_tensor(self, fqn: str) -> torch.Tensor:
         """The whole parameter, gathered over dp and tp (a collective: call on every rank)."""
         e = self.entries[fqn]
-        local = self._gather({fqn: e.slice})[fqn] if self.zero == 3 else e.full_local()
+        local = self._gather_one(e.slice, e) if self.zero == 3 else e.full_local()
         return DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
                                   shape=e.shape, stride=_contiguous_stride(e.shape)).full_tensor()
 
     def full_grad(self, fqn: str) -> torch.Tensor:
         """The whole reduced gradient (a collective: call on every rank)."""
         e = self.entries[fqn]
-        if self.zero >= 2:
-            local = self._gather({fqn: e.grad})[fqn]
-        else:
-            local = e.grad.reshape(-1)[: e.numel].view(e.local_shape)
+        local = e.grad if self.zero == 0 else self._gather_one(e.grad, e)
         return DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
                                   shape=e.shape, stride=_contiguous_stride(e.shape)).full_tensor()
+
+    def _gather_one(self, piece: torch.Tensor, e: _Entry) -> torch.Tensor:
+        """This parameter's dp chunks (``piece`` on this rank) gathered into its whole tp shard."""
+        recv = torch.empty(self.dp * e.chunk, dtype=piece.dtype)
+        _all_gather(recv, piece.reshape(-1).contiguous(), group=self.dp_group)
+        return recv[: e.numel].view(e.local_shape)
+
+
+def _complete_groups(groups, trainable: list[str]) -> list[tuple[str, ...]]:
+    """``groups`` restricted to ``trainable``, in order; parameters in no group form a last one."""
+    if groups is None:
+        return [tuple(trainable)] if trainable else []
+    held, out = set(trainable), []
+    placed: set[str] = set()
+    for fqns in groups:
+        mine = tuple(f for f in fqns if f in held and f not in placed)
+        placed.update(mine)
+        if mine:
+            out.append(mine)
+    rest = tuple(f for f in trainable if f not in placed)
+    return out + ([rest] if rest else [])
+
+
+def _add_padded(rows: torch.Tensor, col: int, e: _Entry, grad: torch.Tensor, zero: int) -> None:
+    """Add ``grad`` (e's local shape) into its place in a (rows, width) bucket layout."""
+    if zero == 0:
+        rows[0, col: col + e.numel].add_(grad.reshape(-1))
+        return
+    flat = grad.reshape(-1)
+    full_rows, rest = divmod(e.numel, e.chunk) if e.chunk else (0, 0)
+    if full_rows:
+        rows[:full_rows, col: col + e.chunk].add_(flat[: full_rows * e.chunk].view(full_rows, e.chunk))
+    if rest:
+        rows[full_rows, col: col + rest].add_(flat[full_rows * e.chunk:])
+
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ def test_stuck_rank_is_named_as_silent_not_dead():
 
 def _train_and_die(rank, world, victim, fixed, die_at):
     """Train a tiny MLP; on ``victim``, die in step 2 at ``die_at`` ("reduce": before the dp
-    gradient reduction; "pipeline": at the rank's second pipeline action)."""
+    gradient reduction, which now runs inside the backward; "pipeline": at the rank's second pipeline action)."""
     sys.path.insert(0, EXAMPLES)
     import autopar
     import mlp
@@ -104,7 +104,7 @@ def _train_and_die(rank, world, victim, fixed, die_at):
     pm.train_step(inputs, target)
     if rank == victim:
         if die_at == "reduce":
-            pm.params.reduce_gradients = lambda *args, **kwargs: os._exit(17)
+            pm.params.add_grad = lambda *args, **kwargs: os._exit(17)  # at its first gradient bucket
         else:
             compute = pm.runner._compute
             calls = []

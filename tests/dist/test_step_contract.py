@@ -1,0 +1,178 @@
+"""The dp collectives and pipeline messages each rank executes equal the plan's communication list.
+
+Spawned gloo workers wrap the torch.distributed calls the runtime makes (``all_reduce``,
+the reduce-scatter and all-gather of :mod:`autopar.runtime.zero`, ``isend``/``irecv``)
+with a recorder that notes, during one training step (the second), every call's kind,
+group ranks and bytes. The test then asserts, per rank:
+
+- dp: the multiset of (kind, dp group, bytes) equals the plan's ``communication[kind]["dp"]
+  ["buckets"]`` (each bucket ``count`` times) for the stages the rank holds: one bucket
+  per layer group and dtype, as :mod:`autopar.zero_def` counts them (all-reduce once a
+  step at ZeRO-0; reduce-scatter once (1) or per micro-batch (2, 3); all-gather after
+  the step (1, 2) or twice per micro-batch (3)).
+- p2p: the sends of one pipeline (the ranks at dp = tp = 0) are the plan's
+  ``communication["p2p"]["pp"]`` count, and every send has its receive of the same size
+  (the plan's p2p bytes are not yet exact, see ``_check``).
+
+tp collectives run inside the program as functional collectives and are checked against
+the plan by ``tests/test_program_collectives.py``; a tp x dp case here checks that the
+dp buckets hold each parameter's tp shard.
+"""
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopar.testing import spawn_world, tp_friendly_cluster
+
+EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
+
+
+def _install_recorder(log: list, on: list):
+    import torch.distributed as dist
+
+    from autopar.runtime import zero
+
+    def ranks(group):
+        return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+    def wrap(fn, kind, tensor_at):
+        def recorded(*args, **kwargs):
+            if on[0]:
+                t = args[tensor_at]
+                log.append((kind, ranks(kwargs.get("group")), t.numel() * t.element_size()))
+            return fn(*args, **kwargs)
+        return recorded
+
+    def wrap_p2p(fn, kind):
+        def recorded(tensor, peer, *args, **kwargs):
+            if on[0]:
+                log.append((kind, (dist.get_rank(), peer), tensor.numel() * tensor.element_size()))
+            return fn(tensor, peer, *args, **kwargs)
+        return recorded
+
+    dist.all_reduce = wrap(dist.all_reduce, "all_reduce", 0)
+    zero._all_gather = wrap(zero._all_gather, "all_gather", 0)  # bytes of the gathered output
+    zero._reduce_scatter = wrap(zero._reduce_scatter, "reduce_scatter", 1)  # bytes of the whole input
+    dist.isend = wrap_p2p(dist.isend, "send")
+    dist.irecv = wrap_p2p(dist.irecv, "recv")
+
+
+def _run(rank, world, cases):
+    sys.path.insert(0, EXAMPLES)
+    import importlib
+
+    import autopar
+
+    log, on = [], [False]
+    _install_recorder(log, on)
+    out = {}
+    for name, example, n_layers, cluster, fixed in cases:
+        torch.manual_seed(0)
+        module = importlib.import_module(example)
+        kw = {"n_layer": n_layers} if example == "gpt" else {"n_layers": n_layers}
+        model, inputs, loss_fn, target = module.build(size="tiny", batch=8, **kw)
+        pm = autopar.parallelize(model, cluster=cluster, loss_fn=loss_fn, fixed=fixed)
+        pm.train_step(inputs, target)
+        log.clear()
+        on[0] = True
+        pm.train_step(inputs, target)
+        on[0] = False
+        pp = pm.plan.mesh["pp"]
+        pp_rank = pm.pp_mesh.get_local_rank("pp") if pp > 1 else 0
+        out[name] = {"log": list(log), "plan": pm.plan.communication, "pp": pp, "pp_rank": pp_rank,
+                     "dp_ranks": tuple(pm._group_ranks("dp")),
+                     "pipeline": [int(r) for r in pm.pp_mesh.mesh[:, 0, 0]] if pp > 1 else [rank]}
+    return out
+
+
+TWO = [
+    ("dp", "gpt", 2, "1x2xcpu", {"dp": 2, "zero": 0, "microbatches": 2}),
+    ("zero1", "gpt", 2, "1x2xcpu", {"dp": 2, "zero": 1, "microbatches": 2}),
+    ("zero2", "gpt", 2, "1x2xcpu", {"dp": 2, "zero": 2, "microbatches": 2}),
+    ("zero3", "llama", 2, "1x2xcpu", {"dp": 2, "zero": 3, "microbatches": 2}),
+]
+FOUR = [
+    ("pp2xdp2_1f1b_zero1", "llama", 2, "1x4xcpu",
+     {"pp": 2, "dp": 2, "tp": 1, "zero": 1, "microbatches": 4, "schedule": "1f1b"}),
+    ("pp2xdp2_zbh1_zero3", "gpt", 2, "1x4xcpu",
+     {"pp": 2, "dp": 2, "tp": 1, "zero": 3, "microbatches": 4, "schedule": "zb-h1"}),
+    ("pp2xtp2_zbh2", "llama", 2, tp_friendly_cluster("1x4xcpu"),
+     {"pp": 2, "dp": 1, "tp": 2, "microbatches": 4, "schedule": "zb-h2"}),
+    ("pp2xdp2_interleaved_zero2", "gpt", 4, "1x4xcpu",
+     {"pp": 2, "dp": 2, "tp": 1, "zero": 2, "microbatches": 4, "schedule": "interleaved"}),
+    ("dp2xtp2_zero2", "llama", 2, tp_friendly_cluster("1x4xcpu"), {"dp": 2, "tp": 2, "zero": 2, "microbatches": 2}),
+]
+
+
+@pytest.fixture(scope="module")
+def two():
+    return spawn_world(_run, 2, TWO)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return spawn_world(_run, 4, FOUR)
+
+
+def _expected_dp(r) -> Counter:
+    want: Counter = Counter()
+    for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+        seen = set()
+        for b in r["plan"].get(kind, {}).get("dp", {}).get("buckets", []):
+            if b["stage"] % r["pp"] != r["pp_rank"] or (b["layer"], b["dtype"]) in seen:
+                continue  # another rank's stage; or a bucket two of this rank's stages share (tied)
+            seen.add((b["layer"], b["dtype"]))
+            want[(kind, r["dp_ranks"], b["bytes"])] += b["count"]
+    return want
+
+
+def _recorded_dp(r) -> Counter:
+    return Counter(e for e in r["log"] if e[0] != "send" and e[0] != "recv" and e[1] == r["dp_ranks"]
+                   and len(r["dp_ranks"]) > 1)
+
+
+def _check(results, name):
+    for rank, res in enumerate(results):
+        r = res[name]
+        assert _recorded_dp(r) == _expected_dp(r), (name, rank, sorted(_recorded_dp(r).items()),
+                                                    sorted(_expected_dp(r).items()))
+    first = results[0][name]
+    p2p = first["plan"].get("p2p", {}).get("pp", {"count": 0, "bytes": 0})
+    sends = [e for rank in first["pipeline"] for e in results[rank][name]["log"] if e[0] == "send"]
+    recvs = [e for rank in first["pipeline"] for e in results[rank][name]["log"] if e[0] == "recv"]
+    # counts only: the plan prices a cut's gradient message at its activation message's size and
+    # ignores sequence-parallel sharding of the boundary (the cost model's to fix: its p2p bytes
+    # are for the record in the lead's note, not asserted here)
+    assert len(sends) == p2p["count"], (name, sends, p2p)
+    assert sorted((e[1], e[2]) for e in sends) == sorted(((e[1][1], e[1][0]), e[2]) for e in recvs), name
+
+
+@pytest.mark.parametrize("name", [c[0] for c in TWO])
+def test_two_ranks_run_the_planned_collectives(two, name):
+    _check(two, name)
+
+
+# Known gap: the forward piece of a pipeline stage hands views of gathered weights (t(w) of
+# GPT's tied head) to its backward piece through the stage's store, so the backward reads that
+# copy instead of gathering again: the last stage gathers wte 4 times, the plan says 8 (and the
+# copy lives from F to B). Either the pieces re-make such views from a backward gather, as the
+# pp = 1 program does, or the plan counts it; strict, so fixing it flags this mark.
+_KNOWN = {"pp2xdp2_zbh1_zero3": "pipeline backward pieces reuse the forward's gathered views (see above)"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(c[0], marks=pytest.mark.xfail(reason=_KNOWN[c[0]], strict=True))
+                                  if c[0] in _KNOWN else c[0] for c in FOUR])
+def test_four_ranks_run_the_planned_collectives(four, name):
+    _check(four, name)
+
+
+def test_the_recorder_sees_the_buckets(two):
+    """Each ZeRO stage's recorded dp calls have the kinds zero_def gives it (a recorder that
+    saw nothing would pass the equality above for an empty plan list)."""
+    kinds = {name: {e[0] for e in two[0][name]["log"] if e[0] not in ("send", "recv")} for name, *_ in TWO}
+    assert kinds == {"dp": {"all_reduce"}, "zero1": {"reduce_scatter", "all_gather"},
+                     "zero2": {"reduce_scatter", "all_gather"}, "zero3": {"reduce_scatter", "all_gather"}}
