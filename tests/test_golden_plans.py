@@ -117,13 +117,13 @@ def test_a_smaller_device_fails_with_a_readable_diff():
 def test_planner_time_is_the_simulated_step_program():
     """Issue 10: one place defines a step's cost. The plan's predicted step time is the step
     program's simulation of what the plan stores, and that program is the plan's (its stages'
-    F/B/W times, mesh, ZeRO stage, dp link); GPT 1.3B on 2x8xH100 pipelines with dp and a tied
+    F/B/W times, mesh, ZeRO stage, dp link); GPT 1.3B on 16x8xH100 pipelines with dp and a tied
     embedding, so it has dp buckets, p2p and a tied all-reduce."""
     from autopar.cost.simulate import simulate_step
     from autopar.cost.step import StepSpec, lower_step
 
-    cluster = parse_cluster("2x8xH100")
-    plan = Plan.from_json(plan_for("gpt-1.3b", "2x8xH100").to_json())  # as stored: 6 significant digits
+    cluster = parse_cluster("16x8xH100")
+    plan = Plan.from_json(plan_for("gpt-1.3b", "16x8xH100").to_json())  # as stored: 6 significant digits
     spec = StepSpec.from_dict(plan.predicted["step"])
     assert (spec.pp, spec.dp, spec.zero, spec.schedule, spec.microbatches) == (
         plan.mesh["pp"], plan.mesh["dp"], plan.zero, plan.schedule["kind"], plan.schedule["microbatches"])
