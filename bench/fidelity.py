@@ -24,7 +24,6 @@ out pessimistic.
 """
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from planner_speed import _example  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 import autopar  # noqa: E402
 from autopar.cluster import Cluster  # noqa: E402
@@ -100,14 +100,6 @@ ROWS = [
         fixed={"dp": 16, "tp": 1, "pp": 1, "zero": 3, "recompute": "full"},
         tok_s=None, mem_gib=None, compiled=False, source=_QW),
 ]
-
-
-def _example(name):
-    spec = importlib.util.spec_from_file_location(f"fidelity_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def qwen3_32b(batch: int, seq: int):
