@@ -55,6 +55,12 @@ __all__ = ["STAGE_KEY", "BACKWARD_KEY", "Piece", "Message", "StageProgram", "Pip
 STAGE_KEY = "autopar_stage"
 BACKWARD_KEY = "autopar_backward"
 PARAM_PREFIX = "param:"
+_aten = torch.ops.aten
+PARAM_VIEWS = frozenset({
+    _aten.t.default, _aten.view.default, _aten.permute.default, _aten.transpose.int, _aten.expand.default,
+    _aten.slice.Tensor, _aten.select.int, _aten.unsqueeze.default, _aten.squeeze.dim, _aten._unsafe_view.default,
+    _aten.alias.default, _aten.detach.default, _aten.reshape.default})
+"""View ops: a chain of them from a parameter is re-made by every piece that reads it."""
 INPUT_PREFIX = "input:"
 
 
@@ -202,22 +208,32 @@ def split_tied_gradients(gm: fx.GraphModule, stages: dict[fx.Node, int]) -> dict
 # ---------------------------------------------------------------- splitting a tagged program
 
 
-def _tags(gm: fx.GraphModule) -> tuple[dict[fx.Node, tuple[int, bool]], set[fx.Node]]:
+def _tags(gm: fx.GraphModule, params: set[fx.Node]) -> tuple[dict[fx.Node, tuple[int, bool]], set[fx.Node]]:
     """(stage, backward) of every compute node, and the "free" nodes.
 
-    Free nodes depend on nothing computed (factories, slices of the batch, constants):
-    every piece that reads one gets its own copy instead of a message. Other untagged
+    Free nodes depend on nothing computed (factories, slices of the batch, constants,
+    views of a parameter such as the ``t(w)`` a linear layer reads): every piece that
+    reads one gets its own copy instead of a message. A parameter's view is free even
+    when tracing tagged it with a stage, so a backward piece re-makes it from its own
+    parameter input instead of reading the forward's copy from the store: under ZeRO-3
+    that input is the backward's own gather, and no gathered weight lives from F to B
+    (as in the pp = 1 program, :mod:`autopar.runtime.zero_program`). Other untagged
     nodes (the gradient reshaping after the joint graph, the loss gather) inherit
     the latest stage among their inputs, and the backward side if any input has it.
     """
     tags: dict[fx.Node, tuple[int, bool]] = {}
     free: set[fx.Node] = set()
+    param_views: set[fx.Node] = set()
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         custom = n.meta.get("custom") or {}
         ins = n.all_input_nodes
-        if all(a.op in ("placeholder", "get_attr") or a in free for a in ins) and STAGE_KEY not in custom:
+        if n.target in PARAM_VIEWS and ins and (ins[0] in param_views or ins[0] in params) \
+                and all(a.op == "get_attr" for a in ins[1:]):
+            free.add(n)
+            param_views.add(n)
+        elif all(a.op in ("placeholder", "get_attr") or a in free for a in ins) and STAGE_KEY not in custom:
             free.add(n)
         elif STAGE_KEY in custom:
             tags[n] = (int(custom[STAGE_KEY]), bool(custom[BACKWARD_KEY]))
@@ -243,12 +259,12 @@ def split_program(gm: fx.GraphModule, *, n_stages: int, placeholder_keys: list[s
     "input:<name>"); ``loss_output`` is the index of the loss in its output tuple,
     ``grad_outputs`` maps other output indices to parameter names.
     """
-    tags, free = _tags(gm)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if len(placeholders) != len(placeholder_keys):
         raise ValueError(f"{len(placeholder_keys)} placeholder keys for {len(placeholders)} placeholders")
     key_of = dict(zip(placeholders, placeholder_keys))
+    tags, free = _tags(gm, {p for p, k in key_of.items() if k.startswith(PARAM_PREFIX)})
     out_node = next(iter(gm.graph.find_nodes(op="output")))
     outputs = list(out_node.args[0])
     bad = sorted({s for s, _ in tags.values() if not 0 <= s < n_stages})

@@ -29,17 +29,12 @@ reads it first; its forward copy lives until its last reader.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
 
-import torch
 from torch import fx
 
-__all__ = ["insert_zero_calls"]
+from autopar.passes.pipeline import PARAM_VIEWS as _VIEWS
 
-_aten = torch.ops.aten
-_VIEWS = {_aten.t.default, _aten.view.default, _aten.permute.default, _aten.transpose.int, _aten.expand.default,
-          _aten.slice.Tensor, _aten.select.int, _aten.unsqueeze.default, _aten.squeeze.dim, _aten._unsafe_view.default,
-          _aten.alias.default, _aten.detach.default, _aten.reshape.default}
+__all__ = ["insert_zero_calls"]
 
 
 def insert_zero_calls(gm: fx.GraphModule, *, params, param_inputs: dict[int, str], grad_outputs: dict[int, str],

@@ -156,16 +156,7 @@ def test_two_ranks_run_the_planned_collectives(two, name):
     _check(two, name)
 
 
-# Known gap: the forward piece of a pipeline stage hands views of gathered weights (t(w) of
-# GPT's tied head) to its backward piece through the stage's store, so the backward reads that
-# copy instead of gathering again: the last stage gathers wte 4 times, the plan says 8 (and the
-# copy lives from F to B). Either the pieces re-make such views from a backward gather, as the
-# pp = 1 program does, or the plan counts it; strict, so fixing it flags this mark.
-_KNOWN = {"pp2xdp2_zbh1_zero3": "pipeline backward pieces reuse the forward's gathered views (see above)"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(c[0], marks=pytest.mark.xfail(reason=_KNOWN[c[0]], strict=True))
-                                  if c[0] in _KNOWN else c[0] for c in FOUR])
+@pytest.mark.parametrize("name", [c[0] for c in FOUR])
 def test_four_ranks_run_the_planned_collectives(four, name):
     _check(four, name)
 
