@@ -4,6 +4,7 @@
     python bench/hf_coverage.py --kinds causal --every 4          # every 4th causal-LM architecture
     python bench/hf_coverage.py --only gpt2,llama,t5 --train gpt2,llama
     python bench/hf_coverage.py --out coverage.jsonl             # one JSON line per architecture
+    python bench/hf_coverage.py --jobs 2 --timeout 300           # 2 worker processes, 300 s each at most
 
 For every architecture in transformers' causal-LM, masked-LM, seq2seq and
 image-classification auto mappings: take its default config, scale its size fields down
@@ -18,7 +19,11 @@ build it with ``AutoModelFor*.from_config`` on ``meta``, and plan it on 1x8xH100
 - crashed: anything else escaped autopar (a TypeError, AttributeError, ... from inside it):
   a bug to fix;
 - not tiny: no model could be built from the scaled-down config (the architecture's own
-  config or constructor refused it, or it stayed above 50M parameters): not autopar's.
+  config or constructor refused it, or it stayed above 50M parameters): not autopar's;
+- over time: planning ran past ``--timeout`` seconds (no verdict either way).
+
+Architectures are planned by ``--jobs`` worker processes (default 1), each importing torch,
+transformers and autopar once and planning one architecture after another.
 
 ``--train A,B`` then runs those planned architectures on 2 gloo ranks under dp=2 and tp=2
 against the same model in one process (2 steps; losses, gradients and parameters judged by
@@ -27,10 +32,12 @@ against the same model in one process (2 steps; losses, gradients and parameters
 
 import argparse
 import json
+import signal
 import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -83,8 +90,18 @@ def build(kind: str, model_type: str, class_name: str, device: str = "meta"):
     return model, inputs
 
 
-def plan_one(kind: str, model_type: str, class_name: str) -> dict:
-    """One architecture's row: outcome, the error's first line or the mesh, seconds."""
+class _OverTime(BaseException):
+    """Raised by the alarm in the middle of planning (a BaseException: torch's and the
+    model's own ``except Exception`` handlers must not swallow it)."""
+
+
+def _alarm(signum, frame):
+    raise _OverTime
+
+
+def plan_one(kind: str, model_type: str, class_name: str, timeout_s: float = 0) -> dict:
+    """One architecture's row: outcome, the error's first line or the mesh, seconds.
+    With ``timeout_s`` > 0 (main thread only), planning stops after that many seconds."""
     row = {"kind": kind, "model_type": model_type, "class": class_name}
     start = time.perf_counter()
     try:
@@ -92,17 +109,48 @@ def plan_one(kind: str, model_type: str, class_name: str) -> dict:
     except Exception as e:  # the architecture's own code refused the tiny config: not autopar's
         row.update(outcome="not tiny", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
         return row
+    if timeout_s > 0:
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
         plan = autopar.plan(model, inputs, cluster="1x8xH100")
         row.update(outcome="planned", mesh=plan.mesh)
+    except _OverTime:
+        row.update(outcome="over time", error=f"still planning after {timeout_s:g} s")
     except AutoparError as e:
         row.update(outcome="refused", error=f"{type(e).__name__}: {str(e)[:400]}")
     except Exception as e:
         tb = traceback.extract_tb(e.__traceback__)
         inner = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(tb) if "/autopar/" in f.filename), "")
         row.update(outcome="crashed", error=f"{type(e).__name__} at {inner}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+    finally:
+        if timeout_s > 0:
+            signal.setitimer(signal.ITIMER_REAL, 0)
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
+
+
+def _quiet() -> None:
+    """One line per architecture: use_cache notes and Hugging Face warnings off."""
+    import logging
+    logging.disable(logging.WARNING)
+    transformers.logging.set_verbosity_error()
+
+
+def _plan_job(job: tuple[str, str, str, float]) -> dict:
+    return plan_one(*job)
+
+
+def plan_all(rows: list[tuple[str, str, str]], *, jobs: int, timeout_s: float) -> Iterator[dict]:
+    """Rows in the order of ``rows``, planned by ``jobs`` worker processes (1: in this one)."""
+    work = [(*r, timeout_s) for r in rows]
+    if jobs <= 1:
+        yield from map(_plan_job, work)
+        return
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(jobs, initializer=_quiet) as pool:
+        yield from pool.imap(_plan_job, work)
 
 
 def _optimizer(params):
@@ -151,20 +199,19 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=1, help="plan every N-th architecture of each mapping")
     ap.add_argument("--train", default="", help="comma-separated planned model types to run on 2 gloo ranks")
     ap.add_argument("--out", default=None, help="append one JSON line per architecture to this file")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes planning architectures side by side")
+    ap.add_argument("--timeout", type=float, default=0, help="seconds one architecture may plan (0: no limit)")
     args = ap.parse_args()
-    import logging
-    logging.disable(logging.WARNING)  # one line per architecture; use_cache notes and HF warnings off
-    transformers.logging.set_verbosity_error()
+    _quiet()
     only = set(args.only.split(",")) if args.only else None
     rows = architectures(args.kinds.split(","), only, args.every)
-    print(f"{len(rows)} architectures; planning each on 1x8xH100", flush=True)
+    print(f"{len(rows)} architectures; planning each on 1x8xH100 ({args.jobs} job(s))", flush=True)
     start = time.perf_counter()
     results = []
-    for kind, model_type, class_name in rows:
-        row = plan_one(kind, model_type, class_name)
+    for row in plan_all(rows, jobs=args.jobs, timeout_s=args.timeout):
         results.append(row)
         detail = row.get("mesh") or row.get("error", "")
-        print(f"{kind:8} {model_type:28} {row['outcome']:9} {row.get('seconds', 0):6.1f}s  {detail}", flush=True)
+        print(f"{row['kind']:8} {row['model_type']:28} {row['outcome']:9} {row.get('seconds', 0):6.1f}s  {detail}", flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(row, sort_keys=True) + "\n")
@@ -177,13 +224,13 @@ def main() -> None:
         trained = spawn_world(_train_world, 2, [(r["kind"], r["model_type"], r["class"]) for r in wanted])[0]
         for (model_type, config), verdict in sorted(trained.items()):
             print(f"trained  {model_type:28} {config}: {verdict}", flush=True)
-    print(f"\n| kind | architectures | planned | refused (specific error) | crashed | not tiny |")
-    print("|---|---|---|---|---|---|")
+    outcomes = ("planned", "refused", "crashed", "not tiny", "over time")
+    print("\n| kind | architectures | planned | refused (specific error) | crashed | not tiny | over time |")
+    print("|---|---|---|---|---|---|---|")
     for kind in args.kinds.split(","):
         mine = [r for r in results if r["kind"] == kind]
-        count = {o: sum(r["outcome"] == o for r in mine) for o in ("planned", "refused", "crashed", "not tiny")}
-        print(f"| {kind} | {len(mine)} | {count['planned']} | {count['refused']} | {count['crashed']} | "
-              f"{count['not tiny']} |")
+        count = {o: sum(r["outcome"] == o for r in mine) for o in outcomes}
+        print(f"| {kind} | {len(mine)} | " + " | ".join(str(count[o]) for o in outcomes) + " |")
     if trained:
         equal = sum(v == "equal" for v in trained.values())
         print(f"\ntrained equal to one process on 2 gloo ranks: {equal} of {len(trained)} (architecture, dp|tp) runs")

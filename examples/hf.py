@@ -173,6 +173,11 @@ def _tiny_kwargs(default, *, layers: bool) -> dict:
         for name, have in default.to_dict().items():
             if isinstance(have, list) and len(have) == n_layers and name not in kwargs:
                 kwargs[name] = have[:2]
+    heads, kv_heads = getattr(default, "num_attention_heads", None), getattr(default, "num_key_value_heads", None)
+    if getattr(default, "kv_lora_rank", None) and heads == kv_heads and "num_key_value_heads" in kwargs:
+        # multi-head latent attention (DeepSeek-V2/V3 and kin) expands keys and values to every
+        # attention head: its key/value head count must stay equal to the head count
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", heads)
     vocab = kwargs.get("vocab_size", getattr(default, "vocab_size", None))
     for name in _TOKEN_IDS:
         have = getattr(default, name, None)
@@ -187,6 +192,7 @@ def _tiny_kwargs(default, *, layers: bool) -> dict:
 def tiny_config(config_cls, **extra):
     """``config_cls``'s default config with its size fields scaled down (2 layers, hidden 64, 4
     heads of 16, ffn 128, vocab 512, 4 experts; sub-configs too) and nothing else changed;
+    key/value heads become 2, or stay as many as the heads in multi-head latent attention;
     per-layer lists follow the layer count and token ids that fall outside the smaller
     vocabulary become 0. Fields the default leaves unset (None, such as GPT-2's n_inner)
     stay unset. Where the config's own checks refuse 2 layers (layer patterns of a fixed

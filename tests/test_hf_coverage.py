@@ -47,3 +47,12 @@ def test_outcomes_are_sorted_by_whose_error(coverage, monkeypatch, raised, outco
     monkeypatch.setattr(coverage.autopar, "plan", plan)
     (row,) = [coverage.plan_one(k, t, c) for k, t, c in coverage.architectures(["causal"], {"gpt2"}, 1)]
     assert row["outcome"] == outcome and type(raised).__name__ in row["error"], row
+
+
+@pytest.mark.parametrize("config_name, heads, kv_heads", [("LlamaConfig", 4, 2), ("MistralConfig", 4, 2),
+                                                          ("DeepseekV3Config", 4, 4), ("Glm4MoeLiteConfig", 4, 4)])
+def test_tiny_config_key_value_heads(coverage, config_name, heads, kv_heads):
+    """Grouped-query attention gets 2 key/value heads; multi-head latent attention (DeepSeek-V3,
+    GLM-4 MoE lite) expands keys and values to every head, so there they stay equal."""
+    config = coverage.hf.tiny_config(getattr(coverage.transformers, config_name))
+    assert (config.num_attention_heads, config.num_key_value_heads) == (heads, kv_heads)

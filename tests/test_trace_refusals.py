@@ -44,6 +44,18 @@ class DataDependentShape(_Base):
         return h.reshape(-1)[:k].sum()
 
 
+class LayerDrop(_Base):
+    def __init__(self):
+        super().__init__()
+        self.layerdrop = 0.1
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.training and torch.rand([]) < self.layerdrop:  # skip the layer at random
+            return h.sum()
+        return self.lin(h).sum()
+
+
 class UnsupportedOp(_Base):
     def forward(self, x):
         return _no_fake_impl(self.lin(x)).sum()
@@ -83,6 +95,12 @@ def test_refusal_names_cause_file_and_line(model, cause, line):
     assert f": {cause}: " in message, message
     assert f"{HERE}:{_line_of(line)}" in message, message
     assert "Try: " + te._FIXES[cause] in message, message
+
+
+def test_layerdrop_is_named_with_its_config_fix():
+    message = _refusal(LayerDrop(), (torch.randn(4, 8),))
+    assert f": {te.DATA_DEPENDENT}: " in message and f"{HERE}:{_line_of('< self.layerdrop:')}" in message, message
+    assert "Try: this is LayerDrop" in message and "layerdrop=0.0" in message, message
 
 
 def test_unsupported_op_is_named():

@@ -128,6 +128,11 @@ def trace_error(e: BaseException, model_name: str) -> Exception:
         # Hugging Face's "eager" experts loop in Python over the experts that received tokens
         fix = ("for this Hugging Face mixture-of-experts model, load it with "
                "experts_implementation='grouped_mm' (the default), which runs all experts as one grouped matmul")
+    if cause == DATA_DEPENDENT and "layerdrop" in source.lower():
+        # LayerDrop (fairseq, Hugging Face's BART/M2M100/NLLB/SeamlessM4T/...): whole layers skipped at random
+        fix = ("this is LayerDrop: in training the model skips whole layers at random, so each step runs "
+               "another graph and no single plan fits; turn it off in the config (Hugging Face: "
+               "encoder_layerdrop=0.0, decoder_layerdrop=0.0 or layerdrop=0.0)")
     err = TraceError(f"could not trace {model_name}{' at ' + where if where else ''}{what}: {cause}: "
                      f"{first[:200].rstrip('.')}. Try: {fix}")
     err.details = text
