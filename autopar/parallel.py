@@ -246,6 +246,44 @@ def _with_zero_calls(program, stages: list[int], params):
     return replace(program, stages=out)
 
 
+def _trace_params(model: nn.Module, fqns: list[str], mesh, tp_params: dict[str, str]) -> dict[str, Any]:
+    """Each parameter as a DTensor (replicated on dp, placed on tp) over a FakeTensor shard.
+
+    The per-rank program is traced on FakeTensors (``shard_joint_graph(tracing_mode="fake")``):
+    tracing reads only the parameters' placements, shapes, dtypes and strides, so start-up
+    runs no forward or backward, allocates no parameter-sized memory (at ZeRO-3 tracing on
+    real shards gathered the whole model on every rank), and costs time in the graph's
+    size, not its parameter count. The fake mode lets real tensors in: the frozen
+    parameters, buffers and graph constants stay real and are baked into the program.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from autopar.passes.shard import placement
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = mesh.device_type
+    out = {}
+    for fqn in fqns:
+        p = model.get_parameter(fqn)
+        pls = [Replicate(), placement(tp_params.get(fqn, "R"))]
+        local_shape, _ = compute_local_shape_and_global_offset(p.shape, mesh, pls)
+        with fake_mode:
+            local = torch.empty(local_shape, dtype=p.dtype, device=device)
+            out[fqn] = DTensor.from_local(local, mesh, pls, run_check=False, shape=p.shape,
+                                          stride=_contiguous_stride(tuple(p.shape)))
+    return out
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.insert(0, acc)
+        acc *= d
+    return tuple(stride)
+
+
 def _split_batch(values: dict[str, Any], parts: int, batch: int) -> list[dict[str, Any]]:
     out = [dict() for _ in range(parts)]
     for name, v in values.items():
@@ -420,9 +458,9 @@ class ParallelModule:
             micro_inputs = dict(first)
             self.input_names = list(micro_inputs)
             program = shard_joint_graph(
-                self.gm, mesh=self.mesh, ops=self.ops, params=self.params.compute_params(), frozen=self.frozen,
-                trainable=trainable, tp_placements=tp_params, inputs=micro_inputs,
-                loss_scale=1.0 / self.plan.schedule["microbatches"])
+                self.gm, mesh=self.mesh, ops=self.ops, params=_trace_params(self.model, trainable, self.mesh, tp_params),
+                frozen=self.frozen, trainable=trainable, tp_placements=tp_params, inputs=micro_inputs,
+                loss_scale=1.0 / self.plan.schedule["microbatches"], tracing_mode="fake")
             self.grad_returns = program.meta[mk.GRAD_RETURNS]
             self.params.set_tp_returns(self.grad_returns)
             # the step's ZeRO collectives go inside the program: gathers before use, buckets when final
@@ -472,17 +510,13 @@ class ParallelModule:
         addends = [(f, info.grad_outputs[f]) for f in trainable]
         addends += [(f, idx) for f, parts in tied.items() for _, idx in parts[1:]]
         self.frozen = self._frozen_state(set(trainable))
-        whole = {}
-        for fqn in trainable:  # every parameter, for the trace only: each rank slices its tp shard, no comm
-            pls = [Replicate(), placement(tp_params.get(fqn, "R"))]
-            whole[fqn] = distribute_tensor(self.model.get_parameter(fqn).detach(), self.mesh, pls,
-                                           src_data_rank=None)
         self.input_names = list(first)
-        program = shard_joint_graph(self.gm, mesh=self.mesh, ops=self.ops, params=whole, frozen=self.frozen,
-                                    trainable=trainable, tp_placements=tp_params, inputs=dict(first),
-                                    loss_scale=1.0 / m, addends=addends, keep_tags=True)
+        program = shard_joint_graph(self.gm, mesh=self.mesh, ops=self.ops,
+                                    params=_trace_params(self.model, trainable, self.mesh, tp_params),
+                                    frozen=self.frozen, trainable=trainable, tp_placements=tp_params,
+                                    inputs=dict(first), loss_scale=1.0 / m, addends=addends, keep_tags=True,
+                                    tracing_mode="fake")
         self.grad_returns = program.meta[mk.GRAD_RETURNS]
-        del whole
         pp, pp_rank = plan.mesh["pp"], self.pp_mesh.get_local_rank("pp")
         n_stages = len(plan.stages)
         self.pipeline = split_program(
