@@ -45,7 +45,9 @@ allocates by kind (params, grads, gathered weights, collective buffers) until it
 is freed, so tests read the step's real peak.
 
 Weights come from rank 0's copy of the model (``distribute_tensor`` with source rank
-0), so every rank starts from exactly the single-device model's values.
+0), so every rank starts from exactly the single-device model's values. A parameter on
+``meta`` gets only this rank's storage here, filled by :meth:`ShardedParams.load_whole` as
+:mod:`autopar.runtime.materialize` initialises the model module by module.
 """
 
 from __future__ import annotations
