@@ -8,9 +8,11 @@ pieces module by module; ``cpu``: every rank builds the whole model on CPU, as b
 issue 11) and each plan (ZeRO-3 over dp=4; pp=4), a 4-rank world (autopar.testing.spawn_world)
 runs ``parallelize`` and two training steps, and every rank reports its peak resident set
 (``VmHWM`` of /proc/self/status: the kernel's high-water mark of the process's RSS, so it
-includes torch's own ~0.3-0.4 GB), its RSS right after importing torch and building the
-model, and the seconds from ``parallelize`` to the end of the first ``train_step`` (planning
-on rank 0, tracing, sharding, materialising and the step itself).
+includes torch's own ~0.3-0.4 GB) at the end of start-up (planning, tracing, sharding,
+materialising: right before the first step's compute) and after two steps (the step's
+gathered weights, gradient buckets and activations on top), its RSS right after importing
+torch and building the model, and the seconds from ``parallelize`` to the end of start-up
+and of the first ``train_step``.
 
 The yardstick is one full copy of the fp32 AdamW training state, 16 bytes per parameter
 (4 weights + 4 gradients + 8 for Adam's two moments). Under ZeRO-3 dp=4 a rank owns a
@@ -55,16 +57,27 @@ def _rank(rank, world, size, n_layer, start, fixed, batch, seq):
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)  # (B, T)
     target = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)  # (B, T)
+    from autopar.parallel import ParallelModule
+
+    built = {}
+    compile_original = ParallelModule._compile
+
+    def compile_and_measure(self, *a):  # start-up ends here: the first step's compute follows
+        compile_original(self, *a)
+        built.update(peak_rss_startup=_rss_bytes("VmHWM"), startup_s=time.perf_counter() - t0)
+
+    ParallelModule._compile = compile_and_measure
     t0 = time.perf_counter()
     pm = autopar.parallelize(model, cluster="1x4xcpu", loss_fn=loss_fn, fixed=fixed,
                              optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
     loss0 = pm.train_step(idx, target)
+    ParallelModule._compile = compile_original
     first_s = time.perf_counter() - t0
     loss1 = pm.train_step(idx, target)
     state = pm.memory_bytes()
     return {"rank": rank, "n_params": n_params, "peak_rss": _rss_bytes("VmHWM"), "rss_after_model": rss_model,
             "first_step_s": first_s, "losses": [loss0, loss1], "plan_mesh": pm.plan.mesh, "zero": pm.plan.zero,
-            "state_bytes": state.params + state.grads + state.optimizer}
+            "state_bytes": state.params + state.grads + state.optimizer, **built}
 
 
 def _gb(x: float) -> str:
@@ -100,7 +113,10 @@ def main() -> None:
             print(f"{plan:>5} from {start:<4}: GPT {args.size} x{args.n_layer} blocks, {n / 1e6:.0f}M params, full "
                   f"training state {_gb(full)}; peak RSS per rank "
                   f"{', '.join(_gb(r['peak_rss']) for r in ranks)} (max {row['max_peak_rss'] / full:.0%} of one full "
-                  f"copy), sum {_gb(row['sum_peak_rss'])}; rank's live training state "
+                  f"copy), sum {_gb(row['sum_peak_rss'])}; at the end of start-up (before the first step's "
+                  f"compute) {', '.join(_gb(r['peak_rss_startup']) for r in ranks)}, after "
+                  f"{max(r['startup_s'] for r in ranks):.0f} s; RSS after import and model build "
+                  f"{', '.join(_gb(r['rss_after_model']) for r in ranks)}; rank's live training state "
                   f"{', '.join(_gb(r['state_bytes']) for r in ranks)}; first step after "
                   f"{row['first_step_s']:.0f} s; losses {ranks[0]['losses'][0]:.3f} -> {ranks[0]['losses'][1]:.3f}",
                   flush=True)
