@@ -469,7 +469,7 @@ class ParallelModule:
         self.params = ShardedParams(self.model, mesh=self.mesh, tp_placements=tp_params, zero=self.plan.zero,
                                     trainable=trainable, groups=_layer_groups(self.gm))
         self._setup_params()
-        self._materialize(trainable)
+        self._materialize(trainable, held=self.params.entries)
         self.frozen = self._frozen_state(set(trainable))
         self.trainable = trainable
         self.tp_params = tp_params
@@ -494,19 +494,18 @@ class ParallelModule:
         self.optimizer = self.optimizer_factory(self.params.optimizer_params())
         self._compiled = True
 
-    def _materialize(self, trainable: list[str]) -> None:
+    def _materialize(self, trainable: list[str], *, held) -> None:
         """Started from meta: initialise this rank's pieces module by module.
 
-        Wanted are the parameters :attr:`params` holds (each rank copies its piece out of the
-        whole value, :meth:`ShardedParams.load_whole`, which is then dropped) and, kept whole in
-        the model, every buffer and frozen parameter (replicated on every rank anyway). Called
-        before :attr:`params` exists it does only the latter.
+        Wanted are the parameters in ``held`` (:attr:`params`' entries: each rank copies its
+        piece out of the whole value, :meth:`ShardedParams.load_whole`, which is then dropped)
+        and, kept whole in the model, every buffer and frozen parameter (replicated on every
+        rank anyway; already-real ones are left alone).
         """
         if not self.from_meta:
             return
         from autopar.runtime.materialize import materialize_pieces
 
-        held = self.params.entries if hasattr(self, "params") else {}
         trainable_set = set(trainable)
         buffers = {n for n, _ in self.model.named_buffers()}
 
@@ -536,11 +535,9 @@ class ParallelModule:
         they exchange; then it keeps the pieces of its own stages and the
         parameters they read.
         """
-        from torch.distributed.tensor import Replicate, distribute_tensor
-
         from autopar.passes.pipeline import (INPUT_PREFIX, PARAM_PREFIX, split_program, split_tied_gradients,
                                              stage_of_layers, tag_stages)
-        from autopar.passes.shard import placement, shard_joint_graph
+        from autopar.passes.shard import shard_joint_graph
         from autopar.runtime.executor import placements_for_graph
         from autopar.runtime.pipeline import PipelineRunner
         from autopar.runtime.zero import ShardedParams
@@ -562,7 +559,7 @@ class ParallelModule:
         trainable = [f for f in info.param_fqns if f in info.grad_outputs]
         addends = [(f, info.grad_outputs[f]) for f in trainable]
         addends += [(f, idx) for f, parts in tied.items() for _, idx in parts[1:]]
-        self._materialize(trainable)  # buffers and frozen parameters, before they are baked into the trace
+        self._materialize(trainable, held={})  # buffers and frozen parameters, before the trace bakes them in
         self.frozen = self._frozen_state(set(trainable))
         self.input_names = list(first)
         program = shard_joint_graph(self.gm, mesh=self.mesh, ops=self.ops,
@@ -588,7 +585,7 @@ class ParallelModule:
         self.params = ShardedParams(self.model, mesh=self.mesh, tp_placements=tp_params, zero=plan.zero,
                                     trainable=self.trainable, groups=_layer_groups(self.gm), addends=addends)
         self._setup_params()
-        self._materialize(trainable)  # this rank's stages' parameters
+        self._materialize(trainable, held=self.params.entries)  # this rank's stages' parameters
         self.params.set_tp_returns(self.grad_returns)
         self.pipeline = _with_zero_calls(self.pipeline, mine, self.params)
         coords = self.pp_mesh.mesh  # global rank at (pp, dp, tp)
