@@ -15,7 +15,10 @@ The steps of the first ``train_step``, in order:
    same plan; a plan for another model or cluster is an error on every rank.
 3. Trace the model at the global micro-batch size (micro-batch size x dp) on each
    rank, map the plan's placements onto that graph, and shard the parameters from
-   rank 0's copy (:mod:`autopar.runtime.zero`).
+   rank 0's copy (:mod:`autopar.runtime.zero`) or, for a model on ``meta``, allocate
+   only the rank's pieces and initialise them module by module
+   (:mod:`autopar.runtime.materialize`); then trace the rank's program on FakeTensors
+   (no real forward or backward at start-up).
 
 Waiting on other ranks is bounded. ``timeout_s`` (default 600 s) is the process
 group's timeout, so gloo collectives and pipeline receives give up after it (and at
