@@ -26,11 +26,12 @@ _LAZY = {
     "ParallelModule": "autopar.parallel",
     "Cluster": "autopar.cluster",
     "parse_cluster": "autopar.cluster",
+    "materialize": "autopar.runtime.materialize",
 }
 
 del plan  # the submodule bound by the import above; `autopar.plan` is the function (see __getattr__)
 
-__all__ = ["analyze", "plan", "Plan", "parallelize", "ParallelModule", "Cluster", "parse_cluster", "AutoparError", "CheckpointError", "ClusterSpecError",
+__all__ = ["analyze", "plan", "Plan", "parallelize", "ParallelModule", "Cluster", "parse_cluster", "materialize", "AutoparError", "CheckpointError", "ClusterSpecError",
            "InfeasibleError", "InputError", "LossError", "OutputPathError", "PeerError", "PlanError", "TraceError",
            "UserCodeError", "__version__"]
 

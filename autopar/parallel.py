@@ -15,7 +15,10 @@ The steps of the first ``train_step``, in order:
    same plan; a plan for another model or cluster is an error on every rank.
 3. Trace the model at the global micro-batch size (micro-batch size x dp) on each
    rank, map the plan's placements onto that graph, and shard the parameters from
-   rank 0's copy (:mod:`autopar.runtime.zero`).
+   rank 0's copy (:mod:`autopar.runtime.zero`) or, for a model on ``meta``, allocate
+   only the rank's pieces and initialise them module by module
+   (:mod:`autopar.runtime.materialize`); then trace the rank's program on FakeTensors
+   (no real forward or backward at start-up).
 
 Waiting on other ranks is bounded. ``timeout_s`` (default 600 s) is the process
 group's timeout, so gloo collectives and pipeline receives give up after it (and at
@@ -90,7 +93,8 @@ def parallelize(model: nn.Module, *, cluster: str | Cluster, plan: Plan | str | 
                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
                 fixed: dict | None = None, compile: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
                 device: str | None = None, overlap: bool | None = None,
-                resume_from: str | os.PathLike | None = None) -> ParallelModule:
+                resume_from: str | os.PathLike | None = None, init_fn: Callable[[nn.Module], None] | None = None,
+                init_seed: int | None = None) -> ParallelModule:
     """Wrap ``model`` for sharded training on ``cluster`` (see the module docstring).
 
     ``resume_from`` is a checkpoint (:meth:`ParallelModule.load_checkpoint`) to continue from:
@@ -106,9 +110,18 @@ def parallelize(model: nn.Module, *, cluster: str | Cluster, plan: Plan | str | 
     ``"cpu"`` for a ``cpu`` cluster. ``overlap=False`` waits for every ZeRO/dp collective as
     soon as it is issued instead of overlapping it with compute (a debugging and benchmarking
     aid: same numbers; also set by the environment variable ``AUTOPAR_OVERLAP=0``).
+
+    A model built on ``meta`` (``with torch.device("meta"): model = ...``) is never
+    materialised whole: each rank allocates only its own pieces (its stages' parameters,
+    tp shards, ZeRO slices) and initialises them module by module with the model's own
+    initialisation (``reset_parameters``, ``init_weights``, the root's ``_init_weights``) or
+    ``init_fn(module)``, from the seed ``init_seed`` (default: rank 0's
+    ``torch.initial_seed()``); :func:`autopar.materialize` builds the same weights whole in
+    one process. See :mod:`autopar.runtime.materialize` for the rules and the RNG scheme.
     """
     pm = ParallelModule(model, cluster=cluster, plan=plan, loss_fn=loss_fn, optimizer=optimizer, fixed=fixed,
-                        compile=compile, timeout_s=timeout_s, device=device, overlap=overlap)
+                        compile=compile, timeout_s=timeout_s, device=device, overlap=overlap, init_fn=init_fn,
+                        init_seed=init_seed)
     if resume_from is not None:
         from autopar.runtime.checkpoint_io import latest
 
@@ -246,6 +259,44 @@ def _with_zero_calls(program, stages: list[int], params):
     return replace(program, stages=out)
 
 
+def _trace_params(model: nn.Module, fqns: list[str], mesh, tp_params: dict[str, str]) -> dict[str, Any]:
+    """Each parameter as a DTensor (replicated on dp, placed on tp) over a FakeTensor shard.
+
+    The per-rank program is traced on FakeTensors (``shard_joint_graph(tracing_mode="fake")``):
+    tracing reads only the parameters' placements, shapes, dtypes and strides, so start-up
+    runs no forward or backward, allocates no parameter-sized memory (at ZeRO-3 tracing on
+    real shards gathered the whole model on every rank), and costs time in the graph's
+    size, not its parameter count. The fake mode lets real tensors in: the frozen
+    parameters, buffers and graph constants stay real and are baked into the program.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from autopar.passes.shard import placement
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = mesh.device_type
+    out = {}
+    for fqn in fqns:
+        p = model.get_parameter(fqn)
+        pls = [Replicate(), placement(tp_params.get(fqn, "R"))]
+        local_shape, _ = compute_local_shape_and_global_offset(p.shape, mesh, pls)
+        with fake_mode:
+            local = torch.empty(local_shape, dtype=p.dtype, device=device)
+            out[fqn] = DTensor.from_local(local, mesh, pls, run_check=False, shape=p.shape,
+                                          stride=_contiguous_stride(tuple(p.shape)))
+    return out
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.insert(0, acc)
+        acc *= d
+    return tuple(stride)
+
+
 def _split_batch(values: dict[str, Any], parts: int, batch: int) -> list[dict[str, Any]]:
     out = [dict() for _ in range(parts)]
     for name, v in values.items():
@@ -263,7 +314,7 @@ class ParallelModule:
 
     def __init__(self, model: nn.Module, *, cluster: str | Cluster, plan=None, loss_fn=None, optimizer=None,
                  fixed=None, compile: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, init_fn=None, init_seed: int | None = None):
         self.model = model
         self.overlap = os.environ.get("AUTOPAR_OVERLAP", "1") != "0" if overlap is None else bool(overlap)
         self.compile = compile
@@ -272,10 +323,16 @@ class ParallelModule:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
         self.device = _resolve_device(self.cluster, device)
-        if any(p.device.type == "meta" for p in model.parameters()):
-            raise ValueError("parallelize needs the model's weights: it is on 'meta'. Build or load it on 'cpu' "
-                             "(rank 0's copy is what every rank's shards are cut from); planning alone works "
-                             "on 'meta' with autopar.plan(...)")
+        from autopar.runtime.materialize import is_meta
+
+        self.from_meta = is_meta(model)
+        """Started from meta: each rank materialises its own pieces (autopar.runtime.materialize)."""
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be a function of one module (called like model.apply's), got "
+                            f"{type(init_fn).__name__}")
+        if init_seed is not None and (isinstance(init_seed, bool) or not isinstance(init_seed, int)):
+            raise TypeError(f"init_seed must be an int, got {init_seed!r}")
+        self.init_fn, self.init_seed = init_fn, init_seed
         self.loss_fn = loss_fn
         self.optimizer_factory = optimizer or (lambda params: torch.optim.AdamW(params))
         self.fixed = dict(fixed or {})
@@ -363,6 +420,12 @@ class ParallelModule:
             check_batch_split(_batch_size(values), Fixed.from_dict(self.fixed))
         _init_process_group(self.device, self.timeout_s)
         self._watch = _peer_watch(self.timeout_s)
+        if self.from_meta:  # every rank initialises from rank 0's seed (autopar.runtime.materialize)
+            seed = [self.init_seed if self.init_seed is not None else torch.initial_seed()]
+            with self._guard("receiving the initialisation seed from rank 0"):
+                dist.broadcast_object_list(seed, src=0, device=torch.device(
+                    "cuda", torch.cuda.current_device()) if self.device == "cuda" else None)
+            self.init_seed = int(seed[0])
         self.plan = self._make_plan(names, values, has_target)
         dp, tp = self.plan.mesh["dp"], self.plan.mesh["tp"]
         device = self.device
@@ -409,6 +472,7 @@ class ParallelModule:
         self.params = ShardedParams(self.model, mesh=self.mesh, tp_placements=tp_params, zero=self.plan.zero,
                                     trainable=trainable, groups=_layer_groups(self.gm))
         self._setup_params()
+        self._materialize(trainable, held=self.params.entries)
         self.frozen = self._frozen_state(set(trainable))
         self.trainable = trainable
         self.tp_params = tp_params
@@ -420,9 +484,9 @@ class ParallelModule:
             micro_inputs = dict(first)
             self.input_names = list(micro_inputs)
             program = shard_joint_graph(
-                self.gm, mesh=self.mesh, ops=self.ops, params=self.params.compute_params(), frozen=self.frozen,
-                trainable=trainable, tp_placements=tp_params, inputs=micro_inputs,
-                loss_scale=1.0 / self.plan.schedule["microbatches"])
+                self.gm, mesh=self.mesh, ops=self.ops, params=_trace_params(self.model, trainable, self.mesh, tp_params),
+                frozen=self.frozen, trainable=trainable, tp_placements=tp_params, inputs=micro_inputs,
+                loss_scale=1.0 / self.plan.schedule["microbatches"], tracing_mode="fake")
             self.grad_returns = program.meta[mk.GRAD_RETURNS]
             self.params.set_tp_returns(self.grad_returns)
             # the step's ZeRO collectives go inside the program: gathers before use, buckets when final
@@ -432,6 +496,34 @@ class ParallelModule:
                 gather=self.plan.zero == 3, key="step")
         self.optimizer = self.optimizer_factory(self.params.optimizer_params())
         self._compiled = True
+
+    def _materialize(self, trainable: list[str], *, held) -> None:
+        """Started from meta: initialise this rank's pieces module by module.
+
+        Wanted are the parameters in ``held`` (:attr:`params`' entries: each rank copies its
+        piece out of the whole value, :meth:`ShardedParams.load_whole`, which is then dropped)
+        and, kept whole in the model, every buffer and frozen parameter (replicated on every
+        rank anyway; already-real ones are left alone).
+        """
+        if not self.from_meta:
+            return
+        from autopar.runtime.materialize import materialize_pieces
+
+        trainable_set = set(trainable)
+        buffers = {n for n, _ in self.model.named_buffers()}
+
+        def want(fqn: str) -> bool:
+            return fqn in held or fqn in buffers or fqn not in trainable_set
+
+        def take(fqn: str, value: torch.Tensor) -> bool:
+            if fqn in held:
+                self.params.load_whole(fqn, value)
+                return False
+            return fqn not in trainable_set
+
+        self.materialized = materialize_pieces(self.model, seed=self.init_seed, want=want, take=take,
+                                               init_fn=self.init_fn)
+        log.info("rank %d: materialised %d modules from meta", dist.get_rank(), len(self.materialized))
 
     def _setup_params(self) -> None:
         self.params.guard = self._guard
@@ -446,18 +538,17 @@ class ParallelModule:
         they exchange; then it keeps the pieces of its own stages and the
         parameters they read.
         """
-        from torch.distributed.tensor import Replicate, distribute_tensor
-
         from autopar.passes.pipeline import (INPUT_PREFIX, PARAM_PREFIX, split_program, split_tied_gradients,
                                              stage_of_layers, tag_stages)
-        from autopar.passes.shard import placement, shard_joint_graph
+        from autopar.passes.shard import shard_joint_graph
         from autopar.runtime.executor import placements_for_graph
         from autopar.runtime.pipeline import PipelineRunner
         from autopar.runtime.zero import ShardedParams
 
         with torch.no_grad():  # every stage is cut from rank 0's weights, as with pp = 1
             for t in list(self.model.parameters()) + list(self.model.buffers()):
-                dist.broadcast(t.data, src=0)
+                if t.device.type != "meta":  # (meta ones are initialised per rank from one seed)
+                    dist.broadcast(t.data, src=0)
         plan, m = self.plan, self.plan.schedule["microbatches"]
         first = _split_batch(values, m, plan.model["global_batch"])[0]
         inputs, target = self._as_user_inputs(names, first, has_target)
@@ -471,18 +562,15 @@ class ParallelModule:
         trainable = [f for f in info.param_fqns if f in info.grad_outputs]
         addends = [(f, info.grad_outputs[f]) for f in trainable]
         addends += [(f, idx) for f, parts in tied.items() for _, idx in parts[1:]]
+        self._materialize(trainable, held={})  # buffers and frozen parameters, before the trace bakes them in
         self.frozen = self._frozen_state(set(trainable))
-        whole = {}
-        for fqn in trainable:  # every parameter, for the trace only: each rank slices its tp shard, no comm
-            pls = [Replicate(), placement(tp_params.get(fqn, "R"))]
-            whole[fqn] = distribute_tensor(self.model.get_parameter(fqn).detach(), self.mesh, pls,
-                                           src_data_rank=None)
         self.input_names = list(first)
-        program = shard_joint_graph(self.gm, mesh=self.mesh, ops=self.ops, params=whole, frozen=self.frozen,
-                                    trainable=trainable, tp_placements=tp_params, inputs=dict(first),
-                                    loss_scale=1.0 / m, addends=addends, keep_tags=True)
+        program = shard_joint_graph(self.gm, mesh=self.mesh, ops=self.ops,
+                                    params=_trace_params(self.model, trainable, self.mesh, tp_params),
+                                    frozen=self.frozen, trainable=trainable, tp_placements=tp_params,
+                                    inputs=dict(first), loss_scale=1.0 / m, addends=addends, keep_tags=True,
+                                    tracing_mode="fake")
         self.grad_returns = program.meta[mk.GRAD_RETURNS]
-        del whole
         pp, pp_rank = plan.mesh["pp"], self.pp_mesh.get_local_rank("pp")
         n_stages = len(plan.stages)
         self.pipeline = split_program(
@@ -500,6 +588,7 @@ class ParallelModule:
         self.params = ShardedParams(self.model, mesh=self.mesh, tp_placements=tp_params, zero=plan.zero,
                                     trainable=self.trainable, groups=_layer_groups(self.gm), addends=addends)
         self._setup_params()
+        self._materialize(trainable, held=self.params.entries)  # this rank's stages' parameters
         self.params.set_tp_returns(self.grad_returns)
         self.pipeline = _with_zero_calls(self.pipeline, mine, self.params)
         coords = self.pp_mesh.mesh  # global rank at (pp, dp, tp)

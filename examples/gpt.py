@@ -69,6 +69,7 @@ class CausalSelfAttention(nn.Module):
         # key, query, value projections for all heads, in one Linear
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj.residual_projection = True  # scaled init, GPT._init_weights
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
@@ -93,6 +94,7 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = nn.GELU()
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj.residual_projection = True  # scaled init, GPT._init_weights
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -133,14 +135,13 @@ class GPT(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight
         if init:
             self.apply(self._init_weights)
-            # scaled init of the residual projections, per GPT-2
-            for name, p in self.named_parameters():
-                if name.endswith("c_proj.weight"):
-                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _init_weights(self, module):
+        """Per module, so a model built on meta is initialised module by module (autopar.parallelize)."""
         if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            # scaled init of the residual projections, per GPT-2
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) if getattr(module, "residual_projection", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):

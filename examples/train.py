@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/train.py --cluster 1x4xcpu
     torchrun --nproc-per-node 2 examples/train.py --cluster 1x2xcpu --steps 50 --fix zero=3
+    torchrun --nproc-per-node 4 examples/train.py --cluster 1x4xcpu --size 350m --meta --fix zero=3 --fix dp=4
     torchrun --standalone --nproc-per-node 2 --max-restarts 3 examples/train.py --cluster 1x2xcpu \
         --checkpoint-dir ckpt --checkpoint-every 10     # a killed rank restarts the job from ckpt/
 
@@ -65,6 +66,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--meta", action="store_true",
+                        help="build the model on meta: each rank materialises only its own shards (fp32)")
     parser.add_argument("--timeout-s", type=float, default=600.0,
                         help="seconds a rank waits on a dead or stuck peer before it stops with an error naming it")
     parser.add_argument("--checkpoint-dir", help="save checkpoints here, and resume from the newest one at start")
@@ -80,7 +83,10 @@ def main() -> None:
         autopar.progress.enable()  # "autopar: planning GPT for 1x4xcpu ..." while the first step compiles
 
     torch.manual_seed(0)
-    model, _, loss_fn, _ = gpt.build(size=args.size, batch=args.batch, seq=args.seq)
+    if args.meta:  # no rank builds the whole model: each initialises its own pieces, module by module
+        model, _, loss_fn, _ = gpt.build(size=args.size, batch=args.batch, seq=args.seq, device="meta", dtype="fp32")
+    else:
+        model, _, loss_fn, _ = gpt.build(size=args.size, batch=args.batch, seq=args.seq)
     vocab = model.config.vocab_size if hasattr(model, "config") else 256
     pm = autopar.parallelize(model, cluster=args.cluster, loss_fn=loss_fn, fixed=fixed or None,
                              optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr), timeout_s=args.timeout_s)
@@ -106,6 +112,8 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if first is None and rank == 0:
             print(pm.plan.summary(), flush=True)
+            print(f"first step after {time.perf_counter() - start:.1f} s (planning, tracing, sharding included)",
+                  flush=True)
             print(f"loss at start {loss:.3f} (ln vocab = {math.log(vocab):.3f})", flush=True)
         first = loss if first is None else first
         if rank == 0:
@@ -113,6 +121,12 @@ def main() -> None:
             rate = step / (time.perf_counter() - start)
             print(f"\r[{'#' * done}{'.' * (30 - done)}] step {step}/{args.steps} loss {loss:.4f} "
                   f"({rate:.1f} steps/s)", end="", flush=True)
+    if first is not None and args.meta:  # every rank: its peak resident set (the kernel's high-water mark)
+        hwm = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+                   if line.startswith("VmHWM:")) if Path("/proc/self/status").exists() else 0
+        n = sum(p.numel() for p in model.parameters())
+        print(f"\nrank {rank}: peak RSS {hwm / 1e9:.2f} GB; one full fp32 AdamW training state is "
+              f"{16 * n / 1e9:.2f} GB ({n / 1e6:.0f}M parameters)", flush=True)
     if rank == 0 and first is not None:
         print(f"\nloss {first:.3f} -> {loss:.3f}")
         print(f"final loss {loss!r}", flush=True)

@@ -45,7 +45,9 @@ allocates by kind (params, grads, gathered weights, collective buffers) until it
 is freed, so tests read the step's real peak.
 
 Weights come from rank 0's copy of the model (``distribute_tensor`` with source rank
-0), so every rank starts from exactly the single-device model's values.
+0), so every rank starts from exactly the single-device model's values. A parameter on
+``meta`` gets only this rank's storage here, filled by :meth:`ShardedParams.load_whole` as
+:mod:`autopar.runtime.materialize` initialises the model module by module.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autopar import zero_def
 from autopar.passes.meta_keys import GradReturn
@@ -171,6 +174,20 @@ class ShardedParams:
             full = named[fqn].detach()
             pls = [Replicate()] * mesh.ndim
             pls[tp_dim] = placement(tp_placements.get(fqn, "R"))
+            if full.device.type == "meta":
+                # started from meta: allocate only this rank's piece; load_whole fills it
+                shape, _ = compute_local_shape_and_global_offset(full.shape, mesh, pls)
+                e = _Entry(fqn, full.shape, tp_placements.get(fqn, "R"), torch.Size(shape),
+                           _contiguous_stride(shape), full.dtype, self.dp, self.dp_rank, zero)
+                if zero == 3:
+                    e.slice = self.live.track(torch.zeros(e.chunk, dtype=e.dtype), "params")
+                else:
+                    e.flat = self.live.track(torch.zeros(e.padded, dtype=e.dtype), "params")
+                    if zero >= 1:
+                        e.slice = e.flat[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk]
+                e.opt_param = nn.Parameter(e.full_local() if zero == 0 else e.slice)
+                self.entries[fqn] = e
+                continue
             local = distribute_tensor(full, mesh, pls, src_data_rank=0).to_local()
             e = _Entry(fqn, full.shape, tp_placements.get(fqn, "R"), local.shape, local.stride(), local.dtype,
                        self.dp, self.dp_rank, zero)
@@ -199,6 +216,20 @@ class ShardedParams:
         self._inflight: list[tuple[dist.Work, callable]] = []
         self._gathers: dict[str, list] = {}  # stage 3: prefetched gathers by the program's key
         self._microbatch = 0
+
+    def load_whole(self, fqn: str, whole: torch.Tensor) -> None:
+        """Copy this rank's piece (its tp shard's ZeRO slice, or the whole tp shard) of ``whole``, the
+        full value of parameter ``fqn``, into its storage: a model started from meta is initialised
+        module by module (:mod:`autopar.runtime.materialize`) and each rank keeps only its piece."""
+        e = self.entries[fqn]
+        if tuple(whole.shape) != tuple(e.shape):
+            raise ValueError(f"parameter {fqn!r} is {tuple(e.shape)} but its initial value is {tuple(whole.shape)}")
+        local = distribute_tensor(whole, self.mesh, self._placements(e), src_data_rank=None).to_local().reshape(-1)
+        if e.flat is not None:
+            e.flat[: e.numel].copy_(local)
+        else:
+            part = local[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk]
+            e.slice[: part.numel()].copy_(part)
 
     def set_tp_returns(self, returns: Iterable[GradReturn]) -> None:
         """The gradients the tp program left Partial or sharded (see :meth:`finish_tp`)."""

@@ -193,11 +193,16 @@ def test_a_plan_for_another_model_is_an_error_on_every_rank():
     assert all("made for GPT" in m for m in messages), messages
 
 
-def test_meta_model_cannot_be_parallelized():
+def test_meta_model_is_accepted_and_bad_init_arguments_are_refused():
+    """A model on meta is materialised per rank (tests/dist/test_meta_start.py); the init
+    arguments are checked when parallelize is called, before any process group starts."""
     import autopar
     sys.path.insert(0, EXAMPLES)
     import llama
 
     model, inputs, loss_fn, target = llama.build(size="70b")
-    with pytest.raises(ValueError, match="on 'meta'"):
-        autopar.parallelize(model, cluster="1x1xcpu", loss_fn=loss_fn)
+    assert autopar.parallelize(model, cluster="1x1xcpu", loss_fn=loss_fn).from_meta
+    with pytest.raises(TypeError, match="init_fn must be a function of one module"):
+        autopar.parallelize(model, cluster="1x1xcpu", loss_fn=loss_fn, init_fn=3)
+    with pytest.raises(TypeError, match="init_seed must be an int, got '1'"):
+        autopar.parallelize(model, cluster="1x1xcpu", loss_fn=loss_fn, init_seed="1")
