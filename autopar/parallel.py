@@ -73,7 +73,9 @@ from autopar.passes import meta_keys as mk
 from autopar.passes.layers import graph_hash
 from autopar.passes.trace import flatten_inputs
 from autopar.plan import Plan
+from autopar.precision import cast_floating, plan_precision, resolve_precision
 from autopar.progress import progress
+from autopar.runtime.device import bind_local_device, local_device
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ def parallelize(model: nn.Module, *, cluster: str | Cluster, plan: Plan | str | 
                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
                 fixed: dict | None = None, compile: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
                 device: str | None = None, overlap: bool | None = None,
-                resume_from: str | os.PathLike | None = None) -> ParallelModule:
+                resume_from: str | os.PathLike | None = None, precision: str | None = None) -> ParallelModule:
     """Wrap ``model`` for sharded training on ``cluster`` (see the module docstring).
 
     ``resume_from`` is a checkpoint (:meth:`ParallelModule.load_checkpoint`) to continue from:
@@ -106,9 +108,15 @@ def parallelize(model: nn.Module, *, cluster: str | Cluster, plan: Plan | str | 
     ``"cpu"`` for a ``cpu`` cluster. ``overlap=False`` waits for every ZeRO/dp collective as
     soon as it is issued instead of overlapping it with compute (a debugging and benchmarking
     aid: same numbers; also set by the environment variable ``AUTOPAR_OVERLAP=0``).
+
+    ``precision`` (:mod:`autopar.precision`): "fp32", "bf16-mixed" ("bf16": fp32 masters and
+    optimizer state, bf16 compute, gradients reduced in fp32) or "bf16-mixed-bf16-reduce";
+    by default "bf16-mixed" on a GPU cluster and the model's dtype on a ``cpu`` cluster. A
+    given ``plan`` carries its own precision; asking for another is a ``PlanError``.
+    The optimizer steps the fp32 masters: ``named_parameters`` and ``state_dict`` are fp32.
     """
     pm = ParallelModule(model, cluster=cluster, plan=plan, loss_fn=loss_fn, optimizer=optimizer, fixed=fixed,
-                        compile=compile, timeout_s=timeout_s, device=device, overlap=overlap)
+                        compile=compile, timeout_s=timeout_s, device=device, overlap=overlap, precision=precision)
     if resume_from is not None:
         from autopar.runtime.checkpoint_io import latest
 
@@ -263,7 +271,9 @@ class ParallelModule:
 
     def __init__(self, model: nn.Module, *, cluster: str | Cluster, plan=None, loss_fn=None, optimizer=None,
                  fixed=None, compile: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, precision: str | None = None):
+        from autopar.precision import resolve_precision
+
         self.model = model
         self.overlap = os.environ.get("AUTOPAR_OVERLAP", "1") != "0" if overlap is None else bool(overlap)
         self.compile = compile
@@ -272,6 +282,11 @@ class ParallelModule:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
         self.device = _resolve_device(self.cluster, device)
+        self.torch_device = local_device(self.device)
+        """Where this rank's tensors live (``cuda:LOCAL_RANK`` or ``cpu``): :mod:`autopar.runtime.device`."""
+        self._asked_precision = precision
+        resolve_precision(precision, model=model, gpu_cluster=self.cluster.device.name.lower() != "cpu")  # checks
+        self.policy = None  # the plan's precision policy, once planned
         if any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("parallelize needs the model's weights: it is on 'meta'. Build or load it on 'cpu' "
                              "(rank 0's copy is what every rank's shards are cut from); planning alone works "
@@ -311,17 +326,24 @@ class ParallelModule:
                     log.info("planning %s for %s on rank 0", name, self.cluster.spec)
                     with progress(f"planning {name} for {self.cluster.spec} (rank 0; the others wait)"):
                         plan = make_plan(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
-                                         example_target=target, fixed=self.fixed)
+                                         example_target=target, fixed=self.fixed, precision=self._asked_precision)
                 else:
                     plan = self._given_plan
                     planned, got = plan.model.get("global_batch"), _batch_size(values)
                     if planned is not None and got is not None and planned != got:
                         raise PlanError(f"the plan was made for a global batch of {planned}, but train_step got "
                                         f"a batch of {got}; pass batches of {planned}, or re-plan for {got}")
+                    policy = plan_precision(plan.model)
+                    asked = self._asked_precision and resolve_precision(
+                        self._asked_precision, model=self.model, gpu_cluster=True)[0].name
+                    if asked and asked != policy.name:
+                        raise PlanError(f"precision={self._asked_precision!r} was asked for, but the given plan was "
+                                        f"made for {plan.model.get('precision')!r}; drop precision= to run the "
+                                        f"plan's, or re-plan with precision={self._asked_precision!r}")
                     log.info("checking the given plan against %s on rank 0", name)
                     with progress(f"tracing {name} to check the plan (rank 0)"):
                         gm = build_graph(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
-                                         example_target=target)
+                                         example_target=target, param_dtype=policy.param_dtype)
                     plan.check_model(graph_hash(gm))
                     if plan.cluster.get("spec") != self.cluster.spec:
                         raise PlanError(f"the plan was made for cluster {plan.cluster.get('spec')}, not "
@@ -361,13 +383,13 @@ class ParallelModule:
             from autopar.planner.search import Fixed
 
             check_batch_split(_batch_size(values), Fixed.from_dict(self.fixed))
+        bind_local_device(self.device)  # before the first collective: NCCL binds to the current GPU
         _init_process_group(self.device, self.timeout_s)
         self._watch = _peer_watch(self.timeout_s)
         self.plan = self._make_plan(names, values, has_target)
+        self.policy = plan_precision(self.plan.model)
         dp, tp = self.plan.mesh["dp"], self.plan.mesh["tp"]
         device = self.device
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         pp = self.plan.mesh["pp"]
         mesh_text = " x ".join(f"{a}={self.plan.mesh[a]}" for a in ("pp", "dp", "tp"))
         log.info("rank %d: building the %s mesh, tracing and sharding %s", dist.get_rank(), mesh_text,
@@ -400,14 +422,13 @@ class ParallelModule:
         inputs, target = self._as_user_inputs(names, first, has_target)
         got = next(iter(v.shape[0] for v in first.values() if isinstance(v, torch.Tensor)))
         assert got == micro, (got, micro)
-        self.gm = build_graph(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
-                              example_target=target, collapse_repeats=False)
+        self.gm = self._trace(inputs, target)
         _check_scalar_loss(self.gm)
         self.ops, tp_params = placements_for_graph(self.gm, self.plan)
         info: mk.GraphTrace = self.gm.meta[mk.GRAPH]
         trainable = [f for f in info.param_fqns if f in info.grad_outputs]
         self.params = ShardedParams(self.model, mesh=self.mesh, tp_placements=tp_params, zero=self.plan.zero,
-                                    trainable=trainable, groups=_layer_groups(self.gm))
+                                    trainable=trainable, groups=_layer_groups(self.gm), **self._param_policy())
         self._setup_params()
         self.frozen = self._frozen_state(set(trainable))
         self.trainable = trainable
@@ -417,7 +438,7 @@ class ParallelModule:
             from autopar.passes.shard import shard_joint_graph
             from autopar.runtime.zero_program import insert_zero_calls
 
-            micro_inputs = dict(first)
+            micro_inputs = self._place_inputs(first)
             self.input_names = list(micro_inputs)
             program = shard_joint_graph(
                 self.gm, mesh=self.mesh, ops=self.ops, params=self.params.compute_params(), frozen=self.frozen,
@@ -432,6 +453,31 @@ class ParallelModule:
                 gather=self.plan.zero == 3, key="step")
         self.optimizer = self.optimizer_factory(self.params.optimizer_params())
         self._compiled = True
+
+    def _trace(self, inputs, target):
+        """The joint graph of this rank's program: traced at the micro-batch in the policy's compute dtype, on
+        fake tensors of this rank's device type so that it calls that device's kernels (SDPA's differ)."""
+        return build_graph(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn, example_target=target,
+                           collapse_repeats=False, param_dtype=self.policy.param_dtype,
+                           fake_device=self.torch_device if self.torch_device.type != "cpu" else None)
+
+    def _param_policy(self) -> dict[str, Any]:
+        """ShardedParams' dtype and device arguments under the plan's precision."""
+        p = self.policy
+        return {"param_dtype": p.param_dtype, "reduce_dtype": p.reduce_dtype, "master_dtype": p.master_dtype,
+                "device": self.torch_device}
+
+    def _place_inputs(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The step's inputs on this rank's device, floating model inputs (not the target) cast to the
+        policy's compute dtype, as FSDP2's ``cast_forward_inputs`` does."""
+        out = {}
+        for name, v in values.items():
+            if isinstance(v, torch.Tensor):
+                v = v.to(self.torch_device, non_blocking=True)
+                if name != "target":
+                    v = cast_floating(v, self.policy.param_dtype)
+            out[name] = v
+        return out
 
     def _setup_params(self) -> None:
         self.params.guard = self._guard
@@ -457,12 +503,14 @@ class ParallelModule:
 
         with torch.no_grad():  # every stage is cut from rank 0's weights, as with pp = 1
             for t in list(self.model.parameters()) + list(self.model.buffers()):
-                dist.broadcast(t.data, src=0)
+                on_device = t.data.to(self.torch_device)  # NCCL sends only device tensors
+                dist.broadcast(on_device, src=0)
+                if on_device is not t.data:
+                    t.data.copy_(on_device)
         plan, m = self.plan, self.plan.schedule["microbatches"]
         first = _split_batch(values, m, plan.model["global_batch"])[0]
         inputs, target = self._as_user_inputs(names, first, has_target)
-        self.gm = build_graph(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
-                              example_target=target, collapse_repeats=False)
+        self.gm = self._trace(inputs, target)
         _check_scalar_loss(self.gm)
         self.ops, tp_params = placements_for_graph(self.gm, plan)
         stages = tag_stages(self.gm, stage_of_layers([st["layers"] for st in plan.stages]))
@@ -475,11 +523,11 @@ class ParallelModule:
         whole = {}
         for fqn in trainable:  # every parameter, for the trace only: each rank slices its tp shard, no comm
             pls = [Replicate(), placement(tp_params.get(fqn, "R"))]
-            whole[fqn] = distribute_tensor(self.model.get_parameter(fqn).detach(), self.mesh, pls,
-                                           src_data_rank=None)
+            value = cast_floating(self.model.get_parameter(fqn).detach(), self.policy.param_dtype)
+            whole[fqn] = distribute_tensor(value.to(self.torch_device), self.mesh, pls, src_data_rank=None)
         self.input_names = list(first)
         program = shard_joint_graph(self.gm, mesh=self.mesh, ops=self.ops, params=whole, frozen=self.frozen,
-                                    trainable=trainable, tp_placements=tp_params, inputs=dict(first),
+                                    trainable=trainable, tp_placements=tp_params, inputs=self._place_inputs(first),
                                     loss_scale=1.0 / m, addends=addends, keep_tags=True)
         self.grad_returns = program.meta[mk.GRAD_RETURNS]
         del whole
@@ -498,7 +546,8 @@ class ParallelModule:
             for fqn in self.pipeline.stages[s].grads.values():
                 addends[fqn] = addends.get(fqn, 0) + 1
         self.params = ShardedParams(self.model, mesh=self.mesh, tp_placements=tp_params, zero=plan.zero,
-                                    trainable=self.trainable, groups=_layer_groups(self.gm), addends=addends)
+                                    trainable=self.trainable, groups=_layer_groups(self.gm), addends=addends,
+                                    **self._param_policy())
         self._setup_params()
         self.params.set_tp_returns(self.grad_returns)
         self.pipeline = _with_zero_calls(self.pipeline, mine, self.params)
@@ -518,7 +567,7 @@ class ParallelModule:
                                      n_micro=m, n_virtual=n_stages // pp,
                                      rank_of_stage=lambda s: int(coords[s % pp, dp_rank, tp_rank]),
                                      guard=self._guard, timeout_s=self.timeout_s, tp_ranks=self._group_ranks("tp"),
-                                     begin_microbatch=self.params.begin_microbatch)
+                                     begin_microbatch=self.params.begin_microbatch, device=self.torch_device)
         self.last_stage_rank = int(coords[(n_stages - 1) % pp, 0, 0])
         self.step_program = None
         self.optimizer = self.optimizer_factory(self.params.optimizer_params())
@@ -532,7 +581,7 @@ class ParallelModule:
                 else self.params.local_params())
         loss, _ = self.runner.run(micro, held)  # the gradients went to their buckets inside the pieces
         self._finish_and_step(self.tied_groups)
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.torch_device)
         if dist.get_rank() == self.last_stage_rank:
             total += loss
         with self._guard(f"all-reduce of the loss from the last stage's rank {self.last_stage_rank}"):
@@ -546,8 +595,12 @@ class ParallelModule:
         for node in self.gm.graph.find_nodes(op="placeholder"):
             t = node.meta[mk.TRACE]
             if t.role in (mk.Role.PARAM, mk.Role.BUFFER) and t.fqn not in trainable:
-                value = self.model.get_parameter(t.fqn) if t.role is mk.Role.PARAM else self.model.get_buffer(t.fqn)
-                out[t.fqn] = distribute_tensor(value.detach(), self.mesh, [Replicate(), Replicate()], src_data_rank=0)
+                if t.role is mk.Role.PARAM:  # frozen weights are cast too, as FSDP2 casts every parameter
+                    value = cast_floating(self.model.get_parameter(t.fqn).detach(), self.policy.param_dtype)
+                else:
+                    value = self.model.get_buffer(t.fqn).detach()
+                out[t.fqn] = distribute_tensor(value.to(self.torch_device), self.mesh, [Replicate(), Replicate()],
+                                               src_data_rank=0)
         return out
 
     # -- training --------------------------------------------------------------
@@ -577,6 +630,7 @@ class ParallelModule:
         if got != batch:
             raise ValueError(f"train_step got a batch of {got} but the plan is for a global batch of {batch}; "
                              f"pass the global batch (every rank the same), or re-plan for this batch size")
+        values = self._place_inputs(values)
         self.steps += 1
         if self.plan.mesh["pp"] > 1:
             return self._pipeline_step(values)
@@ -647,7 +701,7 @@ class ParallelModule:
         self.runner = PipelineRunner(self.pipeline, pp=pp, pp_rank=old.pp_rank, schedule=kind,
                                      n_micro=old.n_micro, n_virtual=n_stages // pp, rank_of_stage=old.rank_of_stage,
                                      guard=old.guard, timeout_s=old.timeout_s, tp_ranks=old.tp_ranks,
-                                     begin_microbatch=old.begin_microbatch)
+                                     begin_microbatch=old.begin_microbatch, device=old.device)
         self.plan = replace(self.plan, schedule={**self.plan.schedule, "kind": kind})
 
     def save_checkpoint(self, path: str | os.PathLike, *, state: dict | None = None, async_save: bool = False,
@@ -724,6 +778,23 @@ class ParallelModule:
         """Parameter, gradient and optimizer bytes held on this rank, measured on live tensors."""
         self._require_compiled()
         return self.params.state_bytes(self.optimizer)
+
+    def peak_memory_bytes(self, reset: bool = False) -> int:
+        """This rank's peak bytes since the last reset: on CUDA the caching allocator's
+        ``torch.cuda.max_memory_allocated`` (everything: state, activations, buffers); on CPU
+        the peak of the buffers the runtime tracks (parameters, gradients, gathered weights and
+        collective buffers, :mod:`autopar.runtime.memtrack`; activations are not seen there).
+        ``reset`` starts a new window."""
+        self._require_compiled()
+        if self.torch_device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.torch_device)
+            if reset:
+                torch.cuda.reset_peak_memory_stats(self.torch_device)
+            return int(peak)
+        peak = self.params.live.peak
+        if reset:
+            self.params.live.reset_peak()
+        return int(peak)
 
     def _require_compiled(self) -> None:
         if not self._compiled:
