@@ -30,11 +30,14 @@ __all__ = ["build_graph", "analyze", "Analysis", "LayerClassRow"]
 
 def build_graph(model: nn.Module, example_inputs: Any, *, cluster: Cluster,
                 loss_fn: Callable | None = None, example_target: Any = None,
-                collapse_repeats: bool = True) -> fx.GraphModule:
-    """Trace, annotate and group: the annotated joint graph the planner reads."""
+                collapse_repeats: bool = True, param_dtype=None, fake_device=None) -> fx.GraphModule:
+    """Trace, annotate and group: the annotated joint graph the planner reads.
+
+    ``param_dtype`` is a mixed-precision policy's compute dtype (:mod:`autopar.precision`):
+    the graph is traced, and so priced, as it will run."""
     with progress(f"tracing {type(model).__name__}"):
         gm = trace_joint(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
-                         collapse_repeats=collapse_repeats)
+                         collapse_repeats=collapse_repeats, param_dtype=param_dtype, fake_device=fake_device)
     with progress("annotating costs"):
         annotate_cost(gm, device=cluster.device)
         group_layers(gm)

@@ -28,6 +28,10 @@ from pathlib import Path
 from autopar import progress
 from autopar.errors import AutoparError, OutputPathError
 
+PRECISION_CHOICES = ("fp32", "bf16-mixed", "bf16-mixed-bf16-reduce", "bf16")
+"""``autopar.precision.PRECISIONS`` and its alias, spelled out so ``autopar diff`` need not import torch
+(tests/test_precision.py checks they agree)."""
+
 INTERRUPTED = 130
 """Exit status after Ctrl-C: 128 + SIGINT, as shells report it."""
 
@@ -147,7 +151,8 @@ def cmd_plan(args) -> int:
         _check_output_dir("--emit", args.emit)
     _check_reports(("--timeline", args.timeline), ("--html", args.html))
     model, inputs, loss_fn, target = _load(args)
-    result = plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed)
+    result = plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed,
+                  precision=args.precision)
     print(result.summary())
     if args.out:
         _write("--out", args.out, lambda: result.save(args.out))
@@ -199,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
                    help="pin a decision: tp, pp, dp, zero, schedule, microbatch_size, microbatches, recompute")
+    p.add_argument("--precision", choices=PRECISION_CHOICES, default=None,
+                   help="training precision: fp32 (no casts), bf16-mixed (fp32 masters, bf16 compute, fp32 "
+                        "gradient reduction; 'bf16' for short) or bf16-mixed-bf16-reduce; default bf16-mixed on "
+                        "GPU clusters, the model's dtype on cpu")
     p.add_argument("--out", metavar="FILE", help="write the plan file (JSON)")
     p.add_argument("--timeline", metavar="FILE",
                    help="draw one step's pipeline schedule as a Gantt chart (.png, .svg or .pdf; needs matplotlib)")

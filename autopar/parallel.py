@@ -76,7 +76,9 @@ from autopar.passes import meta_keys as mk
 from autopar.passes.layers import graph_hash
 from autopar.passes.trace import flatten_inputs
 from autopar.plan import Plan
+from autopar.precision import cast_floating, plan_precision, resolve_precision
 from autopar.progress import progress
+from autopar.runtime.device import bind_local_device, local_device
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ def parallelize(model: nn.Module, *, cluster: str | Cluster, plan: Plan | str | 
                 fixed: dict | None = None, compile: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
                 device: str | None = None, overlap: bool | None = None,
                 resume_from: str | os.PathLike | None = None, init_fn: Callable[[nn.Module], None] | None = None,
-                init_seed: int | None = None) -> ParallelModule:
+                init_seed: int | None = None, precision: str | None = None) -> ParallelModule:
     """Wrap ``model`` for sharded training on ``cluster`` (see the module docstring).
 
     ``resume_from`` is a checkpoint (:meth:`ParallelModule.load_checkpoint`) to continue from:
@@ -118,10 +120,16 @@ def parallelize(model: nn.Module, *, cluster: str | Cluster, plan: Plan | str | 
     ``init_fn(module)``, from the seed ``init_seed`` (default: rank 0's
     ``torch.initial_seed()``); :func:`autopar.materialize` builds the same weights whole in
     one process. See :mod:`autopar.runtime.materialize` for the rules and the RNG scheme.
+
+    ``precision`` (:mod:`autopar.precision`): "fp32", "bf16-mixed" ("bf16": fp32 masters and
+    optimizer state, bf16 compute, gradients reduced in fp32) or "bf16-mixed-bf16-reduce";
+    by default "bf16-mixed" on a GPU cluster and the model's dtype on a ``cpu`` cluster. A
+    given ``plan`` carries its own precision; asking for another is a ``PlanError``.
+    The optimizer steps the fp32 masters: ``named_parameters`` and ``state_dict`` are fp32.
     """
     pm = ParallelModule(model, cluster=cluster, plan=plan, loss_fn=loss_fn, optimizer=optimizer, fixed=fixed,
                         compile=compile, timeout_s=timeout_s, device=device, overlap=overlap, init_fn=init_fn,
-                        init_seed=init_seed)
+                        init_seed=init_seed, precision=precision)
     if resume_from is not None:
         from autopar.runtime.checkpoint_io import latest
 
@@ -259,7 +267,8 @@ def _with_zero_calls(program, stages: list[int], params):
     return replace(program, stages=out)
 
 
-def _trace_params(model: nn.Module, fqns: list[str], mesh, tp_params: dict[str, str]) -> dict[str, Any]:
+def _trace_params(model: nn.Module, fqns: list[str], mesh, tp_params: dict[str, str], *,
+                  param_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Each parameter as a DTensor (replicated on dp, placed on tp) over a FakeTensor shard.
 
     The per-rank program is traced on FakeTensors (``shard_joint_graph(tracing_mode="fake")``):
@@ -283,7 +292,8 @@ def _trace_params(model: nn.Module, fqns: list[str], mesh, tp_params: dict[str, 
         pls = [Replicate(), placement(tp_params.get(fqn, "R"))]
         local_shape, _ = compute_local_shape_and_global_offset(p.shape, mesh, pls)
         with fake_mode:
-            local = torch.empty(local_shape, dtype=p.dtype, device=device)
+            dtype = param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
+            local = torch.empty(local_shape, dtype=dtype, device=device)
             out[fqn] = DTensor.from_local(local, mesh, pls, run_check=False, shape=p.shape,
                                           stride=_contiguous_stride(tuple(p.shape)))
     return out
@@ -314,7 +324,11 @@ class ParallelModule:
 
     def __init__(self, model: nn.Module, *, cluster: str | Cluster, plan=None, loss_fn=None, optimizer=None,
                  fixed=None, compile: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None,
-                 overlap: bool | None = None, init_fn=None, init_seed: int | None = None):
+                 overlap: bool | None = None, init_fn=None, init_seed: int | None = None,
+                 precision: str | None = None):
+        from autopar.precision import resolve_precision
+        from autopar.runtime.materialize import is_meta
+
         self.model = model
         self.overlap = os.environ.get("AUTOPAR_OVERLAP", "1") != "0" if overlap is None else bool(overlap)
         self.compile = compile
@@ -323,8 +337,6 @@ class ParallelModule:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
         self.device = _resolve_device(self.cluster, device)
-        from autopar.runtime.materialize import is_meta
-
         self.from_meta = is_meta(model)
         """Started from meta: each rank materialises its own pieces (autopar.runtime.materialize)."""
         if init_fn is not None and not callable(init_fn):
@@ -333,6 +345,11 @@ class ParallelModule:
         if init_seed is not None and (isinstance(init_seed, bool) or not isinstance(init_seed, int)):
             raise TypeError(f"init_seed must be an int, got {init_seed!r}")
         self.init_fn, self.init_seed = init_fn, init_seed
+        self.torch_device = local_device(self.device)
+        """Where this rank's tensors live (``cuda:LOCAL_RANK`` or ``cpu``): :mod:`autopar.runtime.device`."""
+        self._asked_precision = precision
+        resolve_precision(precision, model=model, gpu_cluster=self.cluster.device.name.lower() != "cpu")  # checks
+        self.policy = None  # the plan's precision policy, once planned
         self.loss_fn = loss_fn
         self.optimizer_factory = optimizer or (lambda params: torch.optim.AdamW(params))
         self.fixed = dict(fixed or {})
@@ -368,17 +385,24 @@ class ParallelModule:
                     log.info("planning %s for %s on rank 0", name, self.cluster.spec)
                     with progress(f"planning {name} for {self.cluster.spec} (rank 0; the others wait)"):
                         plan = make_plan(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
-                                         example_target=target, fixed=self.fixed)
+                                         example_target=target, fixed=self.fixed, precision=self._asked_precision)
                 else:
                     plan = self._given_plan
                     planned, got = plan.model.get("global_batch"), _batch_size(values)
                     if planned is not None and got is not None and planned != got:
                         raise PlanError(f"the plan was made for a global batch of {planned}, but train_step got "
                                         f"a batch of {got}; pass batches of {planned}, or re-plan for {got}")
+                    policy = plan_precision(plan.model)
+                    asked = self._asked_precision and resolve_precision(
+                        self._asked_precision, model=self.model, gpu_cluster=True)[0].name
+                    if asked and asked != policy.name:
+                        raise PlanError(f"precision={self._asked_precision!r} was asked for, but the given plan was "
+                                        f"made for {plan.model.get('precision')!r}; drop precision= to run the "
+                                        f"plan's, or re-plan with precision={self._asked_precision!r}")
                     log.info("checking the given plan against %s on rank 0", name)
                     with progress(f"tracing {name} to check the plan (rank 0)"):
                         gm = build_graph(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
-                                         example_target=target)
+                                         example_target=target, param_dtype=policy.param_dtype)
                     plan.check_model(graph_hash(gm))
                     if plan.cluster.get("spec") != self.cluster.spec:
                         raise PlanError(f"the plan was made for cluster {plan.cluster.get('spec')}, not "
@@ -418,6 +442,7 @@ class ParallelModule:
             from autopar.planner.search import Fixed
 
             check_batch_split(_batch_size(values), Fixed.from_dict(self.fixed))
+        bind_local_device(self.device)  # before the first collective: NCCL binds to the current GPU
         _init_process_group(self.device, self.timeout_s)
         self._watch = _peer_watch(self.timeout_s)
         if self.from_meta:  # every rank initialises from rank 0's seed (autopar.runtime.materialize)
@@ -427,10 +452,9 @@ class ParallelModule:
                     "cuda", torch.cuda.current_device()) if self.device == "cuda" else None)
             self.init_seed = int(seed[0])
         self.plan = self._make_plan(names, values, has_target)
+        self.policy = plan_precision(self.plan.model)
         dp, tp = self.plan.mesh["dp"], self.plan.mesh["tp"]
         device = self.device
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         pp = self.plan.mesh["pp"]
         mesh_text = " x ".join(f"{a}={self.plan.mesh[a]}" for a in ("pp", "dp", "tp"))
         log.info("rank %d: building the %s mesh, tracing and sharding %s", dist.get_rank(), mesh_text,
@@ -463,14 +487,13 @@ class ParallelModule:
         inputs, target = self._as_user_inputs(names, first, has_target)
         got = next(iter(v.shape[0] for v in first.values() if isinstance(v, torch.Tensor)))
         assert got == micro, (got, micro)
-        self.gm = build_graph(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
-                              example_target=target, collapse_repeats=False)
+        self.gm = self._trace(inputs, target)
         _check_scalar_loss(self.gm)
         self.ops, tp_params = placements_for_graph(self.gm, self.plan)
         info: mk.GraphTrace = self.gm.meta[mk.GRAPH]
         trainable = [f for f in info.param_fqns if f in info.grad_outputs]
         self.params = ShardedParams(self.model, mesh=self.mesh, tp_placements=tp_params, zero=self.plan.zero,
-                                    trainable=trainable, groups=_layer_groups(self.gm))
+                                    trainable=trainable, groups=_layer_groups(self.gm), **self._param_policy())
         self._setup_params()
         self._materialize(trainable, held=self.params.entries)
         self.frozen = self._frozen_state(set(trainable))
@@ -481,10 +504,11 @@ class ParallelModule:
             from autopar.passes.shard import shard_joint_graph
             from autopar.runtime.zero_program import insert_zero_calls
 
-            micro_inputs = dict(first)
+            micro_inputs = self._place_inputs(first)
             self.input_names = list(micro_inputs)
             program = shard_joint_graph(
-                self.gm, mesh=self.mesh, ops=self.ops, params=_trace_params(self.model, trainable, self.mesh, tp_params),
+                self.gm, mesh=self.mesh, ops=self.ops,
+                params=_trace_params(self.model, trainable, self.mesh, tp_params, param_dtype=self.policy.param_dtype),
                 frozen=self.frozen, trainable=trainable, tp_placements=tp_params, inputs=micro_inputs,
                 loss_scale=1.0 / self.plan.schedule["microbatches"], tracing_mode="fake")
             self.grad_returns = program.meta[mk.GRAD_RETURNS]
@@ -525,6 +549,31 @@ class ParallelModule:
                                                init_fn=self.init_fn)
         log.info("rank %d: materialised %d modules from meta", dist.get_rank(), len(self.materialized))
 
+    def _trace(self, inputs, target):
+        """The joint graph of this rank's program: traced at the micro-batch in the policy's compute dtype, on
+        fake tensors of this rank's device type so that it calls that device's kernels (SDPA's differ)."""
+        return build_graph(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn, example_target=target,
+                           collapse_repeats=False, param_dtype=self.policy.param_dtype,
+                           fake_device=self.torch_device if self.torch_device.type != "cpu" else None)
+
+    def _param_policy(self) -> dict[str, Any]:
+        """ShardedParams' dtype and device arguments under the plan's precision."""
+        p = self.policy
+        return {"param_dtype": p.param_dtype, "reduce_dtype": p.reduce_dtype, "master_dtype": p.master_dtype,
+                "device": self.torch_device}
+
+    def _place_inputs(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The step's inputs on this rank's device, floating model inputs (not the target) cast to the
+        policy's compute dtype, as FSDP2's ``cast_forward_inputs`` does."""
+        out = {}
+        for name, v in values.items():
+            if isinstance(v, torch.Tensor):
+                v = v.to(self.torch_device, non_blocking=True)
+                if name != "target":
+                    v = cast_floating(v, self.policy.param_dtype)
+            out[name] = v
+        return out
+
     def _setup_params(self) -> None:
         self.params.guard = self._guard
         self.params.overlap = self.overlap
@@ -547,13 +596,16 @@ class ParallelModule:
 
         with torch.no_grad():  # every stage is cut from rank 0's weights, as with pp = 1
             for t in list(self.model.parameters()) + list(self.model.buffers()):
-                if t.device.type != "meta":  # (meta ones are initialised per rank from one seed)
-                    dist.broadcast(t.data, src=0)
+                if t.device.type == "meta":  # (meta ones are initialised per rank from one seed)
+                    continue
+                on_device = t.data.to(self.torch_device)  # NCCL sends only device tensors
+                dist.broadcast(on_device, src=0)
+                if on_device is not t.data:
+                    t.data.copy_(on_device)
         plan, m = self.plan, self.plan.schedule["microbatches"]
         first = _split_batch(values, m, plan.model["global_batch"])[0]
         inputs, target = self._as_user_inputs(names, first, has_target)
-        self.gm = build_graph(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
-                              example_target=target, collapse_repeats=False)
+        self.gm = self._trace(inputs, target)
         _check_scalar_loss(self.gm)
         self.ops, tp_params = placements_for_graph(self.gm, plan)
         stages = tag_stages(self.gm, stage_of_layers([st["layers"] for st in plan.stages]))
@@ -566,10 +618,11 @@ class ParallelModule:
         self.frozen = self._frozen_state(set(trainable))
         self.input_names = list(first)
         program = shard_joint_graph(self.gm, mesh=self.mesh, ops=self.ops,
-                                    params=_trace_params(self.model, trainable, self.mesh, tp_params),
+                                    params=_trace_params(self.model, trainable, self.mesh, tp_params,
+                                                         param_dtype=self.policy.param_dtype),
                                     frozen=self.frozen, trainable=trainable, tp_placements=tp_params,
-                                    inputs=dict(first), loss_scale=1.0 / m, addends=addends, keep_tags=True,
-                                    tracing_mode="fake")
+                                    inputs=self._place_inputs(first), loss_scale=1.0 / m, addends=addends,
+                                    keep_tags=True, tracing_mode="fake")
         self.grad_returns = program.meta[mk.GRAD_RETURNS]
         pp, pp_rank = plan.mesh["pp"], self.pp_mesh.get_local_rank("pp")
         n_stages = len(plan.stages)
@@ -586,7 +639,8 @@ class ParallelModule:
             for fqn in self.pipeline.stages[s].grads.values():
                 addends[fqn] = addends.get(fqn, 0) + 1
         self.params = ShardedParams(self.model, mesh=self.mesh, tp_placements=tp_params, zero=plan.zero,
-                                    trainable=self.trainable, groups=_layer_groups(self.gm), addends=addends)
+                                    trainable=self.trainable, groups=_layer_groups(self.gm), addends=addends,
+                                    **self._param_policy())
         self._setup_params()
         self._materialize(trainable, held=self.params.entries)  # this rank's stages' parameters
         self.params.set_tp_returns(self.grad_returns)
@@ -607,7 +661,7 @@ class ParallelModule:
                                      n_micro=m, n_virtual=n_stages // pp,
                                      rank_of_stage=lambda s: int(coords[s % pp, dp_rank, tp_rank]),
                                      guard=self._guard, timeout_s=self.timeout_s, tp_ranks=self._group_ranks("tp"),
-                                     begin_microbatch=self.params.begin_microbatch)
+                                     begin_microbatch=self.params.begin_microbatch, device=self.torch_device)
         self.last_stage_rank = int(coords[(n_stages - 1) % pp, 0, 0])
         self.step_program = None
         self.optimizer = self.optimizer_factory(self.params.optimizer_params())
@@ -621,7 +675,7 @@ class ParallelModule:
                 else self.params.local_params())
         loss, _ = self.runner.run(micro, held)  # the gradients went to their buckets inside the pieces
         self._finish_and_step(self.tied_groups)
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.torch_device)
         if dist.get_rank() == self.last_stage_rank:
             total += loss
         with self._guard(f"all-reduce of the loss from the last stage's rank {self.last_stage_rank}"):
@@ -635,8 +689,12 @@ class ParallelModule:
         for node in self.gm.graph.find_nodes(op="placeholder"):
             t = node.meta[mk.TRACE]
             if t.role in (mk.Role.PARAM, mk.Role.BUFFER) and t.fqn not in trainable:
-                value = self.model.get_parameter(t.fqn) if t.role is mk.Role.PARAM else self.model.get_buffer(t.fqn)
-                out[t.fqn] = distribute_tensor(value.detach(), self.mesh, [Replicate(), Replicate()], src_data_rank=0)
+                if t.role is mk.Role.PARAM:  # frozen weights are cast too, as FSDP2 casts every parameter
+                    value = cast_floating(self.model.get_parameter(t.fqn).detach(), self.policy.param_dtype)
+                else:
+                    value = self.model.get_buffer(t.fqn).detach()
+                out[t.fqn] = distribute_tensor(value.to(self.torch_device), self.mesh, [Replicate(), Replicate()],
+                                               src_data_rank=0)
         return out
 
     # -- training --------------------------------------------------------------
@@ -666,6 +724,7 @@ class ParallelModule:
         if got != batch:
             raise ValueError(f"train_step got a batch of {got} but the plan is for a global batch of {batch}; "
                              f"pass the global batch (every rank the same), or re-plan for this batch size")
+        values = self._place_inputs(values)
         self.steps += 1
         if self.plan.mesh["pp"] > 1:
             return self._pipeline_step(values)
@@ -736,7 +795,7 @@ class ParallelModule:
         self.runner = PipelineRunner(self.pipeline, pp=pp, pp_rank=old.pp_rank, schedule=kind,
                                      n_micro=old.n_micro, n_virtual=n_stages // pp, rank_of_stage=old.rank_of_stage,
                                      guard=old.guard, timeout_s=old.timeout_s, tp_ranks=old.tp_ranks,
-                                     begin_microbatch=old.begin_microbatch)
+                                     begin_microbatch=old.begin_microbatch, device=old.device)
         self.plan = replace(self.plan, schedule={**self.plan.schedule, "kind": kind})
 
     def save_checkpoint(self, path: str | os.PathLike, *, state: dict | None = None, async_save: bool = False,
@@ -813,6 +872,23 @@ class ParallelModule:
         """Parameter, gradient and optimizer bytes held on this rank, measured on live tensors."""
         self._require_compiled()
         return self.params.state_bytes(self.optimizer)
+
+    def peak_memory_bytes(self, reset: bool = False) -> int:
+        """This rank's peak bytes since the last reset: on CUDA the caching allocator's
+        ``torch.cuda.max_memory_allocated`` (everything: state, activations, buffers); on CPU
+        the peak of the buffers the runtime tracks (parameters, gradients, gathered weights and
+        collective buffers, :mod:`autopar.runtime.memtrack`; activations are not seen there).
+        ``reset`` starts a new window."""
+        self._require_compiled()
+        if self.torch_device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.torch_device)
+            if reset:
+                torch.cuda.reset_peak_memory_stats(self.torch_device)
+            return int(peak)
+        peak = self.params.live.peak
+        if reset:
+            self.params.live.reset_peak()
+        return int(peak)
 
     def _require_compiled(self) -> None:
         if not self._compiled:

@@ -182,6 +182,26 @@ def solver_words(solver: dict[str, Any]) -> str:
     return words + ")"
 
 
+_PRECISION_WORDS = {
+    "fp32": "fp32: weights, compute, gradients and optimizer state in fp32, no casts",
+    "bf16-mixed": "bf16-mixed: bf16 compute and activations, fp32 master weights and AdamW state, "
+                  "gradients reduced in fp32",
+    "bf16-mixed-bf16-reduce": "bf16-mixed-bf16-reduce: bf16 compute and activations, fp32 master weights and "
+                              "AdamW state, gradients reduced in bf16",
+}
+
+
+def precision_words(model: dict[str, Any]) -> str:
+    """The plan's precision policy in words, and why it was chosen (plans before policies: the model's dtype)."""
+    name = model.get("precision")
+    words = _PRECISION_WORDS.get(name, f"{name or 'unrecorded'}: the model's own dtype, no casts")
+    source = model.get("precision_source")
+    if source and source != "asked":
+        words += f" ({source}; pass precision='fp32' or --precision fp32 for fp32 compute)" \
+            if name != "fp32" else f" ({source})"
+    return f"precision {words}"
+
+
 def render_summary(plan: Plan) -> str:
     p = plan.predicted
     cap = plan.cluster.get("device", {}).get("hbm_bytes", 0)
@@ -191,6 +211,7 @@ def render_summary(plan: Plan) -> str:
         f"  predicted step {fmt_s(p['step_time_s'])}, bubble {p['bubble_fraction']:.1%}, MFU {p['mfu']:.1%}, "
         f"peak memory {fmt_bytes(p['peak_memory_bytes'])} of {fmt_bytes(cap)}"
         + (f", {p['tokens_per_s']:.4g} tokens/s" if p.get("tokens_per_s") else ""),
+        f"  {precision_words(plan.model)}",
         *(f"  {w}" for w in mesh_words(plan)),
         "",
         f"  {'stage':>5} {'layers':<40} {'devices':<9} {'compute':>9} {'comm':>9} {'memory':>9}  "

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from autopar.cluster import parse_cluster
 from autopar.fmt import fmt_bytes
@@ -50,7 +51,16 @@ def traced(name):
     if module == "hf":
         pytest.importorskip("transformers")
     model, inputs, loss_fn, target = importlib.import_module(module).build(**kwargs)
-    return trace_pair(model, inputs, cluster=parse_cluster(CLUSTERS[0]), loss_fn=loss_fn, example_target=target)
+    policy, why = _policy(model)
+    return trace_pair(model, inputs, cluster=parse_cluster(CLUSTERS[0]), loss_fn=loss_fn, example_target=target,
+                      param_dtype=policy.param_dtype)
+
+
+def _policy(model):
+    """The default precision on the GPU clusters every golden plan is made for (bf16 mixed)."""
+    from autopar.precision import resolve_precision
+
+    return resolve_precision(None, model=model, gpu_cluster=True)
 
 
 def plan_for(name, spec, **overrides):
@@ -61,7 +71,8 @@ def plan_for(name, spec, **overrides):
     cluster = parse_cluster(spec)
     if overrides:
         cluster = cluster.with_overrides(**overrides)
-    return plan_graphs(gm, gm2, cluster=cluster, fixed=Fixed.from_dict(None))
+    policy, why = _policy(torch.nn.Linear(1, 1))  # (the GPU default does not depend on the model)
+    return plan_graphs(gm, gm2, cluster=cluster, fixed=Fixed.from_dict(None), precision=policy, precision_source=why)
 
 
 def _cases():

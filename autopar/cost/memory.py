@@ -15,6 +15,9 @@ Mixed-precision AdamW (ZeRO paper Sec. 3.1): P = 2 (bf16/fp16 weights), G = 2,
 K = 12 (fp32 master weights, Adam m and v), 16 bytes per parameter in all, so a
 7B model holds 112 GB unsharded and 1.75 GB per rank under 64-way ZeRO-3.
 Plain fp32 training: P = 4, G = 4, K = 8 (Adam m and v; the weights are the master).
+autopar's bf16 mixed policies (:mod:`autopar.precision`, FSDP2's ``MixedPrecisionPolicy``
+semantics): P = 2 (the bf16 compute copy), G = 4 (gradients land in fp32 buffers, whatever
+dtype they are reduced in), K = 12 (fp32 master, m, v): 18 bytes per parameter.
 
 :func:`activation_bytes_megatron` is the closed form of Korthikanti et al.,
 "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023,
@@ -38,6 +41,8 @@ __all__ = [
 PRECISIONS: dict[str, tuple[int, int, int]] = {
     "mixed": (2, 2, 12),  # ZeRO paper Sec. 3.1: fp16 param + fp16 grad + fp32 (master, m, v)
     "fp32": (4, 4, 8),  # fp32 param + fp32 grad + fp32 (m, v)
+    "bf16-mixed": (2, 4, 12),  # bf16 compute copy + fp32 grad + fp32 (master, m, v)
+    "bf16-mixed-bf16-reduce": (2, 4, 12),  # reduced in bf16, accumulated and stepped in fp32
 }
 """Bytes per parameter as ``(param, grad, optimizer)`` for AdamW, by precision name."""
 

@@ -178,9 +178,26 @@ def _random_like(op, args, kwargs, mesh: DeviceMesh):
         return whole.redistribute(mesh, pls) if any(not p.is_replicate() for p in pls) else whole
 
     if op is torch.ops.aten.native_dropout.default:  # (input, p, train) -> (input * keep / (1 - p), keep)
-        scaled, keep = op(torch.ones(like.shape, dtype=like.dtype), *args[1:], **kwargs)
+        scaled, keep = op(torch.ones(like.shape, dtype=like.dtype, device=mesh_tensor_device(mesh)), *args[1:],
+                          **kwargs)
         return like * place(scaled), place(keep)
-    return place(op(torch.empty(like.shape, dtype=like.dtype), *args[1:], **kwargs))
+    return place(op(torch.empty(like.shape, dtype=like.dtype, device=mesh_tensor_device(mesh)), *args[1:], **kwargs))
+
+
+def mesh_tensor_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's tensors on ``mesh`` live on (the current CUDA device for a cuda mesh).
+    The joint graph was traced on fake CPU tensors, so its factory ops (``aten.full``,
+    ``aten.arange``, ...) name ``device=cpu``: :func:`interpret` creates them here instead."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def on_mesh_device(kwargs: dict[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
+    """An op's keyword arguments with a traced ``device=`` (the fake trace's CPU) replaced by the mesh's."""
+    if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type != mesh.device_type:
+        return {**kwargs, "device": mesh_tensor_device(mesh)}
+    return kwargs
 
 
 def random_ops(gm: fx.GraphModule) -> list[fx.Node]:
@@ -310,7 +327,7 @@ def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, me
                 if isinstance(value, torch.Tensor) else value
         else:  # the loss tangent
             val = node.meta["val"]
-            seed = torch.full(tuple(val.shape), loss_scale, dtype=val.dtype)
+            seed = torch.full(tuple(val.shape), loss_scale, dtype=val.dtype, device=mesh_tensor_device(mesh))
             env[node] = distribute_tensor(seed, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
         return
     if node.op == "get_attr":  # a graph constant: the same value on every rank
@@ -320,6 +337,7 @@ def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, me
         return
     args = fx.node.map_arg(node.args, lambda a: env[a])
     kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
+    kwargs = on_mesh_device(kwargs, mesh)
     if node.target is operator.getitem:
         env[node] = args[0][args[1]]
         return

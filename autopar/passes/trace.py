@@ -50,6 +50,8 @@ def trace_joint(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     example_target: Any = None,
     collapse_repeats: bool = True,
+    param_dtype: torch.dtype | None = None,
+    fake_device: torch.device | None = None,
 ) -> fx.GraphModule:
     """Trace ``loss_fn(model(*inputs), target)`` forward and backward into an ATen graph.
 
@@ -61,7 +63,12 @@ def trace_joint(
         (then the target) and the loss tangent, and whose output is
         ``(loss, *param_grads)`` in AOTAutograd's order; every node has
         ``meta["val"]`` and ``meta[TRACE]`` (:class:`NodeTrace`); the module has
-        ``gm.meta[GRAPH]`` (:class:`GraphTrace`).
+        ``gm.meta[GRAPH]`` (:class:`GraphTrace`). With ``param_dtype`` (a mixed-precision
+        policy, :mod:`autopar.precision`) every floating parameter and floating model input
+        (not the target) is traced as that dtype, as the runtime will cast them. With
+        ``fake_device`` the fake tensors live there instead of on the CPU, so the graph names
+        that device's kernels (a CUDA rank's program must not call the CPU-only
+        ``_scaled_dot_product_flash_attention_for_cpu`` that a CPU trace picks for SDPA).
       raises: :class:`InputError` before tracing for an empty batch, a target
         whose batch differs from the inputs' or a model with no trainable
         parameter; :class:`LossError` when no loss can be found or ``loss_fn``
@@ -80,9 +87,12 @@ def trace_joint(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _collapsed(model, repeats), _caches_off(model), _fake_state(model, fake_mode), warnings.catch_warnings():
+    n_model_inputs = len(flat) - (example_target is not None)
+    with _collapsed(model, repeats), _caches_off(model), _fake_state(model, fake_mode, param_dtype, fake_device), \
+            warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fake_inputs = [_to_fake(x, fake_mode) for x in flat]
+        fake_inputs = [_to_fake(x, fake_mode, param_dtype if i < n_model_inputs else None, fake_device)
+                       for i, x in enumerate(flat)]
         joint, flat_to_fqn = _export(wrapper, fake_inputs, type(model).__name__)
     gm = joint.graph_module
     _annotate_nodes(gm, flat_to_fqn, names)
@@ -251,19 +261,23 @@ def _caches_off(model: nn.Module) -> Iterator[None]:
 # -- fake state --------------------------------------------------------------
 
 
-def _to_fake(x: Any, fake_mode) -> Any:
-    """Meta tensors become fake CPU tensors (meta has no kernels for autograd's needs)."""
+def _to_fake(x: Any, fake_mode, float_dtype: torch.dtype | None = None, device: torch.device | None = None) -> Any:
+    """Meta tensors become fake CPU tensors (meta has no kernels for autograd's needs);
+    floating ones become ``float_dtype`` when given (a mixed-precision cast)."""
     if not isinstance(x, torch.Tensor):
         return x
+    dtype = float_dtype if float_dtype is not None and x.is_floating_point() else x.dtype
     with fake_mode:
-        device = "cpu" if x.device.type == "meta" else x.device
-        t = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device=device)
+        device = device if device is not None else "cpu" if x.device.type == "meta" else x.device
+        t = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=dtype, device=device)
     return t
 
 
 @contextlib.contextmanager
-def _fake_state(model: nn.Module, fake_mode) -> Iterator[None]:
-    """Swap every parameter and buffer for a fake CPU tensor, keeping ties; restore after."""
+def _fake_state(model: nn.Module, fake_mode, param_dtype: torch.dtype | None = None,
+                device: torch.device | None = None) -> Iterator[None]:
+    """Swap every parameter and buffer for a fake CPU tensor, keeping ties; restore after.
+    Floating parameters (not buffers) become ``param_dtype`` when given."""
     swapped: list[tuple[dict, str, Any]] = []
     new: dict[int, Any] = {}
     try:
@@ -273,7 +287,7 @@ def _fake_state(model: nn.Module, fake_mode) -> Iterator[None]:
                     if t is None:
                         continue
                     if id(t) not in new:
-                        fake = _to_fake(t, fake_mode)
+                        fake = _to_fake(t, fake_mode, param_dtype if is_param else None, device)
                         new[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if is_param else fake
                     swapped.append((store, name, t))
                     store[name] = new[id(t)]

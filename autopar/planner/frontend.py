@@ -33,12 +33,13 @@ def double_batch(x: Any, batch: int) -> Any:
 
 
 def trace_pair(model: nn.Module, example_inputs: Any, *, cluster: Cluster, loss_fn: Callable | None,
-               example_target: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+               example_target: Any, param_dtype=None) -> tuple[fx.GraphModule, fx.GraphModule]:
     """(graph at the example batch, graph at twice that batch), both annotated and grouped."""
-    gm = build_graph(model, example_inputs, cluster=cluster, loss_fn=loss_fn, example_target=example_target)
+    gm = build_graph(model, example_inputs, cluster=cluster, loss_fn=loss_fn, example_target=example_target,
+                     param_dtype=param_dtype)
     from autopar.passes import meta_keys as mk
 
     batch = gm.meta[mk.GRAPH].global_batch
     gm2 = build_graph(model, double_batch(example_inputs, batch), cluster=cluster, loss_fn=loss_fn,
-                      example_target=double_batch(example_target, batch))
+                      example_target=double_batch(example_target, batch), param_dtype=param_dtype)
     return gm, gm2

@@ -31,6 +31,7 @@ from autopar.passes.layers import graph_hash
 from autopar.passes.pipeline import boundary_tensors
 from autopar.passes.strategies import StrategyGraph, build_strategy_graph
 from autopar.plan import Plan
+from autopar.precision import Precision, plan_precision, resolve_precision
 from autopar.planner.frontend import trace_pair
 from autopar.planner.ilp import Solution, build_problem, evaluate, solve
 from autopar.planner.search import Candidate, Fixed, Unit, search
@@ -45,17 +46,19 @@ RUNNERS_UP = 5
 
 
 def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, loss_fn: Callable | None = None,
-              example_target: Any = None, fixed: dict | None = None) -> Plan:
+              example_target: Any = None, fixed: dict | None = None, precision: str | None = None) -> Plan:
     """Plan ``model`` for ``cluster``; see :func:`autopar.plan`."""
     cluster = parse_cluster(cluster)
     fixed_ = Fixed.from_dict(fixed)
+    policy, why = resolve_precision(precision, model=model, gpu_cluster=cluster.device.name.lower() != "cpu")
     _tp_options(cluster, fixed_)  # a tp that cannot fit the cluster fails now, not after tracing
     check_batch_split(_first_batch(example_inputs), fixed_)
     t0 = time.perf_counter()
-    gm, gm2 = trace_pair(model, example_inputs, cluster=cluster, loss_fn=loss_fn, example_target=example_target)
+    gm, gm2 = trace_pair(model, example_inputs, cluster=cluster, loss_fn=loss_fn, example_target=example_target,
+                         param_dtype=policy.param_dtype)
     t1 = time.perf_counter()
     with _frozen_heap():
-        plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_)
+        plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_, precision=policy, precision_source=why)
     timings = {"trace_s": t1 - t0, **plan.timings}
     return Plan(**{k: getattr(plan, k) for k in plan.__dataclass_fields__ if k != "timings"}, timings=timings)
 
@@ -114,11 +117,16 @@ def _tp_options(cluster: Cluster, fixed: Fixed) -> list[int]:
             if cluster.devices_per_node % t == 0 and cluster.world_size % t == 0]
 
 
-def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fixed: Fixed) -> Plan:
+def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fixed: Fixed,
+                precision: Precision | None = None, precision_source: str = "") -> Plan:
+    """Plan the traced pair. ``precision`` is the policy the graphs were traced under (None:
+    read off the parameters' dtype, as plans did before policies: "fp32", else "bf16-mixed")."""
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
     layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
     batch = info.global_batch
-    precision = "fp32" if _param_dtype(gm) == "fp32" else "mixed"
+    if precision is None:
+        precision = plan_precision({"precision": "fp32" if _param_dtype(gm) == "fp32" else "bf16-mixed"})
+    policy, precision = precision, precision.name
     t0 = time.perf_counter()
     solved: dict[tuple[int, bool], tuple[StrategyGraph, Solution]] = {}
     with progress("solving the sharding MIP"):
@@ -177,7 +185,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     t2 = time.perf_counter()
     best = ranked[0]
     sg, sol = solved[best.config.tp, best.config.sp]
-    return _to_plan(gm, best, ranked[1:RUNNERS_UP + 1], sg, sol, cluster, fixed, stats, precision,
+    return _to_plan(gm, best, ranked[1:RUNNERS_UP + 1], sg, sol, cluster, fixed, stats, policy, precision_source,
                     timings={"solve_s": t1 - t0, "search_s": t2 - t1})
 
 
@@ -266,7 +274,7 @@ def _shared_params(gm: fx.GraphModule) -> dict[str, list[tuple[str, str]]]:
 
 
 def _dp_buckets(gm: fx.GraphModule, stages: list[dict], layer_dict: dict, *, zero: int, dp: int,
-                tp: int) -> list[dict]:
+                tp: int, reduce_dtype: torch.dtype | None = None) -> list[dict]:
     """The dp gradient buckets of a step: one per (stage, layer group, dtype), as ``runtime/zero.py`` makes them.
 
     A bucket holds the trainable parameters a layer owns (its first reader), and a stage that
@@ -274,14 +282,15 @@ def _dp_buckets(gm: fx.GraphModule, stages: list[dict], layer_dict: dict, *, zer
     Stage layer lists name every instance of a collapsed block ("h.7"); its parameters are
     those of the block that stood for it ("h.1"), renamed. ``bytes`` is what one collective of
     the bucket moves: each parameter's tp shard (tp rank 0's piece) padded to a multiple of
-    dp at ZeRO >= 1, whole at ZeRO-0 (the runtime pads only what it slices).
+    dp at ZeRO >= 1, whole at ZeRO-0 (the runtime pads only what it slices), in ``reduce_dtype``
+    (a mixed-precision policy's; default the parameter's own dtype).
     """
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
     itemsize = {}
     for n in gm.graph.find_nodes(op="placeholder"):
         if n.meta[mk.TRACE].role is mk.Role.PARAM:
-            itemsize[n.meta[mk.TRACE].fqn] = (str(n.meta["val"].dtype).removeprefix("torch."),
-                                              n.meta["val"].element_size())
+            dtype = reduce_dtype or n.meta["val"].dtype
+            itemsize[n.meta[mk.TRACE].fqn] = (str(dtype).removeprefix("torch."), dtype.itemsize)
     owned = {}  # layer instance -> [(fqn of the instance, fqn in the plan's layer, plan layer)]
     for path in (p for st in stages for p in st["layers"]):
         src = _stand_in(path, layer_dict)
@@ -450,7 +459,8 @@ def _overlap(best: Candidate) -> list[dict[str, float]]:
 
 
 def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, sol: Solution, cluster: Cluster,
-             fixed: Fixed, stats: dict, precision: str, timings: dict) -> Plan:
+             fixed: Fixed, stats: dict, policy: Precision, precision_source: str, timings: dict) -> Plan:
+    precision = policy.name
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
     layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
     cfg = best.config
@@ -507,13 +517,20 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         per_rank = [0.0] * cfg.pp  # a rank syncs the stages it holds one after the other
         for s, st in enumerate(best.stages):
             per_rank[s % cfg.pp] += st.grad_sync_s
-        buckets = _dp_buckets(gm, stages, layer_dict, zero=cfg.zero, dp=cfg.dp, tp=cfg.tp)
+        buckets = _dp_buckets(gm, stages, layer_dict, zero=cfg.zero, dp=cfg.dp, tp=cfg.tp,
+                              reduce_dtype=policy.reduce_dtype)
         counts = step_collective_counts(cfg.zero, n_micro=cfg.microbatches)
+        # a mixed policy gathers bf16 weights at stage 3 and fp32 masters after the step at stages 1-2
+        gather_dtype = policy.param_dtype if cfg.zero == 3 else policy.master_dtype
         for kind, k in counts.items():  # zero_def: how often each bucket's collectives run in a step
             # stage 3 gathers a group for backward only when the backward reads it (the embedding's
             # gradient needs no weight): zero_def's 2 x n_micro is forward + backward
             rows = [{**b, "count": k // 2 if kind == "all_gather" and cfg.zero == 3 and not b["read_in_backward"]
                      else k} for b in buckets]
+            if kind == "all_gather" and gather_dtype is not None and policy.reduce_dtype is not None:
+                scale = gather_dtype.itemsize / policy.reduce_dtype.itemsize
+                rows = [{**r, "bytes": r["bytes"] * scale,
+                         "dtype": str(gather_dtype).removeprefix("torch.")} for r in rows]
             communication[kind]["dp"] = {"count": sum(r["count"] for r in rows),
                                          "bytes": sum(r["bytes"] * r["count"] for r in rows),
                                          "time_s": max(per_rank) / len(counts), "buckets": rows}
@@ -552,7 +569,8 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         predicted=predicted, solver=solver, communication=dict(communication),
         cluster={"spec": cluster.spec, **cluster.to_dict()},
         model={"name": info.model_name, "n_params": info.n_params, "graph_hash": graph_hash(gm),
-               "global_batch": info.global_batch, "precision": precision},
+               "global_batch": info.global_batch, "precision": precision,
+               **({"precision_source": precision_source} if precision_source else {})},
         fixed=fixed.to_dict(), autopar_version=autopar.__version__,
         timings={**timings, "sharding_mip_s": sol.wall_s, "search_wall_s": stats["wall_s"],
                  **{f"search_{k}": v for k, v in stats.items() if k.endswith("_s") and k != "wall_s"}})

@@ -709,7 +709,7 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
               inflight: tuple[int, ...]) -> Candidate:
     stages = []
     dp_link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
-    grad_elem = 2 if precision == "mixed" else 4
+    grad_elem = 2 if precision in ("mixed", "bf16-mixed-bf16-reduce") else 4  # bytes per gradient as reduced
     owners = {u.path: s for s, (i, j) in enumerate(cuts) for u in units[i:j]}
     for s, (i, j) in enumerate(cuts):
         chunk = units[i:j]

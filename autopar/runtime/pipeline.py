@@ -59,8 +59,11 @@ class PipelineRunner:
     def __init__(self, program: PipelineProgram, *, pp: int, pp_rank: int, schedule: str, n_micro: int,
                  rank_of_stage: Callable[[int], int], n_virtual: int = 1,
                  guard: Callable[[str, list[int] | None], ContextManager] = _no_guard, timeout_s: float | None = None,
-                 tp_ranks: list[int] | None = None, begin_microbatch: Callable[[int], None] | None = None):
+                 tp_ranks: list[int] | None = None, begin_microbatch: Callable[[int], None] | None = None,
+                 device: torch.device | str = "cpu"):
         self.program = program
+        self.device = torch.device(device)
+        """Where receive buffers are created (this rank's device: NCCL receives only into device tensors)."""
         self.begin_microbatch = begin_microbatch
         """Called with the micro-batch before each compute piece (the ZeRO calls inside read it)."""
         self.guard = guard
@@ -187,7 +190,7 @@ class PipelineRunner:
         store = self._store[(stage, mb)]
         peer = self.rank_of_stage(peer_stage)
         for part, (dtype, names) in enumerate(_by_dtype(msg)):
-            buf = torch.cat([store[n].reshape(-1) for n in names]) if names else torch.empty(0, dtype=dtype)
+            buf = torch.cat([store[n].reshape(-1) for n in names]) if names else torch.empty(0, dtype=dtype, device=self.device)
             what = f"pipeline send of {_WHAT[channel]} for micro-batch {mb} from stage {stage} to rank {peer}"
             with self.guard(what, [peer]):
                 self._pending.append((dist.isend(buf, peer, tag=self._tag(channel, cut, mb, part)), buf, peer))
@@ -206,7 +209,7 @@ class PipelineRunner:
         shapes = dict(zip(msg.names, msg.shapes))
         for part, (dtype, names) in enumerate(_by_dtype(msg)):
             sizes = [_numel(shapes[n]) for n in names]
-            buf = torch.empty(sum(sizes), dtype=dtype)
+            buf = torch.empty(sum(sizes), dtype=dtype, device=self.device)
             what = (f"pipeline recv of {_WHAT[channel]} for micro-batch {mb} of stage {stage} from rank {peer} "
                     f"(stage {peer_stage})")
             with self.guard(what, [peer]):

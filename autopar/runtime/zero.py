@@ -48,6 +48,25 @@ Weights come from rank 0's copy of the model (``distribute_tensor`` with source 
 0), so every rank starts from exactly the single-device model's values. A parameter on
 ``meta`` gets only this rank's storage here, filled by :meth:`ShardedParams.load_whole` as
 :mod:`autopar.runtime.materialize` initialises the model module by module.
+
+Mixed precision (:mod:`autopar.precision`, FSDP2's ``MixedPrecisionPolicy`` semantics).
+With ``param_dtype`` the storage above holds fp32 masters (``master_dtype``), which the
+optimizer steps; the program reads bf16 copies: at stages 0-2 one copy of the held
+parameters cast once per step (:meth:`ShardedParams.begin_step`), at stage 3 each
+group's fp32 slice cast and then all-gathered in bf16 (half the bytes), as FSDP2
+does. The program's bf16 gradients are accumulated in the fp32 gradient buffers and
+reduced in ``reduce_dtype`` (fp32 by default; bf16 halves the bytes, then the result
+is widened into the fp32 buffers, as FSDP2 upcasts its reduce-scattered shard). Tensor
+parallel gradient sums run in ``reduce_dtype`` too. Every buffer is created on
+``device`` (the mesh's device unless given).
+
+Streams on CUDA: the overlap above needs no stream of autopar's own. NCCL runs every
+``async_op=True`` collective on its internal stream, after waiting for the work the
+current (compute) stream has queued on its buffers, and ``Work.wait()`` makes the current
+stream wait for it in turn (without blocking the host), so a bucket's reduce-scatter runs
+under the next layers' backward and the ``done`` copy after ``wait`` is ordered after it;
+the process group keeps the buffers alive until then (``Work`` holds them). A side stream
+here would only add the same two waits.
 """
 
 from __future__ import annotations
@@ -67,6 +86,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from autopar import zero_def
 from autopar.passes.meta_keys import GradReturn
 from autopar.passes.shard import placement
+from autopar.runtime.device import mesh_device
 from autopar.runtime.memtrack import LiveBytes
 
 __all__ = ["MAX_INFLIGHT_REDUCES", "OptimizerShard", "ShardedParams", "StateBytes", "TpBucket", "tp_buckets"]
@@ -156,8 +176,12 @@ class ShardedParams:
 
     def __init__(self, model: nn.Module, *, mesh: DeviceMesh, tp_placements: dict[str, str], zero: int,
                  trainable: list[str], groups: Sequence[Sequence[str]] | None = None,
-                 addends: dict[str, int] | None = None, dp_dim: int = 0, tp_dim: int = 1):
+                 addends: dict[str, int] | None = None, dp_dim: int = 0, tp_dim: int = 1,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 master_dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         self.mesh, self.zero, self.dp_dim, self.tp_dim = mesh, zero, dp_dim, tp_dim
+        self.param_dtype, self.reduce_dtype, self.master_dtype = param_dtype, reduce_dtype, master_dtype
+        self.device = torch.device(device) if device is not None else mesh_device(mesh)
         self.stage = zero_def.stage(zero)
         self.dp_group = mesh.get_group(dp_dim)
         self.dp = mesh.size(dp_dim)
@@ -177,21 +201,23 @@ class ShardedParams:
             if full.device.type == "meta":
                 # started from meta: allocate only this rank's piece; load_whole fills it
                 shape, _ = compute_local_shape_and_global_offset(full.shape, mesh, pls)
+                dtype = master_dtype if master_dtype is not None and full.is_floating_point() else full.dtype
                 e = _Entry(fqn, full.shape, tp_placements.get(fqn, "R"), torch.Size(shape),
-                           _contiguous_stride(shape), full.dtype, self.dp, self.dp_rank, zero)
+                           _contiguous_stride(shape), dtype, self.dp, self.dp_rank, zero)
                 if zero == 3:
-                    e.slice = self.live.track(torch.zeros(e.chunk, dtype=e.dtype), "params")
+                    e.slice = self.live.track(torch.zeros(e.chunk, dtype=e.dtype, device=self.device), "params")
                 else:
-                    e.flat = self.live.track(torch.zeros(e.padded, dtype=e.dtype), "params")
+                    e.flat = self.live.track(torch.zeros(e.padded, dtype=e.dtype, device=self.device), "params")
                     if zero >= 1:
                         e.slice = e.flat[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk]
                 e.opt_param = nn.Parameter(e.full_local() if zero == 0 else e.slice)
                 self.entries[fqn] = e
                 continue
-            local = distribute_tensor(full, mesh, pls, src_data_rank=0).to_local()
-            e = _Entry(fqn, full.shape, tp_placements.get(fqn, "R"), local.shape, local.stride(), local.dtype,
+            local = distribute_tensor(full.to(self.device), mesh, pls, src_data_rank=0).to_local()
+            dtype = master_dtype if master_dtype is not None and local.is_floating_point() else local.dtype
+            e = _Entry(fqn, full.shape, tp_placements.get(fqn, "R"), local.shape, local.stride(), dtype,
                        self.dp, self.dp_rank, zero)
-            flat = torch.zeros(e.padded, dtype=local.dtype)
+            flat = torch.zeros(e.padded, dtype=dtype, device=self.device)
             flat[: e.numel] = local.reshape(-1)
             if zero == 3:
                 e.slice = self.live.track(flat[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk].clone(),
@@ -216,6 +242,28 @@ class ShardedParams:
         self._inflight: list[tuple[dist.Work, callable]] = []
         self._gathers: dict[str, list] = {}  # stage 3: prefetched gathers by the program's key
         self._microbatch = 0
+        self._compute: dict[str, torch.Tensor] = {}  # mixed precision, stages 0-2: the bf16 copies
+        self._cast_params()
+
+    def _cast(self, e: _Entry) -> torch.dtype:
+        """The dtype the program reads ``e`` in (the policy's param_dtype for floating parameters)."""
+        return self.param_dtype if self.param_dtype is not None and e.dtype.is_floating_point else e.dtype
+
+    def _cast_params(self) -> None:
+        """Mixed precision, stages 0-2: cast the held masters to the compute dtype, once per step."""
+        if self.zero == 3 or self.param_dtype is None:
+            return
+        for fqn, e in self.entries.items():
+            if self._cast(e) == e.dtype:
+                continue
+            if fqn in self._compute:
+                self._compute[fqn].copy_(e.full_local())
+            else:
+                self._compute[fqn] = self.live.track(e.full_local().to(self._cast(e)), "params")
+
+    def _reduce(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a gradient of ``dtype`` is summed in across ranks."""
+        return self.reduce_dtype if self.reduce_dtype is not None and dtype.is_floating_point else dtype
 
     def load_whole(self, fqn: str, whole: torch.Tensor) -> None:
         """Copy this rank's piece (its tp shard's ZeRO slice, or the whole tp shard) of ``whole``, the
@@ -224,7 +272,8 @@ class ShardedParams:
         e = self.entries[fqn]
         if tuple(whole.shape) != tuple(e.shape):
             raise ValueError(f"parameter {fqn!r} is {tuple(e.shape)} but its initial value is {tuple(whole.shape)}")
-        local = distribute_tensor(whole, self.mesh, self._placements(e), src_data_rank=None).to_local().reshape(-1)
+        local = distribute_tensor(whole.to(self.device), self.mesh, self._placements(e),
+                                  src_data_rank=None).to_local().reshape(-1)
         if e.flat is not None:
             e.flat[: e.numel].copy_(local)
         else:
@@ -250,7 +299,7 @@ class ShardedParams:
             for g in range(len(self.groups)):
                 out.update(self._finish_gather(self._start_gather(g)))
             return out
-        return {fqn: e.full_local() for fqn, e in self.entries.items()}
+        return {fqn: self._compute.get(fqn, e.full_local()) for fqn, e in self.entries.items()}
 
     def compute_params(self) -> dict[str, DTensor]:
         """:meth:`local_params` as DTensors, replicated on dp and placed on tp."""
@@ -275,12 +324,14 @@ class ShardedParams:
             self._gathers[next_key] = self._start_gather(next_group)
         return tuple(out[f] for f in self.groups[group])
 
-    def _start_gather(self, group: int, source: str = "slice") -> list:
-        """Issue the all-gather of each bucket of ``group`` (of ``slice`` or the reduced ``grad``)."""
+    def _start_gather(self, group: int, source: str = "slice", compute: bool = True) -> list:
+        """Issue the all-gather of each bucket of ``group`` (of ``slice`` or the reduced ``grad``);
+        ``compute``: of the parameters as the program reads them (cast to param_dtype first)."""
         started = []
         for b in self.buckets[group]:
-            send = torch.cat([getattr(e, source).reshape(-1) for e in b.entries]) if b.entries else None
-            recv = self.live.track(torch.empty(self.dp * b.width, dtype=b.dtype), "buffers")
+            dtype = self._cast(b.entries[0]) if compute else b.dtype
+            send = torch.cat([getattr(e, source).reshape(-1) for e in b.entries]).to(dtype) if b.entries else None
+            recv = self.live.track(torch.empty(self.dp * b.width, dtype=dtype, device=self.device), "buffers")
             work = _all_gather(recv, send, group=self.dp_group, async_op=True)
             if not self.overlap:
                 self._wait_gather(work)
@@ -316,20 +367,22 @@ class ShardedParams:
                 if self.stage.full_grad_buffer:
                     if b.full is None:
                         rows = 1 if self.zero == 0 else self.dp
-                        b.full = self.live.track(torch.zeros(rows * b.width, dtype=b.dtype), "grads")
+                        b.full = self.live.track(torch.zeros(rows * b.width, dtype=b.dtype, device=self.device),
+                                                 "grads")
                     else:
                         b.full.zero_()
                 if self.zero == 1:  # the reduced slice lands in this rank's row of the full buffer
                     b.grad = b.full.view(self.dp, b.width)[self.dp_rank]
                 elif self.zero >= 2:
                     if b.grad is None:
-                        b.grad = self.live.track(torch.zeros(b.width, dtype=b.dtype), "grads")
+                        b.grad = self.live.track(torch.zeros(b.width, dtype=b.dtype, device=self.device), "grads")
                     else:
                         b.grad.zero_()
                 for e, col in zip(b.entries, b.col):
                     e.grad = (b.full[col: col + e.numel].view(e.local_shape) if self.zero == 0
                               else b.grad[col: col + e.chunk])
                     e.opt_param.grad = e.grad
+        self._cast_params()  # the masters the last optimizer step (or a checkpoint) wrote
 
     def add_grad(self, fqn: str, grad: torch.Tensor, microbatch: int) -> None:
         """This rank's addend of ``fqn``'s gradient for ``microbatch``; once its layer group has
@@ -369,18 +422,27 @@ class ShardedParams:
         for b in self.buckets[g]:
             if len(self._inflight) >= MAX_INFLIGHT_REDUCES:
                 self._wait_oldest()
+            wire = self._reduce(b.dtype)  # a bf16 reduction sends a bf16 copy, widened when it lands
             if self.zero == 0:
-                work = dist.all_reduce(b.full, group=self.dp_group, async_op=True) if self.dp > 1 else None
                 done = None
+                if self.dp == 1:
+                    work = None
+                elif wire == b.dtype:
+                    work = dist.all_reduce(b.full, group=self.dp_group, async_op=True)
+                else:
+                    send = self.live.track(b.full.to(wire), "buffers")
+                    work = dist.all_reduce(send, group=self.dp_group, async_op=True)
+                    done = (lambda b=b, send=send: b.full.copy_(send))
             else:
                 if grads is None:
-                    send = b.full
+                    send = b.full if wire == b.dtype else self.live.track(b.full.to(wire), "buffers")
                 else:
-                    send = self.live.track(torch.zeros(self.dp * b.width, dtype=b.dtype), "buffers")
+                    send = self.live.track(torch.zeros(self.dp * b.width, dtype=wire, device=self.device),
+                                           "buffers")
                     rows = send.view(self.dp, b.width)
                     for e, col in zip(b.entries, b.col):
                         _add_padded(rows, col, e, grads[e.fqn], self.zero)
-                recv = self.live.track(torch.empty(b.width, dtype=b.dtype), "buffers")
+                recv = self.live.track(torch.empty(b.width, dtype=wire, device=self.device), "buffers")
                 work = _reduce_scatter(recv, send, group=self.dp_group, async_op=True)
                 if grads is None:  # stage 1: into this rank's row of the full buffer, once the send is done
                     done = (lambda b=b, recv=recv: b.grad.copy_(recv))
@@ -429,10 +491,10 @@ class ShardedParams:
             return partials
         out = dict(partials)
         tp, group = self.mesh.size(self.tp_dim), self.mesh.get_group(self.tp_dim)
-        dtypes = {r.fqn: partials[r.fqn].dtype for r in returns}
+        dtypes = {r.fqn: self._reduce(partials[r.fqn].dtype) for r in returns}  # summed in the reduce dtype
         for bucket in tp_buckets(returns, dtypes):
             if bucket.kind == "all_reduce":
-                flat = torch.cat([partials[r.fqn].reshape(-1) for r in bucket.grads])
+                flat = torch.cat([partials[r.fqn].reshape(-1).to(bucket.dtype) for r in bucket.grads])
                 dist.all_reduce(flat, group=group)
                 offset = 0
                 for r in bucket.grads:
@@ -442,13 +504,13 @@ class ShardedParams:
                 continue
             # all-gather: every rank sends its torch.chunk piece of each gradient, padded to the largest
             widths = [_piece_numel(r, tp, 0) for r in bucket.grads]  # rank 0 holds the largest piece
-            send = torch.zeros(sum(widths), dtype=bucket.dtype)
+            send = torch.zeros(sum(widths), dtype=bucket.dtype, device=self.device)
             offset = 0
             for r, w in zip(bucket.grads, widths):
                 piece = partials[r.fqn].reshape(-1)
                 send[offset: offset + piece.numel()] = piece
                 offset += w
-            recv = torch.empty(tp * send.numel(), dtype=send.dtype)
+            recv = torch.empty(tp * send.numel(), dtype=send.dtype, device=self.device)
             _all_gather(recv, send, group=group)
             table = recv.view(tp, send.numel())
             offset = 0
@@ -464,9 +526,9 @@ class ShardedParams:
         """Stages 1-2: all-gather the updated slices back into the full parameters, one bucket per group."""
         if self.stage.param_gather != "after_step":
             return
-        pending = self._start_gather(0) if self.groups else []
+        pending = self._start_gather(0, compute=False) if self.groups else []
         for g in range(len(self.groups)):  # one group gathered ahead, as stage 3's prefetch
-            ahead = self._start_gather(g + 1) if g + 1 < len(self.groups) else []
+            ahead = self._start_gather(g + 1, compute=False) if g + 1 < len(self.groups) else []
             for fqn, whole in self._finish_gather(pending, "buffers").items():  # copied in at once
                 self.entries[fqn].full_local().copy_(whole)
             pending = ahead
@@ -490,10 +552,17 @@ class ShardedParams:
     # -- inspection -------------------------------------------------------------
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> StateBytes:
-        """Bytes held on this rank, measured on the live tensors (padding included)."""
+        """Bytes held on this rank, measured on the live tensors (padding included).
+
+        Under mixed precision, as the cost model splits them (``cost/memory.py``): ``params``
+        are the bf16 compute copies (none held between uses at stage 3), ``optimizer`` the
+        fp32 masters with the optimizer's state."""
         params = grads = opt = 0
-        for e in self.entries.values():
+        for fqn, e in self.entries.items():
             held = e.slice if self.zero == 3 else e.flat
+            if self.param_dtype is not None and self._cast(e) != e.dtype:
+                opt += held.numel() * held.element_size()
+                held = self._compute.get(fqn, held[:0])
             params += held.numel() * held.element_size()
             for value in optimizer.state.get(e.opt_param, {}).values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:  # "step" counters aside
@@ -521,7 +590,7 @@ class ShardedParams:
 
     def _gather_one(self, piece: torch.Tensor, e: _Entry) -> torch.Tensor:
         """This parameter's dp chunks (``piece`` on this rank) gathered into its whole tp shard."""
-        recv = torch.empty(self.dp * e.chunk, dtype=piece.dtype)
+        recv = torch.empty(self.dp * e.chunk, dtype=piece.dtype, device=self.device)
         _all_gather(recv, piece.reshape(-1).contiguous(), group=self.dp_group)
         return recv[: e.numel].view(e.local_shape)
 

@@ -1,0 +1,271 @@
+"""One-GPU check of autopar's CUDA path and compute model: a prepared script, ~3-5 minutes on an H200.
+
+    python bench/gpu_check.py                         # on a machine with one CUDA GPU
+    python bench/gpu_check.py --out /tmp/gpu.json     # where the figures go (default: $OUT/gpu_check.json,
+                                                      # else bench/gpu_check.json)
+    python bench/gpu_check.py --device cpu --tiny     # dry run of the same code on CPU (tests/test_gpu_check.py)
+
+(a) ``autopar.parallelize`` on a ~1.3B-parameter GPT (examples/gpt.py size "1.3b", seq 1024)
+    in bf16 mixed precision at world size 1 (NCCL, one rank): predicted vs measured step
+    time and peak memory (``torch.cuda.max_memory_allocated``).
+(b) bf16 GEMMs (``torch.mm``) and attention (``F.scaled_dot_product_attention``) of
+    several shapes, timed with CUDA events: achieved TFLOP/s against
+    ``autopar.cost.compute.kernel_time_s`` for the GPU found (H200 or H100 in the catalog)
+    and for H100, so the efficiency constants there can be recalibrated.
+
+No OR-tools (the GPU machine has torch only): at world size 1 with tp=1 every op has
+exactly one useful strategy (nothing is sharded), so the sharding MIP has one answer;
+the script then stands in a solver that returns first allowed candidate of every op and says so
+in the output (``plan_source``). ``--plan FILE`` runs a plan file instead.
+
+Exits 2 with one line when CUDA is missing (unless ``--device cpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+import torch  # noqa: E402
+
+GEMMS = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 4096, 256), (4096, 4096, 512), (1024, 4096, 4096),
+         (2048, 2048, 2048), (1024, 2048, 2048), (8192, 2048, 8192), (8192, 8192, 2048), (256, 512, 4096)]
+"""(m, n, k): XLA's H100 table points compute.py cites, a GPT-1.3B layer's shapes (tokens 8192, d 2048), a skinny one."""
+ATTENTION = [(4, 16, 2048, 128), (8, 16, 1024, 128), (1, 32, 8192, 128), (16, 32, 512, 64)]
+"""(batch, heads, seq, head dim), non-causal: flop_counter counts 4*B*H*S^2*D forward."""
+TINY_GEMMS = [(64, 64, 64), (128, 64, 32)]
+TINY_ATTENTION = [(2, 2, 32, 16)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _single_rank_env() -> None:
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def _without_ortools() -> bool:
+    """Stand a one-answer solver in for OR-tools when it is missing (world size 1, tp=1 only)."""
+    try:
+        import ortools.linear_solver.pywraplp  # noqa: F401
+        return False
+    except ImportError:
+        pass
+    stub = types.ModuleType("ortools")
+    stub.linear_solver = types.ModuleType("ortools.linear_solver")
+    stub.linear_solver.pywraplp = types.ModuleType("ortools.linear_solver.pywraplp")
+    sys.modules.update({"ortools": stub, "ortools.linear_solver": stub.linear_solver,
+                        "ortools.linear_solver.pywraplp": stub.linear_solver.pywraplp})
+    from autopar.planner import ilp, make
+
+    def one_answer(problem, **_):
+        choice = tuple(next(i for i in range(len(node.candidates)) if (v, i) not in problem.forbidden)
+                       for v, node in enumerate(problem.graph.nodes))
+        return ilp.Solution(choice=choice, status="OPTIMAL (one device: first allowed candidate)",
+                            objective_s=0.0, bound_s=0.0, wall_s=0.0)
+
+    ilp.solve = make.solve = one_answer
+    return True
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_s(fn, device: torch.device, *, warmup: int, iters: int) -> float:
+    """Median seconds per call (CUDA events on a GPU, perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def calibrate(device: torch.device, specs: dict, *, tiny: bool) -> dict:
+    """(b): measured vs predicted time of bf16 GEMMs and attention."""
+    import torch.nn.functional as F
+
+    from autopar.cost.compute import kernel_time_s
+
+    dtype = torch.bfloat16
+    iters, warmup = (3, 1) if tiny else (20, 5)
+    rows = []
+    for m, n, k in TINY_GEMMS if tiny else GEMMS:
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        b = torch.randn(k, n, dtype=dtype, device=device)
+        measured = _time_s(lambda: torch.mm(a, b), device, warmup=warmup, iters=iters)
+        flops = 2.0 * m * n * k
+        moved = 2.0 * (m * k + k * n + m * n)
+        rows.append({"kind": "gemm", "shape": [m, n, k], "flops": flops, "measured_s": measured,
+                     "measured_tflops": flops / measured / 1e12,
+                     **{f"predicted_s_{name}": kernel_time_s(kind="gemm", flops=flops, bytes_moved=moved,
+                                                              device=spec, dtype="bf16", gemm=(m, n, k))
+                        for name, spec in specs.items()}})
+        del a, b
+    for bsz, heads, seq, dim in TINY_ATTENTION if tiny else ATTENTION:
+        q, k_, v = (torch.randn(bsz, heads, seq, dim, dtype=dtype, device=device) for _ in range(3))
+        measured = _time_s(lambda: F.scaled_dot_product_attention(q, k_, v), device, warmup=warmup, iters=iters)
+        flops = 4.0 * bsz * heads * seq * seq * dim
+        moved = 2.0 * 4 * bsz * heads * seq * dim
+        rows.append({"kind": "attention", "shape": [bsz, heads, seq, dim], "flops": flops, "measured_s": measured,
+                     "measured_tflops": flops / measured / 1e12,
+                     **{f"predicted_s_{name}": kernel_time_s(kind="attention", flops=flops, bytes_moved=moved,
+                                                              device=spec, dtype="bf16")
+                        for name, spec in specs.items()}})
+        del q, k_, v
+    for r in rows:
+        for name in specs:
+            r[f"measured_over_predicted_{name}"] = r["measured_s"] / r[f"predicted_s_{name}"]
+    return {"rows": rows}
+
+
+def run_model(device: torch.device, cluster: str, *, tiny: bool, plan_file: str | None, steps: int) -> dict:
+    """(a): parallelize a GPT in bf16 mixed at world size 1; predicted vs measured."""
+    import gpt
+
+    import autopar
+
+    size, batch, seq = ("tiny", 4, 32) if tiny else ("1.3b", 8, 1024)
+    t0 = time.perf_counter()
+    model, inputs, loss_fn, target = gpt.build(size=size, batch=batch, seq=seq, device="cpu", dtype="fp32")
+    built_s = time.perf_counter() - t0
+    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = lambda params: torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")  # noqa: E731
+    pm = autopar.parallelize(model, cluster=cluster, loss_fn=loss_fn, optimizer=optimizer, plan=plan_file,
+                             device=device.type, precision=None if plan_file else "bf16-mixed",
+                             fixed=None if plan_file else {"microbatches": 1})
+    t0 = time.perf_counter()
+    first_loss = pm.train_step(inputs, target)  # plans, traces, shards, compiles, then one step
+    _sync(device)
+    first_s = time.perf_counter() - t0
+    pm.train_step(inputs, target)  # warm-up
+    _sync(device)
+    pm.peak_memory_bytes(reset=True)
+    times, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        losses.append(pm.train_step(inputs, target))  # returns a float: the step is synchronised
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    measured_step = sorted(times)[len(times) // 2]
+    predicted = pm.plan.predicted
+    peak = pm.peak_memory_bytes()
+    state = pm.memory_bytes()
+    flops = predicted["model_flops_per_step"]
+    return {
+        "model": f"gpt {size}", "n_params": n_params, "batch": batch, "seq": seq, "cluster": cluster,
+        "precision": pm.plan.model.get("precision"), "plan_mesh": pm.plan.mesh, "zero": pm.plan.zero,
+        "recompute": pm.plan.recompute, "microbatches": pm.plan.schedule["microbatches"],
+        "build_model_s": built_s, "first_step_s": first_s, "first_loss": first_loss, "losses": losses,
+        "predicted_step_s": predicted["step_time_s"], "measured_step_s": measured_step,
+        "measured_over_predicted_step": measured_step / predicted["step_time_s"],
+        "predicted_peak_bytes": predicted["peak_memory_bytes"], "measured_peak_bytes": peak,
+        "measured_over_predicted_peak": peak / predicted["peak_memory_bytes"],
+        "peak_source": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "tracked runtime buffers",
+        "state_bytes": {"params": state.params, "grads": state.grads, "optimizer": state.optimizer},
+        "predicted_state_bytes": {k: sum(st["predicted"]["memory_bytes"][k] for st in pm.plan.stages)
+                                  for k in ("params", "grads", "optimizer")},
+        "model_flops_per_step": flops, "measured_tflops": flops / measured_step / 1e12,
+    }
+
+
+def _out_path(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"]) / "gpu_check.json"
+    return ROOT / "bench" / "gpu_check.json"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a tiny GPT and tiny shapes (for --device cpu)")
+    p.add_argument("--out", help="JSON file for the figures")
+    p.add_argument("--plan", help="a plan file to run instead of planning")
+    p.add_argument("--steps", type=int, default=5, help="timed training steps (after one warm-up)")
+    p.add_argument("--skip-model", action="store_true", help="only calibrate the kernels")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench/gpu_check.py needs a CUDA GPU (torch.cuda.is_available() is False); run it on a GPU "
+              "machine, or dry-run it on CPU with --device cpu --tiny", file=sys.stderr)
+        return 2
+    from autopar.cost.devices import lookup_device
+
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    out = _out_path(args.out)
+    if args.device == "cuda":
+        name = torch.cuda.get_device_name(device)
+        catalog = "H200" if "H200" in name else "H100"
+        specs = {catalog: lookup_device(catalog), **({"H100": lookup_device("H100")} if catalog != "H100" else {})}
+        cluster = f"1x1x{catalog}"
+    else:
+        name, specs, cluster = "cpu", {"cpu": lookup_device("cpu")}, "1x1xcpu"
+    _single_rank_env()
+    stub = _without_ortools() if args.plan is None else False
+    result = {"device": name, "torch": torch.__version__, "cluster": cluster,
+              "plan_source": args.plan or ("world size 1 without OR-tools: first allowed candidate of every op" if stub
+                                           else "autopar planner (OR-tools)")}
+    t0 = time.perf_counter()
+    failed = False
+    if not args.skip_model:
+        try:
+            result["model"] = run_model(device, cluster, tiny=args.tiny, plan_file=args.plan, steps=args.steps)
+        except Exception as e:  # record it and still calibrate: one GPU session should give both answers
+            import traceback
+
+            failed = True
+            result["model_error"] = f"{type(e).__name__}: {e}"
+            result["model_traceback"] = traceback.format_exc()
+            print(f"(a) failed: {type(e).__name__}: {str(e)[:2000]}", file=sys.stderr)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["kernels"] = calibrate(device, specs, tiny=args.tiny)
+    result["wall_s"] = time.perf_counter() - t0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, sort_keys=True, default=str) + "\n")
+    m = result.get("model")
+    if m:
+        print(f"{m['model']} ({m['n_params'] / 1e9:.2f}B params, {m['precision']}) on {name}: step "
+              f"{m['measured_step_s'] * 1e3:.1f} ms measured vs {m['predicted_step_s'] * 1e3:.1f} ms predicted "
+              f"(x{m['measured_over_predicted_step']:.2f}); peak {m['measured_peak_bytes'] / 2**30:.2f} GiB measured "
+              f"vs {m['predicted_peak_bytes'] / 2**30:.2f} GiB predicted; {m['measured_tflops']:.1f} TFLOP/s")
+    for r in result["kernels"]["rows"]:
+        ratios = ", ".join(f"{k.removeprefix('measured_over_predicted_')} x{v:.2f}" for k, v in r.items()
+                           if k.startswith("measured_over_predicted_") and math.isfinite(v))
+        print(f"  {r['kind']:<9} {str(tuple(r['shape'])):<24} {r['measured_tflops']:8.1f} TFLOP/s; measured/predicted: "
+              f"{ratios}")
+    print(f"wrote {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
