@@ -43,7 +43,7 @@ def test_pruned_search_equals_exhaustive_and_bounds_hold():
     everything, stats = _search(units, keep=10**9)
     assert stats["simulated"] == stats["feasible"] > 100
     for c in everything:
-        assert S.lower_bound_s(c) <= c.step_time_s * (1 + 1e-12), c.config
+        assert S.lower_bound_s(c) <= S.lower_bound_s(c, H100x2) <= c.step_time_s * (1 + 1e-12), c.config
         cuts, i = [], 0
         for st in c.stages:
             cuts.append((i, i + len(st.layers)))
@@ -53,8 +53,11 @@ def test_pruned_search_equals_exhaustive_and_bounds_hold():
                           w_s=u.w_s * c.config.microbatch_size / c.config.tp, n_params=u.n_params / c.config.tp)
                   for u in units]
         prefix = S._prefix_sums(scaled, c.config.recompute)
-        assert S._cuts_bound_s(prefix, cuts, c.config, cluster=H100x2, precision="mixed") \
-            <= S.lower_bound_s(c) * (1 + 1e-12), c.config
+        cfg = c.config
+        dp_prefix = S._dp_comm_prefix(scaled, zero=cfg.zero, dp=cfg.dp, link=H100x2.link_for_group(cfg.dp, stride=cfg.tp),
+                                      microbatches=cfg.microbatches, precision="mixed")
+        assert S._cuts_bound_s(prefix, cuts, cfg, cluster=H100x2, precision="mixed", dp_prefix=dp_prefix) \
+            <= S.lower_bound_s(c, H100x2) * (1 + 1e-12), cfg
     pruned, stats2 = _search(units)
     assert stats2["simulated"] < stats["simulated"] / 4  # the bound does prune
     assert [c.config for c in pruned] == [c.config for c in everything[:S.KEEP]]
