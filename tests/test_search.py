@@ -193,3 +193,19 @@ def test_cli_fix_sp(tmp_path, monkeypatch):
         plan = autopar.Plan.load(out)
         assert plan.sequence_parallel is expected and plan.fixed["sp"] is expected
     assert main(["plan", "examples/gpt.py:build", "--cluster", "1x8xH100", "--fix", "sp=perhaps"]) == 2
+
+
+def test_dp_link_bound_is_a_lower_bound_and_binds_when_communication_dominates():
+    """Large gradient buckets over a cross-node dp group, little compute: the dp collectives
+    outlast the compute, so the link bound is above the compute-only bound, and still no
+    higher than the simulated step for every ZeRO stage, schedule and chunk count."""
+    cluster = parse_cluster("4x8xH100")
+    units = _units(8, f_s=2e-4, params=1e9)
+    ranked, _ = _search(units, cluster=cluster, fixed={"tp": 8}, batch=32, keep=10**9, tp=(8,))
+    binds = set()
+    for c in ranked:
+        compute_only, with_link = S.lower_bound_s(c), S.lower_bound_s(c, cluster)
+        assert with_link <= c.step_time_s * (1 + 1e-12), (c.config, with_link, c.step_time_s)
+        if c.config.dp > 1 and with_link > compute_only * 1.01:
+            binds.add((c.config.zero, c.config.virtual_stages > 1))
+    assert {z for z, _ in binds} == {0, 1, 2, 3} and (True in {v for _, v in binds}), binds
