@@ -42,8 +42,12 @@ def test_pruned_search_equals_exhaustive_and_bounds_hold():
     units = _units(12)
     everything, stats = _search(units, keep=10**9)
     assert stats["simulated"] == stats["feasible"] > 100
+    sharper = 0
     for c in everything:
         assert S.lower_bound_s(c) <= S.lower_bound_s(c, H100x2) <= c.step_time_s * (1 + 1e-12), c.config
+        if c.config.pp > 1:
+            assert S.pipeline_bound_s(c, H100x2) <= c.step_time_s * (1 + 1e-12), c.config
+            sharper += S.pipeline_bound_s(c, H100x2) > S.lower_bound_s(c, H100x2) * 1.01
         cuts, i = [], 0
         for st in c.stages:
             cuts.append((i, i + len(st.layers)))
@@ -58,6 +62,7 @@ def test_pruned_search_equals_exhaustive_and_bounds_hold():
                                       microbatches=cfg.microbatches, precision="mixed")
         assert S._cuts_bound_s(prefix, cuts, cfg, cluster=H100x2, precision="mixed", dp_prefix=dp_prefix) \
             <= S.lower_bound_s(c, H100x2) * (1 + 1e-12), cfg
+    assert sharper > 100  # the bare pipeline's bubble bounds more tightly than the compute alone
     pruned, stats2 = _search(units)
     assert stats2["simulated"] < stats["simulated"] / 4  # the bound does prune
     assert [c.config for c in pruned] == [c.config for c in everything[:S.KEEP]]

@@ -54,7 +54,7 @@ from autopar import zero_def
 log = logging.getLogger(__name__)
 
 __all__ = ["Fixed", "Config", "Unit", "StagePlan", "Candidate", "search", "simulate_stages", "step_spec", "cut_times",
-           "lower_bound_s", "grad_sync_s",
+           "lower_bound_s", "pipeline_bound_s", "grad_sync_s",
            "MEMORY_RESERVE"]
 
 MEMORY_RESERVE = 0.10
@@ -486,7 +486,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     Raises :class:`InfeasibleError` with the smallest memory any configuration needs.
     """
     start = time.perf_counter()
-    clock = {"units_s": 0.0, "partition_s": 0.0, "simulate_s": 0.0}
+    clock = {"units_s": 0.0, "partition_s": 0.0, "pipeline_bound_s": 0.0, "simulate_s": 0.0}
     world = cluster.world_size
     cap = cluster.device.hbm_bytes * (1 - MEMORY_RESERVE)
     sp_options = sp_options or {}
@@ -556,7 +556,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     # candidate under the bound of its cuts; a candidate, when popped, is simulated. The
     # first entry whose bound is beaten ends the search: every entry left has a bound at
     # least as large. Each entry's bound is at least its parent's, so nothing is lost.
-    SHAPE, CONFIG, CANDIDATE = 0, 1, 2
+    SHAPE, CONFIG, CANDIDATE, SIMULATE = 0, 1, 2, 3
+    bare: dict[tuple, tuple[float, ...]] = {}  # bare pipeline simulations -> per-rank end of compute
     queue = [(bound, SHAPE, k) for k, (bound, *_) in enumerate(shapes)]
     heapq.heapify(queue)
     pending: dict[int, object] = {}
@@ -567,12 +568,26 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
         if beaten(bound):
             left = [e[1] for e in queue] + [level]
             counts["shapes_pruned"] = left.count(SHAPE)
-            counts["cuts_pruned"] = left.count(CONFIG) + left.count(CANDIDATE)
+            counts["cuts_pruned"] = left.count(CONFIG) + left.count(CANDIDATE) + left.count(SIMULATE)
             break
-        if level == CANDIDATE:
+        if level == CANDIDATE and pending[k][2].pp > 1:
+            # Sharpen the bound with the bare pipeline (no collectives, no pieces: far cheaper than the
+            # step program, and shared by every ZeRO stage with these cuts) and queue it again.
             t0 = time.perf_counter()
             units, cuts, cfg, inflight = pending.pop(k)
-            top.append(_simulate(_estimate(units, cuts, cfg, cluster, precision, inflight), cluster, pipelines))
+            cand = _estimate(units, cuts, cfg, cluster, precision, inflight)
+            spec = step_spec(cand, cluster)
+            pending[k] = (cand, spec)
+            heapq.heappush(queue, (max(bound, _pipeline_bound_s(cand, spec, bare)), SIMULATE, k))
+            clock["pipeline_bound_s"] += time.perf_counter() - t0
+        elif level in (CANDIDATE, SIMULATE):
+            t0 = time.perf_counter()
+            if level == CANDIDATE:
+                units, cuts, cfg, inflight = pending.pop(k)
+                cand, spec = _estimate(units, cuts, cfg, cluster, precision, inflight), None
+            else:
+                cand, spec = pending.pop(k)
+            top.append(_simulate(cand, cluster, pipelines, spec=spec))
             clock["simulate_s"] += time.perf_counter() - t0
             counts["simulated"] += 1
             top.sort(key=rank)
@@ -971,10 +986,44 @@ def step_spec(c: Candidate, cluster: Cluster) -> StepSpec:
                     stages=stages, dp_link=cluster.link_for_group(cfg.dp, stride=cfg.tp), tied=tuple(tied))
 
 
-def _simulate(c: Candidate, cluster: Cluster, memo: dict | None = None) -> Candidate:
+def _pipeline_bound_s(c: Candidate, spec: StepSpec, memo: dict | None = None) -> float:
+    """A lower bound on ``c``'s simulated step time: its bare pipeline (:func:`simulate_stages`,
+    the stages' F, B, W and each cut's p2p time of ``spec``, nothing else), then on each rank
+    its stages' optimizer steps.
+
+    The step program runs the same actions in the same order per rank with the same p2p
+    delays; it only adds (pieces that sum to the action, waits for ZeRO-3 gathers, compute
+    slowed under overlapped collectives), and start times in fixed-order lists only grow
+    when durations and waits grow, so each rank's compute ends no earlier; its optimizer
+    steps follow its last compute. ``memo`` shares one pipeline among the ZeRO stages with
+    the same cuts."""
+    cfg = c.config
+    sends = tuple(st.send_s for st in spec.stages[:-1])
+    key = (cfg.schedule, cfg.pp, cfg.microbatches, tuple((st.f_s, st.b_s, st.w_s) for st in c.stages), sends)
+    ends = memo.get(key) if memo is not None else None
+    if ends is None:
+        sim = simulate_stages(cfg.schedule, microbatches=cfg.microbatches, f_s=[st.f_s for st in c.stages],
+                              b_s=[st.b_s for st in c.stages], w_s=[st.w_s for st in c.stages], p2p_s=sends,
+                              pp=cfg.pp)
+        last = [0.0] * cfg.pp
+        for r, _, _, end in sim.timeline:
+            last[r] = max(last[r], end)
+        ends = tuple(last)
+        if memo is not None:
+            memo[key] = ends
+    return max(ends[r] + sum(st.optimizer_s for st in c.stages[r::cfg.pp]) for r in range(cfg.pp))
+
+
+def pipeline_bound_s(c: Candidate, cluster: Cluster) -> float:
+    """:func:`_pipeline_bound_s` of a candidate (for tests and reports)."""
+    return _pipeline_bound_s(c, step_spec(c, cluster))
+
+
+def _simulate(c: Candidate, cluster: Cluster, memo: dict | None = None, *, spec: StepSpec | None = None) -> Candidate:
     """``c`` with its simulated step time; ``memo`` (one dict per search) shares a simulation
-    between candidates whose step programs are equal."""
-    spec = step_spec(c, cluster)
+    between candidates whose step programs are equal; ``spec`` is ``step_spec(c, cluster)`` if
+    already built."""
+    spec = spec or step_spec(c, cluster)
     res = memo.get(spec) if memo is not None else None
     if res is None:
         res = simulate_step(spec)
