@@ -9,7 +9,9 @@ Each row plans one model for one cluster end to end (autopar.plan) in this proce
 and reports the planner's own timings (Plan.timings): trace_s (two traces, at the
 global batch and twice it), solve_s (strategy graphs + one sharding MIP per tp
 degree), search_s (mesh x cuts x micro-batching x ZeRO x recompute x schedule, with
-schedule simulation), and the wall time; plus the plan it chose. The global batch
+schedule simulation), the wall time and the process CPU time (time.process_time: less
+sensitive to a loaded machine than wall time); plus the plan it chose and its objective
+(the predicted step time, printed in full so runs can be compared exactly). The global batch
 is one sequence per GPU (at least 8) so that every cluster can use data parallelism.
 Peak RSS of the process is printed at the end.
 """
@@ -56,18 +58,20 @@ def run(label, example, kwargs, cluster, repeat):
     rows = []
     for _ in range(repeat):
         model, inputs, loss_fn, target = _example(example).build(batch=max(8, world), **kwargs)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         plan = autopar.plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target)
-        wall = time.perf_counter() - start
-        rows.append((wall, plan))
+        rows.append((time.perf_counter() - start, plan, time.process_time() - cpu))
     wall = statistics.median(r[0] for r in rows)
+    cpu = statistics.median(r[2] for r in rows)
     plan = rows[0][1]
+    objectives = {r[1].predicted["step_time_s"] for r in rows}
+    assert len(objectives) == 1, f"repeated plans differ: {objectives}"  # results never depend on timing
     t = {k: statistics.median(r[1].timings.get(k, 0.0) for r in rows) for k in ("trace_s", "solve_s", "search_s")}
     mesh = "x".join(f"{k}{v}" for k, v in plan.mesh.items())
     print(f"| {label:<20} | {cluster:<11} | {max(8, world):>5} | {t['trace_s']:6.1f} | {t['solve_s']:6.1f} | "
-          f"{t['search_s']:6.1f} | {wall:6.1f} | {mesh:<15} | z{plan.zero} {plan.schedule['kind']:<6} "
+          f"{t['search_s']:6.1f} | {wall:6.1f} | {cpu:6.1f} | {mesh:<15} | z{plan.zero} {plan.schedule['kind']:<6} "
           f"m={plan.schedule['microbatches']:<3} | {plan.predicted['mfu']:5.1%} | "
-          f"{plan.predicted['step_time_s']:.6g} | {_counts(plan)} |", flush=True)
+          f"{plan.predicted['step_time_s']!r} | {_counts(plan)} |", flush=True)
 
 
 def _counts(plan):
@@ -86,9 +90,9 @@ def main():
     parser.add_argument("--targets", action="store_true", help="the three issue-16 target rows")
     parser.add_argument("--repeat", type=int, default=1)
     args = parser.parse_args()
-    print("| model                | cluster     | batch | trace  | solve  | search | wall s | mesh            | "
+    print("| model                | cluster     | batch | trace  | solve  | search | wall s | cpu s  | mesh            | "
           "zero/sched/micro | MFU   | step s | configurations / simulated / shapes pruned; search split s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, example, kwargs, clusters in (QUICK if args.quick else TARGETS if args.targets else CASES):
         for cluster in clusters:
             run(label, example, kwargs, cluster, args.repeat)

@@ -42,8 +42,12 @@ def test_pruned_search_equals_exhaustive_and_bounds_hold():
     units = _units(12)
     everything, stats = _search(units, keep=10**9)
     assert stats["simulated"] == stats["feasible"] > 100
+    sharper = 0
     for c in everything:
-        assert S.lower_bound_s(c) <= c.step_time_s * (1 + 1e-12), c.config
+        assert S.lower_bound_s(c) <= S.lower_bound_s(c, H100x2) <= c.step_time_s * (1 + 1e-12), c.config
+        if c.config.pp > 1:
+            assert S.pipeline_bound_s(c, H100x2) <= c.step_time_s * (1 + 1e-12), c.config
+            sharper += S.pipeline_bound_s(c, H100x2) > S.lower_bound_s(c, H100x2) * 1.01
         cuts, i = [], 0
         for st in c.stages:
             cuts.append((i, i + len(st.layers)))
@@ -53,8 +57,12 @@ def test_pruned_search_equals_exhaustive_and_bounds_hold():
                           w_s=u.w_s * c.config.microbatch_size / c.config.tp, n_params=u.n_params / c.config.tp)
                   for u in units]
         prefix = S._prefix_sums(scaled, c.config.recompute)
-        assert S._cuts_bound_s(prefix, cuts, c.config, cluster=H100x2, precision="mixed") \
-            <= S.lower_bound_s(c) * (1 + 1e-12), c.config
+        cfg = c.config
+        dp_prefix = S._dp_comm_prefix(scaled, zero=cfg.zero, dp=cfg.dp, link=H100x2.link_for_group(cfg.dp, stride=cfg.tp),
+                                      microbatches=cfg.microbatches, precision="mixed")
+        assert S._cuts_bound_s(prefix, cuts, cfg, cluster=H100x2, precision="mixed", dp_prefix=dp_prefix) \
+            <= S.lower_bound_s(c, H100x2) * (1 + 1e-12), cfg
+    assert sharper > 100  # the bare pipeline's bubble bounds more tightly than the compute alone
     pruned, stats2 = _search(units)
     assert stats2["simulated"] < stats["simulated"] / 4  # the bound does prune
     assert [c.config for c in pruned] == [c.config for c in everything[:S.KEEP]]
@@ -190,3 +198,19 @@ def test_cli_fix_sp(tmp_path, monkeypatch):
         plan = autopar.Plan.load(out)
         assert plan.sequence_parallel is expected and plan.fixed["sp"] is expected
     assert main(["plan", "examples/gpt.py:build", "--cluster", "1x8xH100", "--fix", "sp=perhaps"]) == 2
+
+
+def test_dp_link_bound_is_a_lower_bound_and_binds_when_communication_dominates():
+    """Large gradient buckets over a cross-node dp group, little compute: the dp collectives
+    outlast the compute, so the link bound is above the compute-only bound, and still no
+    higher than the simulated step for every ZeRO stage, schedule and chunk count."""
+    cluster = parse_cluster("4x8xH100")
+    units = _units(8, f_s=2e-4, params=1e9)
+    ranked, _ = _search(units, cluster=cluster, fixed={"tp": 8}, batch=32, keep=10**9, tp=(8,))
+    binds = set()
+    for c in ranked:
+        compute_only, with_link = S.lower_bound_s(c), S.lower_bound_s(c, cluster)
+        assert with_link <= c.step_time_s * (1 + 1e-12), (c.config, with_link, c.step_time_s)
+        if c.config.dp > 1 and with_link > compute_only * 1.01:
+            binds.add((c.config.zero, c.config.virtual_stages > 1))
+    assert {z for z, _ in binds} == {0, 1, 2, 3} and (True in {v for _, v in binds}), binds

@@ -227,13 +227,16 @@ class _Engine:
         if op.name in self.end:  # a collective spanning ranks: its other copies
             return
         self.end[op.name] = at
+        open_, ready = self.open, self.ready
         for j, delay in self.dependents.get(op.name, ()):
-            self.open[j] -= 1
-            self.ready[j] = max(self.ready[j], at + delay)
-            if self.open[j] == 0:
+            open_[j] -= 1
+            when = at + delay
+            if when > ready[j]:
+                ready[j] = when
+            if open_[j] == 0:
                 self._touch(j)
-                if self.ready[j] > at:
-                    heapq.heappush(self.wake, (self.ready[j], j))
+                if ready[j] > at:
+                    heapq.heappush(self.wake, (ready[j], j))
                 other = self.flat[j][1]
                 if self.issued[j] and not other.stream and other.kind not in COMPUTE_KINDS:
                     self._launch(j, at)
@@ -284,7 +287,7 @@ class _Engine:
                 rebase(x)
 
         while True:
-            slack = _EPS * max(1.0, t)
+            slack = _EPS * (t if t > 1.0 else 1.0)
             while wake and wake[0][0] <= t + slack:
                 self._touch(heapq.heappop(wake)[1])
             changed = True
@@ -334,7 +337,7 @@ class _Engine:
                     self.dirty.add(r)
                     self._finish(run[0], run[3], t)
                     changed = True
-                for name in [n for n, run in active.items() if run[1] <= 0]:
+                for name in [n for n, run in active.items() if run[1] <= 0] if active else ():
                     run = active.pop(name)
                     for i, x in zip(run[0], run[3]):
                         streams[x, flat[i][1].stream].popleft()
@@ -348,9 +351,13 @@ class _Engine:
             if self.finished == total and not active:
                 break
             step = math.inf
-            for run in active.values():
-                run[4] = 1.0 / max(sharing[x, run[5]] for x in run[3])
-                step = min(step, run[1] / run[4])
+            for run in active.values():  # dp collectives have one member: no max over ranks
+                members = run[3]
+                run[4] = 1.0 / (sharing[members[0], run[5]] if len(members) == 1 else
+                                max(sharing[x, run[5]] for x in members))
+                left = run[1] / run[4]
+                if left < step:
+                    step = left
             while ends and (ends[0][1] != version[ends[0][2]] or ends[0][2] not in compute):
                 heapq.heappop(ends)
             if ends:
@@ -361,9 +368,10 @@ class _Engine:
                 step = min(step, wake[0][0] - t)
             if step == math.inf:
                 raise ValueError(self._stuck(pos, streams))
-            step = max(step, 0.0)
+            if step < 0.0:
+                step = 0.0
             t += step
-            slack = _EPS * max(1.0, t)
+            slack = _EPS * (t if t > 1.0 else 1.0)
             for run in active.values():
                 run[1] -= step * run[4]
                 if run[1] <= slack:

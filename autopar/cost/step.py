@@ -229,8 +229,12 @@ def lower_step(spec: StepSpec) -> dict[int, list[Op]]:
                 memo[key] = [(f"{a}.g{g}", g, _times(groups[g], a.kind)) for g in order]
         return memo[key]
 
+    priced: dict[tuple[str, float], float] = {}  # repeated layers: one pricing per collective and size
+
     def dp_op(kind: str, name: str, collective: str, nbytes: float, stream: str, waits, a: Action, g: int) -> Op:
-        seconds = _COLLECTIVE_S[collective](nbytes, spec.dp, spec.dp_link)
+        seconds = priced.get((collective, nbytes))
+        if seconds is None:
+            seconds = priced[collective, nbytes] = _COLLECTIVE_S[collective](nbytes, spec.dp, spec.dp_link)
         return Op(name, kind, seconds, tuple(waits), stage=a.stage, microbatch=a.microbatch, group=g, action=a,
                   stream=stream, collective=collective, group_size=spec.dp, nbytes=nbytes, link=spec.dp_link)
 

@@ -54,7 +54,7 @@ from autopar import zero_def
 log = logging.getLogger(__name__)
 
 __all__ = ["Fixed", "Config", "Unit", "StagePlan", "Candidate", "search", "simulate_stages", "step_spec", "cut_times",
-           "lower_bound_s", "grad_sync_s",
+           "lower_bound_s", "pipeline_bound_s", "grad_sync_s",
            "MEMORY_RESERVE"]
 
 MEMORY_RESERVE = 0.10
@@ -486,7 +486,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     Raises :class:`InfeasibleError` with the smallest memory any configuration needs.
     """
     start = time.perf_counter()
-    clock = {"units_s": 0.0, "partition_s": 0.0, "simulate_s": 0.0}
+    clock = {"units_s": 0.0, "partition_s": 0.0, "pipeline_bound_s": 0.0, "simulate_s": 0.0}
     world = cluster.world_size
     cap = cluster.device.hbm_bytes * (1 - MEMORY_RESERVE)
     sp_options = sp_options or {}
@@ -497,6 +497,16 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
 
     def zeros(dp: int):
         return [fixed.zero] if fixed.zero is not None else range(4) if dp > 1 else (0,)
+
+    dp_prefixes: dict[tuple, list[float]] = {}  # (tp, sp, mbs, zero, dp, m) -> _dp_comm_prefix
+
+    def dp_prefix(tp: int, sp: bool, mbs: int, zero: int, dp: int, m: int) -> list[float]:
+        key = (tp, sp, mbs, zero, dp, m)
+        if key not in dp_prefixes:
+            dp_prefixes[key] = _dp_comm_prefix(units_for(tp, mbs, sp), zero=zero, dp=dp,
+                                               link=cluster.link_for_group(dp, stride=tp), microbatches=m,
+                                               precision=precision)
+        return dp_prefixes[key]
 
     shapes = []  # (bound, tp, sp, pp, dp, mbs, m, units)
     work: dict[tuple, dict[str, float]] = {}  # (tp, sp, mbs) -> recompute -> compute of one micro-batch
@@ -522,9 +532,11 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                         work[tp, sp, mbs] = {r: _work_s(units, r) for r in RECOMPUTE}
                         params[tp, sp, mbs] = sum(u.n_params for u in units)
                         clock["units_s"] += time.perf_counter() - t0
+                    link = cluster.link_for_group(dp, stride=tp)
                     bound = min(_config_bound_s(work[tp, sp, mbs][r], params[tp, sp, mbs], zero=z, m=m, pp=pp,
-                                                dp=dp, link=cluster.link_for_group(dp, stride=tp),
-                                                precision=precision, cluster=cluster)
+                                                dp=dp, link=link, precision=precision, cluster=cluster,
+                                                dp_comm_s=dp_prefix(tp, sp, mbs, z, dp, m)[-1],
+                                                virtual_stages=2 if pp > 1 else 1)
                                 for r in recomputes for z in zeros(dp))
                     shapes.append((bound, tp, sp, pp, dp, mbs, m))
     shapes.sort(key=lambda x: (float(f"{x[0]:.6g}"), x[1:]))
@@ -544,7 +556,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     # candidate under the bound of its cuts; a candidate, when popped, is simulated. The
     # first entry whose bound is beaten ends the search: every entry left has a bound at
     # least as large. Each entry's bound is at least its parent's, so nothing is lost.
-    SHAPE, CONFIG, CANDIDATE = 0, 1, 2
+    SHAPE, CONFIG, CANDIDATE, SIMULATE = 0, 1, 2, 3
+    bare: dict[tuple, tuple[float, ...]] = {}  # bare pipeline simulations -> per-rank end of compute
     queue = [(bound, SHAPE, k) for k, (bound, *_) in enumerate(shapes)]
     heapq.heapify(queue)
     pending: dict[int, object] = {}
@@ -555,12 +568,26 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
         if beaten(bound):
             left = [e[1] for e in queue] + [level]
             counts["shapes_pruned"] = left.count(SHAPE)
-            counts["cuts_pruned"] = left.count(CONFIG) + left.count(CANDIDATE)
+            counts["cuts_pruned"] = left.count(CONFIG) + left.count(CANDIDATE) + left.count(SIMULATE)
             break
-        if level == CANDIDATE:
+        if level == CANDIDATE and pending[k][2].pp > 1:
+            # Sharpen the bound with the bare pipeline (no collectives, no pieces: far cheaper than the
+            # step program, and shared by every ZeRO stage with these cuts) and queue it again.
             t0 = time.perf_counter()
             units, cuts, cfg, inflight = pending.pop(k)
-            top.append(_simulate(_estimate(units, cuts, cfg, cluster, precision, inflight), cluster, pipelines))
+            cand = _estimate(units, cuts, cfg, cluster, precision, inflight)
+            spec = step_spec(cand, cluster)
+            pending[k] = (cand, spec)
+            heapq.heappush(queue, (max(bound, _pipeline_bound_s(cand, spec, bare)), SIMULATE, k))
+            clock["pipeline_bound_s"] += time.perf_counter() - t0
+        elif level in (CANDIDATE, SIMULATE):
+            t0 = time.perf_counter()
+            if level == CANDIDATE:
+                units, cuts, cfg, inflight = pending.pop(k)
+                cand, spec = _estimate(units, cuts, cfg, cluster, precision, inflight), None
+            else:
+                cand, spec = pending.pop(k)
+            top.append(_simulate(cand, cluster, pipelines, spec=spec))
             clock["simulate_s"] += time.perf_counter() - t0
             counts["simulated"] += 1
             top.sort(key=rank)
@@ -582,7 +609,9 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             if key not in prefixes:
                 prefixes[key] = _prefix_sums(units, cfg.recompute)
             pending[k] = (units, cuts, cfg, inflight)
-            cut_bound = _cuts_bound_s(prefixes[key], cuts, cfg, cluster=cluster, precision=precision)
+            cut_bound = _cuts_bound_s(prefixes[key], cuts, cfg, cluster=cluster, precision=precision,
+                                      dp_prefix=dp_prefix(cfg.tp, cfg.sp, cfg.microbatch_size, cfg.zero, cfg.dp,
+                                                          cfg.microbatches))
             heapq.heappush(queue, (max(bound, cut_bound), CANDIDATE, k))
         else:
             _, tp, sp, pp, dp, mbs, m = shapes[k]
@@ -601,7 +630,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                             pending[key] = (cfg, units, per_param)
                             heapq.heappush(queue, (max(bound, _config_bound_s(
                                 work[tp, sp, mbs][recompute], params[tp, sp, mbs], zero=zero, m=m, pp=pp, dp=dp,
-                                link=dp_link, precision=precision, cluster=cluster)), CONFIG, key))
+                                link=dp_link, precision=precision, cluster=cluster,
+                                dp_comm_s=dp_prefix(tp, sp, mbs, zero, dp, m)[-1], virtual_stages=v)), CONFIG, key))
     if not top:
         least = min(((_min_memory(u, c, pp_, inf), c) for c, u, pp_, inf in infeasible),
                     key=lambda x: x[0], default=(math.inf, None))
@@ -628,51 +658,162 @@ def _work_s(units: Sequence[Unit], recompute: str) -> float:
 
 
 def _config_bound_s(work_s: float, n_params: float, *, zero: int, m: int, pp: int, dp: int, link: comm.Link,
-                    precision: str, cluster: Cluster) -> float:
+                    precision: str, cluster: Cluster, dp_comm_s: float = 0.0, virtual_stages: int = 1) -> float:
     """A lower bound for any cut of a configuration, before partitioning: the busiest rank
     runs at least the average share of the F, B and W actions (``m * work / pp``), then at
     least the average share of the tail (collectives and optimizer step over ``n_params /
     pp`` parameters: their times grow with size, and a rank's several stages cost at least
-    one stage of their total size, message latency being per message)."""
+    one stage of their total size, message latency being per message).
+
+    ``dp_comm_s`` is every layer group's dp collectives of a step, each alone on the link
+    (:func:`_dp_comm_prefix`'s total): the busiest rank's link carries at least the average
+    share of them (:func:`_comm_bound_s`), and with one stage per rank its optimizer step
+    follows them."""
     share = n_params / pp
-    return m * work_s / pp + _optimizer_s(share / zero_def.state_shards(zero, dp)[2], cluster)
+    opt = _optimizer_s(share / zero_def.state_shards(zero, dp)[2], cluster)
+    return max(m * work_s / pp + opt, dp_comm_s / pp + (opt if virtual_stages == 1 else 0.0))
 
 
-def _prefix_sums(units: Sequence[Unit], recompute: str) -> tuple[list[float], list[float], list[float]]:
-    """Running sums over the layers of (F, F + B + W, parameters), for stage sums in O(1)."""
-    pre_f, pre_t, pre_p = [0.0], [0.0], [0.0]
+def _dp_collective_s(nbytes: float, *, zero: int, dp: int, link: comm.Link, microbatches: int) -> float:
+    """One layer group's dp collectives in one step, each priced as the step program prices it
+    (:func:`autopar.cost.step.lower_step`: the same functions on the same link), alone on the link."""
+    if dp == 1 or nbytes <= 0:
+        return 0.0
+    counts = zero_def.step_collective_counts(zero, n_micro=microbatches)
+    return sum(k * _COLLECTIVE_S[kind](nbytes, dp, link) for kind, k in counts.items())
+
+
+def _dp_comm_prefix(units: Sequence[Unit], *, zero: int, dp: int, link: comm.Link, microbatches: int,
+                    precision: str) -> list[float]:
+    """Running sums over the layers of their dp collectives' time in a step (each unit one
+    gradient bucket of its own parameters; a stage's copies of tied parameters only add)."""
+    elem = 2 if precision == "mixed" else 4
+    seen: dict[float, float] = {}
+    pre = [0.0]
+    for u in units:
+        nbytes = u.n_params * elem
+        if nbytes not in seen:
+            seen[nbytes] = _dp_collective_s(nbytes, zero=zero, dp=dp, link=link, microbatches=microbatches)
+        pre.append(pre[-1] + seen[nbytes])
+    return pre
+
+
+@lru_cache(maxsize=4096)
+def _before_first_reduce(kind: str, pp: int, m: int, v: int, zero: int) -> tuple[tuple[tuple, ...], ...]:
+    """Per rank, the compute that must end before the rank can issue its first dp collective:
+    for each action that may issue it (ZeRO 0/1: each stage's last W or BW; ZeRO 2: the first
+    W or BW), the actions before it in the rank's list, as counts ``((stage, n_F, n_B, n_W),
+    ...)`` (a BW counts as one B and one W). ZeRO 3 gathers before the first forward: ``()``
+    (no such compute)."""
+    if zero == 3:
+        return tuple(() for _ in range(pp))
+    sched = _schedule(kind, pp, m, v)
+    out = []
+    for rank in range(pp):
+        acts = sched[rank]
+        grads = [i for i, a in enumerate(acts) if a.kind in ("W", "BW")]
+        if zero == 2:
+            issuers = grads[:1]
+        else:
+            last = {}
+            for i in grads:
+                last[acts[i].stage] = i
+            issuers = sorted(last.values())
+        options = []
+        for i in issuers:
+            counts: dict[int, list[int]] = {}
+            for a in acts[:i]:
+                c = counts.setdefault(a.stage, [0, 0, 0])
+                c[0] += a.kind == "F"
+                c[1] += a.kind in ("B", "BW")
+                c[2] += a.kind in ("W", "BW")
+            options.append(tuple((st, *c) for st, c in sorted(counts.items())))
+        out.append(tuple(options))
+    return tuple(out)
+
+
+def _comm_bound_s(cfg: Config, *, f_s: Sequence[float], b_s: Sequence[float], w_s: Sequence[float],
+                  dp_s: Sequence[float], opt_s: Sequence[float]) -> float:
+    """A lower bound on the step time from the dp link (per stage: F, B, W, dp collectives of a
+    step each alone on the link, optimizer step).
+
+    On a rank, the dp collectives share its dp link and together progress at most at the rate
+    of one alone (:func:`autopar.cost.simulate.simulate_program`: ``k`` in flight each move at
+    ``1/k``), so from the first one's start they take at least the sum of their times. The
+    first cannot start before the rank's compute reaches the action that issues it
+    (:func:`_before_first_reduce`; compute runs in list order at full speed at best, from
+    ``head``, the first micro-batch's forward through the stages before). After the last:
+    with one stage per rank, its optimizer step (it waits for the reductions; ZeRO 1/2 gather
+    only after it, so the link idles meanwhile); with several, under ZeRO 0/3 the optimizer
+    step of the stage whose reduction ended last, at least the rank's shortest."""
+    pp, v = cfg.pp, cfg.virtual_stages
+    if cfg.dp == 1:
+        return 0.0
+    starts = _before_first_reduce(cfg.schedule, pp, cfg.microbatches, v, cfg.zero)
+    best = 0.0
+    head = 0.0
+    for r in range(pp):
+        mine = range(r, len(f_s), pp)
+        start = min((sum(nf * f_s[s] + nb * b_s[s] + nw * w_s[s] for s, nf, nb, nw in option)
+                     for option in starts[r]), default=0.0)
+        if v == 1:
+            tail = opt_s[r]
+        elif cfg.zero in (0, 3):
+            tail = min(opt_s[s] for s in mine)
+        else:
+            tail = 0.0
+        best = max(best, (head if cfg.zero != 3 else 0.0) + start + sum(dp_s[s] for s in mine) + tail)
+        head += f_s[r]
+    return best
+
+
+def _prefix_sums(units: Sequence[Unit], recompute: str) -> tuple[list[float], ...]:
+    """Running sums over the layers of (F, F + B + W, parameters, B, W), for stage sums in O(1)."""
+    pre_f, pre_t, pre_p, pre_b, pre_w = [0.0], [0.0], [0.0], [0.0], [0.0]
     for u in units:
         f, b, w, _ = _unit_times(u, recompute)
         pre_f.append(pre_f[-1] + f)
         pre_t.append(pre_t[-1] + f + b + w)
         pre_p.append(pre_p[-1] + u.n_params)
-    return pre_f, pre_t, pre_p
+        pre_b.append(pre_b[-1] + b)
+        pre_w.append(pre_w[-1] + w)
+    return pre_f, pre_t, pre_p, pre_b, pre_w
 
 
-def _cuts_bound_s(prefix, cuts, cfg: Config, *, cluster: Cluster, precision: str) -> float:
+def _cuts_bound_s(prefix, cuts, cfg: Config, *, cluster: Cluster, precision: str,
+                  dp_prefix: Sequence[float] | None = None) -> float:
     """:func:`lower_bound_s` from the cuts alone, before the candidate is built: the same
     terms, with each stage's parameters counted without the copies of tied parameters it
-    holds (a copy only adds time)."""
-    pre_f, pre_t, pre_p = prefix
+    holds (a copy only adds time). ``dp_prefix`` (:func:`_dp_comm_prefix` for the
+    configuration's ZeRO stage, dp and micro-batches) adds the dp link's bound."""
+    pre_f, pre_t, pre_p, pre_b, pre_w = prefix
     pp, m = cfg.pp, cfg.microbatches
-    link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
     shard = zero_def.state_shards(cfg.zero, cfg.dp)[2]
     pipe, tail = [0.0] * pp, [0.0] * pp
+    opts = []
     for s, (i, j) in enumerate(cuts):
         n = pre_p[j] - pre_p[i]
         pipe[s % pp] += m * (pre_t[j] - pre_t[i])
-        tail[s % pp] += _optimizer_s(n / shard, cluster)
+        opts.append(_optimizer_s(n / shard, cluster))
+        tail[s % pp] += opts[-1]
     head = 0.0
     for r in range(min(pp, len(cuts))):
         pipe[r] += head
         head += pre_f[cuts[r][1]] - pre_f[cuts[r][0]]
-    return max(p + t for p, t in zip(pipe, tail))
+    bound = max(p + t for p, t in zip(pipe, tail))
+    if dp_prefix is None or cfg.dp == 1 or len(cuts) != cfg.n_stages:
+        return bound
+    return max(bound, _comm_bound_s(cfg, f_s=[pre_f[j] - pre_f[i] for i, j in cuts],
+                                    b_s=[pre_b[j] - pre_b[i] for i, j in cuts],
+                                    w_s=[pre_w[j] - pre_w[i] for i, j in cuts],
+                                    dp_s=[dp_prefix[j] - dp_prefix[i] for i, j in cuts], opt_s=opts))
 
 
-def lower_bound_s(c: Candidate) -> float:
+def lower_bound_s(c: Candidate, cluster: Cluster | None = None) -> float:
     """A lower bound on ``c``'s simulated step time, from its cuts: each rank ``r`` waits for the
     first micro-batch's forward through the stages before its first (stage ``r``), then runs
-    its stages' F, B and W for every micro-batch one after the other; the tail follows."""
+    its stages' F, B and W for every micro-batch one after the other; the tail follows.
+    With ``cluster``, also the bound of the dp link (:func:`_comm_bound_s`)."""
     pp, m = c.config.pp, c.config.microbatches
     per_rank = [0.0] * pp
     for s, st in enumerate(c.stages):
@@ -681,7 +822,16 @@ def lower_bound_s(c: Candidate) -> float:
     for r in range(pp):
         per_rank[r] += head
         head += c.stages[r].f_s
-    return max(p + t for p, t in zip(per_rank, _tail_bound_s(c.stages, pp)))
+    bound = max(p + t for p, t in zip(per_rank, _tail_bound_s(c.stages, pp)))
+    if cluster is None:
+        return bound
+    cfg = c.config
+    link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
+    dp_s = [sum(_dp_collective_s(g.bucket_bytes, zero=cfg.zero, dp=cfg.dp, link=link, microbatches=m)
+                for g in st.groups) for st in c.stages]
+    return max(bound, _comm_bound_s(cfg, f_s=[st.f_s for st in c.stages], b_s=[st.b_s for st in c.stages],
+                                    w_s=[st.w_s for st in c.stages], dp_s=dp_s,
+                                    opt_s=[st.optimizer_s for st in c.stages]))
 
 
 def _rank_key(time_of):
@@ -836,10 +986,44 @@ def step_spec(c: Candidate, cluster: Cluster) -> StepSpec:
                     stages=stages, dp_link=cluster.link_for_group(cfg.dp, stride=cfg.tp), tied=tuple(tied))
 
 
-def _simulate(c: Candidate, cluster: Cluster, memo: dict | None = None) -> Candidate:
+def _pipeline_bound_s(c: Candidate, spec: StepSpec, memo: dict | None = None) -> float:
+    """A lower bound on ``c``'s simulated step time: its bare pipeline (:func:`simulate_stages`,
+    the stages' F, B, W and each cut's p2p time of ``spec``, nothing else), then on each rank
+    its stages' optimizer steps.
+
+    The step program runs the same actions in the same order per rank with the same p2p
+    delays; it only adds (pieces that sum to the action, waits for ZeRO-3 gathers, compute
+    slowed under overlapped collectives), and start times in fixed-order lists only grow
+    when durations and waits grow, so each rank's compute ends no earlier; its optimizer
+    steps follow its last compute. ``memo`` shares one pipeline among the ZeRO stages with
+    the same cuts."""
+    cfg = c.config
+    sends = tuple(st.send_s for st in spec.stages[:-1])
+    key = (cfg.schedule, cfg.pp, cfg.microbatches, tuple((st.f_s, st.b_s, st.w_s) for st in c.stages), sends)
+    ends = memo.get(key) if memo is not None else None
+    if ends is None:
+        sim = simulate_stages(cfg.schedule, microbatches=cfg.microbatches, f_s=[st.f_s for st in c.stages],
+                              b_s=[st.b_s for st in c.stages], w_s=[st.w_s for st in c.stages], p2p_s=sends,
+                              pp=cfg.pp)
+        last = [0.0] * cfg.pp
+        for r, _, _, end in sim.timeline:
+            last[r] = max(last[r], end)
+        ends = tuple(last)
+        if memo is not None:
+            memo[key] = ends
+    return max(ends[r] + sum(st.optimizer_s for st in c.stages[r::cfg.pp]) for r in range(cfg.pp))
+
+
+def pipeline_bound_s(c: Candidate, cluster: Cluster) -> float:
+    """:func:`_pipeline_bound_s` of a candidate (for tests and reports)."""
+    return _pipeline_bound_s(c, step_spec(c, cluster))
+
+
+def _simulate(c: Candidate, cluster: Cluster, memo: dict | None = None, *, spec: StepSpec | None = None) -> Candidate:
     """``c`` with its simulated step time; ``memo`` (one dict per search) shares a simulation
-    between candidates whose step programs are equal."""
-    spec = step_spec(c, cluster)
+    between candidates whose step programs are equal; ``spec`` is ``step_spec(c, cluster)`` if
+    already built."""
+    spec = spec or step_spec(c, cluster)
     res = memo.get(spec) if memo is not None else None
     if res is None:
         res = simulate_step(spec)
