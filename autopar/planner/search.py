@@ -687,7 +687,7 @@ def _dp_comm_prefix(units: Sequence[Unit], *, zero: int, dp: int, link: comm.Lin
                     precision: str) -> list[float]:
     """Running sums over the layers of their dp collectives' time in a step (each unit one
     gradient bucket of its own parameters; a stage's copies of tied parameters only add)."""
-    elem = 2 if precision == "mixed" else 4
+    elem = _grad_elem_bytes(precision)
     seen: dict[float, float] = {}
     pre = [0.0]
     for u in units:
@@ -855,11 +855,16 @@ def _min_memory(units: list[Unit], cfg: Config, per_param: float, inflight: tupl
     return worst
 
 
+def _grad_elem_bytes(precision: str) -> int:
+    """Bytes per gradient element as the dp collectives reduce it (the bounds and the estimate must agree)."""
+    return 2 if precision in ("mixed", "bf16-mixed-bf16-reduce") else 4
+
+
 def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision: str,
               inflight: tuple[int, ...]) -> Candidate:
     stages = []
     dp_link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
-    grad_elem = 2 if precision in ("mixed", "bf16-mixed-bf16-reduce") else 4  # bytes per gradient as reduced
+    grad_elem = _grad_elem_bytes(precision)
     owners = {u.path: s for s, (i, j) in enumerate(cuts) for u in units[i:j]}
     for s, (i, j) in enumerate(cuts):
         chunk = units[i:j]
