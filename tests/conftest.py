@@ -18,17 +18,18 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _timed(phase: str, item):
+    start = _cpu_s()
+    yield
+    with open(_CPU_LOG, "a") as f:
+        f.write(f"{_cpu_s() - start:.1f}\t{phase}\t{item.nodeid}\n")
+
+
 if _CPU_LOG:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_setup(item):
-        start = _cpu_s()
-        yield
-        with open(_CPU_LOG, "a") as f:
-            f.write(f"{_cpu_s() - start:.1f}\tsetup\t{item.nodeid}\n")
+        yield from _timed("setup", item)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(item):
-        start = _cpu_s()
-        yield
-        with open(_CPU_LOG, "a") as f:
-            f.write(f"{_cpu_s() - start:.1f}\tcall\t{item.nodeid}\n")
+        yield from _timed("call", item)
