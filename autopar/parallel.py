@@ -451,8 +451,7 @@ class ParallelModule:
                 dist.broadcast_object_list(seed, src=0, device=torch.device(
                     "cuda", torch.cuda.current_device()) if self.device == "cuda" else None)
             self.init_seed = int(seed[0])
-        self.plan = self._make_plan(names, values, has_target)
-        self.policy = plan_precision(self.plan.model)
+        self._adopt_plan(self._make_plan(names, values, has_target))
         dp, tp = self.plan.mesh["dp"], self.plan.mesh["tp"]
         device = self.device
         pp = self.plan.mesh["pp"]
@@ -476,6 +475,11 @@ class ParallelModule:
         if random_ops(self.gm):
             with self._guard("starting every rank's random generator from rank 0's state"):
                 _share_rng_state(device)
+
+    def _adopt_plan(self, plan: Plan) -> None:
+        """Take ``plan`` as this module's plan: its mesh, schedule and precision policy drive the build."""
+        self.plan = plan
+        self.policy = plan_precision(plan.model)
 
     def _build(self, names, values, has_target) -> None:
         """Trace at the micro-batch size, map the plan, shard the parameters, generate the program."""

@@ -116,8 +116,8 @@ def test_plan_says_when_the_node_limit_stopped_the_mip(monkeypatch, no_root_cuts
     model, inputs, loss_fn, target = llama.build(**LIMITED_BUILD)
     with caplog.at_level("WARNING", logger="autopar.planner.make"):
         plan = autopar.plan(model, inputs, cluster="1x4xH100", loss_fn=loss_fn, example_target=target,
-                            fixed={"tp": 4})
-    assert "sharding MIP at tp=4 (sp=False) stopped at its limit of 1 branch-and-bound nodes" in caplog.text
+                            fixed={"tp": 4, "sp": True})  # one MIP (sp pinned): the plan's solver is the one stopped
+    assert "sharding MIP at tp=4 (sp=True) stopped at its limit of 1 branch-and-bound nodes" in caplog.text
     solver = plan.solver
     assert (solver["status"], solver["limit"], solver["nodes"], solver["node_limit"]) == ("FEASIBLE", "nodes", 1, 1)
     assert solver["gap"] > 0 and solver["bound"] < solver["objective"]

@@ -47,7 +47,7 @@ def _on_rank(rank, world, spec, spec_args, plan_json, cluster, then):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         pm = ParallelModule(model, cluster=cluster, plan=plan, loss_fn=loss_fn)
-        pm.plan = plan
+        pm._adopt_plan(plan)
         pp, dp, tp = plan.mesh["pp"], plan.mesh["dp"], plan.mesh["tp"]
         if pp == 1:
             pm.mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
