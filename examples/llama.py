@@ -97,6 +97,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self):
+        """Ones (what the constructor sets), for a model built on meta and initialised per module."""
+        nn.init.ones_(self.weight)
+
     def forward(self, x):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # (B, T, C)
@@ -133,6 +137,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.wo.residual_projection = True  # scaled init, Transformer.init_std
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
@@ -157,6 +162,7 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2.residual_projection = True  # scaled init, Transformer.init_std
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, hidden) -> (B, T, C)
@@ -186,17 +192,30 @@ class Transformer(nn.Module):
         if init:
             self.init_weights()
 
+    def init_std(self, module: nn.Module) -> float:
+        """Normal(0, 0.02), residual projections (wo, w2) scaled by 1/sqrt(2 * n_layers)."""
+        if getattr(module, "residual_projection", False):
+            return 0.02 / math.sqrt(2 * self.config.n_layers)
+        return 0.02
+
     @torch.no_grad()
     def init_weights(self):
-        """Normal(0, 0.02), residual projections (wo, w2) scaled by 1/sqrt(2 * n_layers)."""
-        std = 0.02
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
-        nn.init.normal_(self.output.weight, std=std)
+        """The whole model's initialisation on CPU (init_std per weight; RMSNorm keeps its ones)."""
+        nn.init.normal_(self.tok_embeddings.weight, std=self.init_std(self.tok_embeddings))
+        nn.init.normal_(self.output.weight, std=self.init_std(self.output))
         for layer in self.layers:
             for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1, layer.feed_forward.w3):
-                nn.init.normal_(lin.weight, std=std)
+                nn.init.normal_(lin.weight, std=self.init_std(lin))
             for lin in (layer.attention.wo, layer.feed_forward.w2):
-                nn.init.normal_(lin.weight, std=std / math.sqrt(2 * self.config.n_layers))
+                nn.init.normal_(lin.weight, std=self.init_std(lin))
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module):
+        """One module's share of init_weights (Hugging Face style), for a model built on meta:
+        autopar.parallelize initialises each rank's pieces module by module with it (after the
+        module's reset_parameters, which sets RMSNorm's ones)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.init_std(module))
 
     def forward(self, tokens):
         B, T = tokens.shape

@@ -88,3 +88,26 @@ def test_a_parameter_no_init_writes_is_an_error():
         model = Bare()
     with pytest.raises(InitError, match="parameter 'scale'.*no initialisation set it.*init_fn"):
         materialize(model, seed=0)
+
+
+def test_llama_from_meta_gets_its_own_initialisation():
+    """examples/llama.py on meta: every module is initialised as the CPU-built model is (the root's
+    init_weights never runs per module; Transformer._init_weights and RMSNorm.reset_parameters do):
+    the same distribution per parameter (normal std 0.02, wo/w2 scaled by 1/sqrt(2 n_layers), norms
+    ones), drawn from the per-module seeds."""
+    import llama
+
+    meta, *_ = llama.build(size="small", n_layers=4, device="meta", dtype="fp32")
+    materialize(meta, seed=5)
+    cpu, *_ = llama.build(size="small", n_layers=4)
+    for (name, p), (_, q) in zip(meta.named_parameters(), cpu.named_parameters()):
+        p, q = p.detach(), q.detach()
+        assert p.device.type == "cpu" and p.shape == q.shape, name
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+            continue
+        assert not torch.equal(p, q), name  # drawn from the module's seed, not the construction-order stream
+        assert abs(float(p.std()) / float(q.std()) - 1) < 0.05, (name, float(p.std()), float(q.std()))
+        assert abs(float(p.mean())) < 0.1 * float(q.std()), name
+    wo = meta.layers[0].attention.wo.weight.detach()
+    assert abs(float(wo.std()) - 0.02 / (2 * 4) ** 0.5) < 0.001
