@@ -324,14 +324,18 @@ class ShardedParams:
             self._gathers[next_key] = self._start_gather(next_group)
         return tuple(out[f] for f in self.groups[group])
 
-    def _start_gather(self, group: int, source: str = "slice", compute: bool = True) -> list:
+    def _start_gather(self, group: int, source: str = "slice", compute: bool = True, kind: str = "gathered") -> list:
         """Issue the all-gather of each bucket of ``group`` (of ``slice`` or the reduced ``grad``);
-        ``compute``: of the parameters as the program reads them (cast to param_dtype first)."""
+        ``compute``: of the parameters as the program reads them (cast to param_dtype first).
+        ``kind``: what the gathered tensors are counted as in :attr:`live` (the receive buffer
+        itself where :meth:`_finish_gather` hands out views of it, else "buffers")."""
         started = []
         for b in self.buckets[group]:
             dtype = self._cast(b.entries[0]) if compute else b.dtype
             send = torch.cat([getattr(e, source).reshape(-1) for e in b.entries]).to(dtype) if b.entries else None
-            recv = self.live.track(torch.empty(self.dp * b.width, dtype=dtype, device=self.device), "buffers")
+            viewed = len(b.entries) == 1 or self.dp == 1  # _finish_gather's views of the buffer, not copies
+            recv = self.live.track(torch.empty(self.dp * b.width, dtype=dtype, device=self.device),
+                                   kind if viewed else "buffers")
             work = _all_gather(recv, send, group=self.dp_group, async_op=True)
             if not self.overlap:
                 self._wait_gather(work)
@@ -348,9 +352,12 @@ class ShardedParams:
             self._wait_gather(work)
             table = recv.view(self.dp, b.width)
             for e, col in zip(b.entries, b.col):
+                # a bucket of several parameters: reshape copies the parameter's columns out of the
+                # (dp, width) table (the table dies with the last copy); of one parameter (or dp = 1)
+                # it is a view of the receive buffer, kept as it is (at most dp - 1 padding elements
+                # per parameter): a copy would hold the parameter twice until the buffer is freed
                 whole = table[:, col: col + e.chunk].reshape(-1)[: e.numel].view(e.local_shape)
-                out[e.fqn] = self.live.track(whole.clone() if whole.untyped_storage() is recv.untyped_storage()
-                                             else whole, kind)
+                out[e.fqn] = self.live.track(whole, kind)
         return out
 
     # -- gradients ------------------------------------------------------------
@@ -436,6 +443,10 @@ class ShardedParams:
             else:
                 if grads is None:
                     send = b.full if wire == b.dtype else self.live.track(b.full.to(wire), "buffers")
+                elif len(b.entries) == 1 and b.entries[0].numel == self.dp * b.width:
+                    # one parameter, no padding: its gradient already is the (dp, width) layout, so it
+                    # is sent as it is (cast to the wire dtype if need be), not copied into a new buffer
+                    send = self.live.track(grads[b.entries[0].fqn].reshape(-1).to(wire), "buffers")
                 else:
                     send = self.live.track(torch.zeros(self.dp * b.width, dtype=wire, device=self.device),
                                            "buffers")
@@ -526,9 +537,9 @@ class ShardedParams:
         """Stages 1-2: all-gather the updated slices back into the full parameters, one bucket per group."""
         if self.stage.param_gather != "after_step":
             return
-        pending = self._start_gather(0, compute=False) if self.groups else []
+        pending = self._start_gather(0, compute=False, kind="buffers") if self.groups else []
         for g in range(len(self.groups)):  # one group gathered ahead, as stage 3's prefetch
-            ahead = self._start_gather(g + 1, compute=False) if g + 1 < len(self.groups) else []
+            ahead = self._start_gather(g + 1, compute=False, kind="buffers") if g + 1 < len(self.groups) else []
             for fqn, whole in self._finish_gather(pending, "buffers").items():  # copied in at once
                 self.entries[fqn].full_local().copy_(whole)
             pending = ahead

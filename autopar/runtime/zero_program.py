@@ -30,9 +30,13 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from torch import fx
 
 from autopar.passes.pipeline import PARAM_VIEWS as _VIEWS
+
+_PURE_VIEWS = _VIEWS - {torch.ops.aten.reshape.default}
+"""View ops that never copy (``reshape`` may)."""
 
 __all__ = ["insert_zero_calls"]
 
@@ -94,10 +98,60 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
+def _hoist_views(graph: fx.Graph, node: fx.Node) -> None:
+    """Move ``node``, if it is a chain of view ops, up to right after what it views.
+
+    The program's gradient outputs end in views made when the traced step took each
+    gradient's local tensor (``DTensor.to_local``: an ``aten.view`` per gradient, traced
+    after the whole joint graph), so every gradient's last producer sat at the program's
+    end: every REDUCE_GRAD ran after the whole backward (no overlap) and every layer's
+    gradients were alive at once, a full gradient copy at stage 3. A view reads nothing
+    but its input and writes nothing, so moving it next to its input changes no value
+    and no storage's lifetime."""
+    chain = []
+    while node.op == "call_function" and node.target in _PURE_VIEWS and node.args and isinstance(node.args[0], fx.Node) \
+            and all(a is node.args[0] for a in node.all_input_nodes):
+        chain.append(node)
+        node = node.args[0]
+    for view in reversed(chain):  # outermost input first: each lands right after what it views
+        view.args[0].append(view)
+
+
+def _view_root(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and node.target in _PURE_VIEWS and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _sum_in_place(node: fx.Node) -> None:
+    """Make a gradient that is a sum of two addends (a tied parameter's: the head's and the
+    embedding's) add into one addend's buffer instead of a third one.
+
+    Only where that is invisible: ``node`` is ``aten.add.Tensor(a, b)`` without ``alpha``, and
+    the addend written (``b``, else ``a``) is a fresh contiguous result of a non-view op of
+    the sum's shape and dtype that nothing else reads (so no view of it exists either)."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.add.Tensor or node.kwargs \
+            or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+        return
+    out = node.meta.get("val")
+    for i in (1, 0):
+        x = node.args[i]
+        val = x.meta.get("val")
+        if x.op == "call_function" and x.target not in _VIEWS and len(x.users) == 1 \
+                and isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) \
+                and val.shape == out.shape and val.dtype == out.dtype and val.is_contiguous():
+            node.target, node.args = torch.ops.aten.add_.Tensor, (x, node.args[1 - i])
+            node.meta["val"] = val
+            return
+
+
 def _insert_reduce(graph: fx.Graph, params, outs: list, grad_outputs: dict[int, str], order) -> None:
     by_group: dict[int, list[tuple[str, fx.Node]]] = {}
     for i, fqn in grad_outputs.items():
+        _hoist_views(graph, outs[i])
+        _sum_in_place(_view_root(outs[i]))
         by_group.setdefault(params.group_of[fqn], []).append((fqn, outs[i]))
+    order.update({n: i for i, n in enumerate(graph.nodes)})
     for g, items in by_group.items():
         members = params.groups[g]
         last = max((n for _, n in items), key=lambda n: order[n])
