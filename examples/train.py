@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 examples/train.py --cluster 1x4xcpu
     torchrun --nproc-per-node 2 examples/train.py --cluster 1x2xcpu --steps 50 --fix zero=3
     torchrun --nproc-per-node 4 examples/train.py --cluster 1x4xcpu --size 350m --meta --fix zero=3 --fix dp=4
+    torchrun --nproc-per-node 2 examples/train.py --cluster 1x2xcpu --precision bf16-mixed --fix zero=3
     torchrun --standalone --nproc-per-node 2 --max-restarts 3 examples/train.py --cluster 1x2xcpu \
         --checkpoint-dir ckpt --checkpoint-every 10     # a killed rank restarts the job from ckpt/
 
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import autopar  # noqa: E402
 import autopar.progress  # noqa: E402
 import gpt  # noqa: E402
+from autopar.precision import PRECISIONS  # noqa: E402
 
 
 class Batches:
@@ -68,6 +70,10 @@ def main() -> None:
     parser.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--meta", action="store_true",
                         help="build the model on meta: each rank materialises only its own shards (fp32)")
+    parser.add_argument("--precision", choices=PRECISIONS,
+                        help="fp32 masters and optimizer state with bf16 compute (bf16-mixed; gradients reduced in "
+                             "fp32, or in bf16 with bf16-mixed-bf16-reduce), or fp32 throughout; default: "
+                             "bf16-mixed on a GPU cluster, the model's dtype (fp32) on a cpu one")
     parser.add_argument("--timeout-s", type=float, default=600.0,
                         help="seconds a rank waits on a dead or stuck peer before it stops with an error naming it")
     parser.add_argument("--checkpoint-dir", help="save checkpoints here, and resume from the newest one at start")
@@ -89,7 +95,8 @@ def main() -> None:
         model, _, loss_fn, _ = gpt.build(size=args.size, batch=args.batch, seq=args.seq)
     vocab = model.config.vocab_size if hasattr(model, "config") else 256
     pm = autopar.parallelize(model, cluster=args.cluster, loss_fn=loss_fn, fixed=fixed or None,
-                             optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr), timeout_s=args.timeout_s)
+                             optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr), timeout_s=args.timeout_s,
+                             precision=args.precision)
     data = Batches(batch=args.batch, seq=args.seq, vocab=vocab, seed=1)
     if args.checkpoint_every and not args.checkpoint_dir:
         parser.error("--checkpoint-every needs --checkpoint-dir")

@@ -196,3 +196,22 @@ def test_the_check_can_fail(two_ranks):
     """A run without the casts (fp32 compute) would be far outside TIGHT: the check tells the policies apart."""
     res = two_ranks[0]["dp"]
     assert max(res["fp32_grad_err"].values()) > 8 * TIGHT, res["fp32_grad_err"]
+
+
+def test_train_example_takes_precision(tmp_path):
+    """``examples/train.py --precision bf16-mixed`` under torchrun: the policy reaches the plan (its
+    summary says so, where a cpu cluster's default is the model's fp32) and the loss falls."""
+    import os
+    import re
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(repo / "examples" / "train.py"), "--cluster", "1x2xcpu", "--steps", "8", "--batch", "8", "--seq",
+           "16", "--fix", "dp=2", "--fix", "zero=3", "--precision", "bf16-mixed"]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "precision bf16-mixed" in proc.stdout, proc.stdout[-3000:]
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", proc.stdout).groups())
+    assert last < first - 0.5, proc.stdout[-2000:]
