@@ -1,7 +1,9 @@
 """A model started from ``meta`` trains exactly as the same weights started on CPU, and no
 rank ever allocates more than its own pieces plus one module.
 
-For each plan (pure DP, ZeRO-3, TP, pp=2) on 2 gloo ranks: the CPU-started run gets the
+For each plan (pure DP, ZeRO-3, TP, pp=2 on the GPT example; ZeRO-3 on the Llama example,
+whose initialisation is per module: ``Transformer._init_weights`` and RMSNorm's
+``reset_parameters``) on 2 gloo ranks: the CPU-started run gets the
 model :func:`autopar.materialize` built whole from seed 5; the meta-started run gets the
 same model on ``meta`` and ``init_seed=5``, so both start from the same weights and run the
 same program; losses, gradients and parameters after 2 AdamW steps must be equal (to fp32
@@ -33,7 +35,10 @@ CONFIGS = [
     ("zero3", "1x2xcpu", {"dp": 2, "zero": 3}),
     ("tp", tp_only_cluster("1x2xcpu"), {"tp": 2}),
     ("pp2", "1x2xcpu", {"pp": 2, "microbatches": 2}),
+    ("llama-zero3", "1x2xcpu", {"dp": 2, "zero": 3}),
 ]
+SHARDED = ("zero3", "pp2", "llama-zero3")
+"""Plans under which a rank holds less than the whole model."""
 
 
 def _optimizer(params):
@@ -66,15 +71,19 @@ def _allocation_tracker():
 def _run(rank, world, configs):
     sys.path.insert(0, EXAMPLES)
     import gpt
+    import llama
 
     import autopar
     from autopar.parallel import ParallelModule
 
     config = gpt.GPTConfig(n_layer=6, n_head=4, n_embd=64, vocab_size=128, block_size=32)
 
-    def on_meta():
+    def on_meta_gpt():
         with torch.device("meta"):
             return gpt.GPT(config, init=False)
+
+    def on_meta_llama():  # 6 blocks of dim 64, vocab 256: no module dominates either
+        return llama.build(size="tiny", n_layers=6, device="meta", dtype="fp32")[0]
 
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, config.vocab_size, (8, 16), generator=g)  # (B, T)
@@ -82,6 +91,7 @@ def _run(rank, world, configs):
     report = {}
     compile_original = ParallelModule._compile
     for name, cluster, fixed in configs:
+        on_meta = on_meta_llama if name.startswith("llama") else on_meta_gpt
         runs, plan = {}, None
         for start in ("cpu", "meta"):
             model = autopar.materialize(on_meta(), seed=SEED) if start == "cpu" else on_meta()
@@ -146,7 +156,7 @@ def test_meta_start_allocates_only_own_pieces(results, name):
             f"{name} rank {rank}: building from meta allocated up to {meta['peak']} bytes at once, more than its "
             f"own pieces ({meta['own']}) + buffers ({case['buffers']}) + the largest module ({case['largest']}) + "
             f"{slack}; the whole model is {case['whole']}")
-        if name in ("zero3", "pp2"):
+        if name in SHARDED:
             assert bound < case["whole"], "the model is too small for the bound to mean anything"
             # the CPU-started run, for contrast, holds the whole model on every rank
             assert meta["peak"] < 0.75 * case["whole"]
