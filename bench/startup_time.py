@@ -112,7 +112,10 @@ def _rank(rank, world, plans, sizes, repeat):
     for plan in plans:
         for _ in range(repeat):
             for size in sizes:
-                out.setdefault(plan, {}).setdefault(size, []).append(_start(plan, size, clusters[plan]))
+                got = _start(plan, size, clusters[plan])
+                out.setdefault(plan, {}).setdefault(size, []).append(got)
+                print(f"rank {rank}: {plan} {size}: " + ", ".join(
+                    f"{k} {v[0]:.2f}/{v[1]:.2f} s" for k, v in got.items() if k != "n_params"), flush=True)
     return out
 
 
