@@ -35,7 +35,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["EpLayout", "expert_modules", "expert_parameter_names", "shard_experts", "ExpertParallel"]
+__all__ = ["refuse_ep", "EpLayout", "expert_modules", "expert_parameter_names", "shard_experts", "ExpertParallel"]
+
+
+def refuse_ep(ep: int | None) -> None:
+    """:func:`autopar.parallelize` does not run expert parallelism yet: a clear error for ``ep`` > 1."""
+    if ep and ep > 1:
+        from autopar.errors import PlanError
+
+        raise PlanError(f"ep={ep}: autopar.parallelize does not run expert parallelism yet (it is planned and "
+                        f"priced); train with autopar.runtime.expert.ExpertParallel (experts sharded over ep, "
+                        f"everything else data parallel), or drop ep")
 
 
 @dataclass(frozen=True, kw_only=True)
