@@ -106,6 +106,7 @@ def _plan(fixed, **build):
     ({"ep": 4, "dp": 2}, r"^ep=4 must divide dp=2: expert parallelism folds over the data-parallel ranks; "
                          r"pick ep among \[1, 2\] or another dp$"),
     ({"ep": 8}, r"^ep=8 does not divide the 4 devices of 1x4xcpu$"),
+    ({"ep": 2, "zero": 1}, r"^ep=2 with zero=1: ZeRO for expert state .* is not priced or run yet; use zero=0 with ep"),
 ])
 def test_bad_ep_is_one_line_naming_the_values(fixed, message):
     with pytest.raises(autopar.PlanError, match=message):
@@ -124,9 +125,10 @@ def test_ep_needs_expert_layers_and_an_integer():
 
 
 def test_ep_plan_divides_expert_memory_and_prices_the_all_to_alls():
-    pinned = {"tp": 1, "pp": 1, "zero": 0, "microbatches": 1}
-    base = _plan({"ep": 1, **pinned})
+    pinned = {"tp": 1, "pp": 1, "microbatches": 1}
+    base = _plan({"ep": 1, "zero": 0, **pinned})
     plan = _plan({"ep": 2, **pinned})
+    assert plan.zero == 0  # ep plans keep expert state unsharded (ZeRO of expert state is open)
     config = moe.SIZES["tiny"]
     assert "experts" not in base.to_dict() and base.mesh == plan.mesh == {"pp": 1, "dp": 4, "tp": 1}
     # parameters per device: everything but the experts, plus half the experts (fp32)

@@ -16,7 +16,9 @@ What a plan with ``ep`` > 1 changes, per unit (layer instance) holding experts:
 - expert FLOPs per rank are unchanged under balanced routing (each rank runs its
   tokens' share of rows, spread over its experts).
 
-Approximations, stated: the data-parallel gradient reduction prices the reduced
+Plans with ``ep`` > 1 use ZeRO stage 0 (the module-level runtime's): expert state under
+ZeRO would be sharded over the dp/ep replicas, which the per-parameter state model of the
+search does not express yet. Approximations, stated: the data-parallel gradient reduction prices the reduced
 expert size over all dp ranks (the runtime sums expert gradients over the dp/ep
 replicas only), and ``communication`` lists the dp buckets at their full size.
 ``ep`` is pinned (``fixed={"ep": k}``); the search does not choose it yet.
@@ -82,7 +84,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_ep(ep: int | None, sites: list[ExpertSite], *, cluster: Cluster, dp: int | None, tp: int | None) -> None:
+def check_ep(ep: int | None, sites: list[ExpertSite], *, cluster: Cluster, dp: int | None, tp: int | None,
+             zero: int | None = None) -> None:
     """One :class:`PlanError` naming the values when ``ep`` cannot be planned."""
     if not ep or ep == 1:
         return
@@ -93,6 +96,9 @@ def check_ep(ep: int | None, sites: list[ExpertSite], *, cluster: Cluster, dp: i
         if s.n_experts % ep:
             raise PlanError(f"ep={ep} does not divide the {s.n_experts} experts of {s.module}; "
                             f"pick ep among {_divisors(s.n_experts)}")
+    if zero:
+        raise PlanError(f"ep={ep} with zero={zero}: ZeRO for expert state (sharded over the dp/ep replicas) is "
+                        f"not priced or run yet; use zero=0 with ep, or drop ep")
     if dp is not None and dp % ep:
         raise PlanError(f"ep={ep} must divide dp={dp}: expert parallelism folds over the data-parallel ranks; "
                         f"pick ep among {_divisors(dp)} or another dp")

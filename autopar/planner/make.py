@@ -129,7 +129,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
         precision = plan_precision({"precision": "fp32" if _param_dtype(gm) == "fp32" else "bf16-mixed"})
     policy, precision = precision, precision.name
     experts = find_experts(gm)
-    check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp)
+    check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp, zero=fixed.zero)
     t0 = time.perf_counter()
     solved: dict[tuple[int, bool], tuple[StrategyGraph, Solution]] = {}
     with progress("solving the sharding MIP"):

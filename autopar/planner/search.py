@@ -499,6 +499,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     recomputes = [fixed.recompute] if fixed.recompute else RECOMPUTE
 
     def zeros(dp: int):
+        if fixed.ep and fixed.ep > 1:  # ZeRO of expert state (over the dp/ep replicas) is not priced yet
+            return (0,)
         return [fixed.zero] if fixed.zero is not None else range(4) if dp > 1 else (0,)
 
     dp_prefixes: dict[tuple, list[float]] = {}  # (tp, sp, mbs, zero, dp, m) -> _dp_comm_prefix
