@@ -153,3 +153,13 @@ def test_ep_plan_divides_expert_memory_and_prices_the_all_to_alls():
     assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
     with pytest.raises(autopar.PlanError, match=r"experts ep=3 does not divide dp=4"):
         Plan.from_dict({**plan.to_dict(), "experts": {**plan.to_dict()["experts"], "ep": 3}})
+
+
+def test_expert_flops_are_counted_in_closed_form():
+    """Block forward = qkv + wo + router + the experts (3 matmuls of 2 d f per row, N x top-2 rows) + attention."""
+    model, inputs, loss_fn, target = moe.build(size="tiny")
+    report = autopar.analyze(model, inputs, cluster="1x1xcpu", loss_fn=loss_fn, example_target=target)
+    block = next(r for r in report.layers if r.class_name == "Block")
+    N, d, f, E, k, T, heads = 8 * 16, 32, 32, 8, 2, 16, 4
+    attention = 2 * 2 * 8 * heads * T * T * (d // heads)  # q k^T and p v
+    assert block.flops_fwd == 2 * N * d * 3 * d + 2 * N * d * d + 2 * N * d * E + 3 * 2 * N * k * d * f + attention
