@@ -79,6 +79,7 @@ from autopar.plan import Plan
 from autopar.precision import cast_floating, plan_precision, resolve_precision
 from autopar.progress import progress
 from autopar.runtime.device import bind_local_device, local_device
+from autopar.runtime.expert import refuse_ep
 
 log = logging.getLogger(__name__)
 
@@ -441,7 +442,11 @@ class ParallelModule:
             from autopar.planner.make import check_batch_split
             from autopar.planner.search import Fixed
 
-            check_batch_split(_batch_size(values), Fixed.from_dict(self.fixed))
+            fixed = Fixed.from_dict(self.fixed)
+            refuse_ep(fixed.ep)
+            check_batch_split(_batch_size(values), fixed)
+        else:
+            refuse_ep(self._given_plan.experts.get("ep"))
         bind_local_device(self.device)  # before the first collective: NCCL binds to the current GPU
         _init_process_group(self.device, self.timeout_s)
         self._watch = _peer_watch(self.timeout_s)

@@ -10,7 +10,10 @@ they live in ``plan.timings`` and in the summary, never in the file.
 
 Plan file keys (``"schema": 1``): ``mesh``, ``schedule``, ``zero``,
 ``recompute``, ``stages``, ``layers``, ``ops``, ``predicted``, ``solver``,
-``communication``, ``cluster``, ``model``, ``fixed``, ``autopar_version``.
+``communication``, ``cluster``, ``model``, ``fixed``, ``autopar_version``; ``experts``
+only under expert parallelism (``ep``, where the experts live, the all-to-all bytes:
+``autopar.planner.experts.experts_record``). ``ep`` is not a ``mesh`` key: it folds over
+``dp`` and does not multiply the world size.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ SCHEMA_VERSION = 1
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 
-_DICT_KEYS = ("mesh", "schedule", "layers", "ops", "predicted", "solver", "communication", "cluster", "model", "fixed")
+_DICT_KEYS = ("mesh", "schedule", "layers", "ops", "predicted", "solver", "communication", "cluster", "model", "fixed",
+              "experts")
 """Top-level keys whose value is a JSON object."""
 
 
@@ -117,6 +121,8 @@ class Plan:
     model: dict[str, Any]
     """name, n_params, graph_hash, global_batch."""
     fixed: dict[str, Any] = field(default_factory=dict)
+    experts: dict[str, Any] = field(default_factory=dict)
+    """Expert parallelism (empty without): ep, replicas, per-layer expert placement, all-to-all cost."""
     autopar_version: str = ""
     schema: int = SCHEMA_VERSION
     timings: dict[str, float] = field(default_factory=dict, compare=False)
@@ -128,6 +134,8 @@ class Plan:
         out = {f.name: _round(getattr(self, f.name)) for f in fields(self) if f.name != "timings"}
         if not self.sequence_parallel:  # absent means off: plan files from before the key stay byte-identical
             del out["sequence_parallel"]
+        if not self.experts:  # absent means no expert parallelism, as above
+            del out["experts"]
         return out
 
     def to_json(self) -> str:
@@ -145,7 +153,7 @@ class Plan:
         if schema != SCHEMA_VERSION:
             raise PlanError(f"plan schema {schema!r} is not supported (this autopar reads schema {SCHEMA_VERSION})")
         names = {f.name for f in fields(cls)} - {"timings"}
-        optional = ("fixed", "autopar_version", "sequence_parallel")
+        optional = ("fixed", "autopar_version", "sequence_parallel", "experts")
         missing = sorted(n for n in names if n not in data and n not in optional)
         if missing:
             raise PlanError(f"plan is missing keys: {', '.join(missing)}")
@@ -216,6 +224,16 @@ class Plan:
                 problems.append(f"schedule {key}={v!r} must be an integer >= 1")
         if self.recompute not in RECOMPUTE_POLICIES:
             problems.append(f"recompute={self.recompute!r} is not one of {', '.join(RECOMPUTE_POLICIES)}")
+        ep = self.experts.get("ep") if self.experts else None
+        if ep is not None:
+            if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+                problems.append(f"experts ep={ep!r} must be an integer >= 1")
+            elif isinstance(self.mesh.get("dp"), int) and self.mesh["dp"] % ep:
+                problems.append(f"experts ep={ep} does not divide dp={self.mesh['dp']} (ep folds over the dp ranks)")
+            else:
+                for name, layer in self.experts.get("layers", {}).items():
+                    if isinstance(layer, dict) and isinstance(layer.get("n_experts"), int) and layer["n_experts"] % ep:
+                        problems.append(f"experts ep={ep} does not divide the {layer['n_experts']} experts of {name}")
         layer_paths = [p for s in self.stages for p in s.get("layers", [])]
         if len(layer_paths) != len(set(layer_paths)):
             problems.append("a layer appears in more than one stage")

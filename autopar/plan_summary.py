@@ -202,6 +202,20 @@ def precision_words(model: dict[str, Any]) -> str:
     return f"precision {words}"
 
 
+def expert_words(plan: Plan) -> list[str]:
+    """Where the experts live under expert parallelism (nothing without it)."""
+    x = plan.experts
+    if not x:
+        return []
+    layers = list(x.get("layers", {}).values())
+    n = layers[0]["n_experts"] if layers else 0
+    a2a = x.get("all_to_all", {})
+    return [f"experts: ep={x['ep']} folded over dp={plan.mesh.get('dp')} ({x['replicas']} replica(s) of each expert "
+            f"part); {n // x['ep'] if n else 0} of {n} experts per rank in each of {sum(l['instances'] for l in layers)} "
+            f"MoE layer(s), rank r holding part r mod ep; dispatch/combine all-to-all {fmt_bytes(a2a.get('bytes', 0))} "
+            f"per step ({a2a.get('link', '?')}), {x.get('routing', '')}"]
+
+
 def render_summary(plan: Plan) -> str:
     p = plan.predicted
     cap = plan.cluster.get("device", {}).get("hbm_bytes", 0)
@@ -213,6 +227,7 @@ def render_summary(plan: Plan) -> str:
         + (f", {p['tokens_per_s']:.4g} tokens/s" if p.get("tokens_per_s") else ""),
         f"  {precision_words(plan.model)}",
         *(f"  {w}" for w in mesh_words(plan)),
+        *(f"  {w}" for w in expert_words(plan)),
         "",
         f"  {'stage':>5} {'layers':<40} {'devices':<9} {'compute':>9} {'comm':>9} {'memory':>9}  "
         f"of {fmt_bytes(cap)}: P=params G=grads O=optimizer A=activations",

@@ -235,7 +235,7 @@ def test_llama_runs_on_meta():
 # --- errors -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "llama"])
+@pytest.mark.parametrize("name", ["mlp", "gpt", "llama", "moe"])
 def test_unknown_size_lists_the_sizes(name):
     example = load_example(name)
     with pytest.raises(ValueError, match="tiny"):

@@ -63,6 +63,8 @@ __all__ = [
     "all_reduce_s",
     "all_to_all_s",
     "broadcast_s",
+    "expert_all_to_all_bytes",
+    "expert_all_to_all_s",
     "group_link",
     "p2p_s",
     "pipeline_links",
@@ -177,6 +179,31 @@ def reduce_scatter_s(nbytes: float, group_size: int, link: Link) -> float:
 def all_to_all_s(nbytes: float, group_size: int, link: Link) -> float:
     """All-to-all; ``nbytes`` is each rank's send buffer, ``(n-1)/n`` of which leaves the rank."""
     return _ring_s(nbytes, group_size, link, passes=1)
+
+
+def expert_all_to_all_bytes(*, rows: float, width: int, elem_bytes: int, n_experts: int,
+                            count_bytes: int = 8) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Send buffers of one expert-parallel MoE layer's all-to-alls on one rank, (forward, backward).
+
+    ``rows`` is the rank's token rows entering the experts (tokens x top-k, one row per
+    chosen expert), ``width`` the hidden size. As :mod:`autopar.experts` runs it
+    (dropless, no capacity padding): each pass first exchanges the per-expert counts
+    (``n_experts`` int64), then forward dispatches the rows and combines the results
+    (``rows x width`` each); backward dispatches the input and the output gradient together
+    (rows of width 2 x ``width``, the input is not kept from forward) and combines the
+    input gradient. Balanced routing is assumed: every rank sends and receives ``rows``.
+    """
+    s = rows * width * elem_bytes
+    counts = n_experts * count_bytes
+    return (counts, s, s), (counts, 2 * s, s)
+
+
+def expert_all_to_all_s(*, rows: float, width: int, elem_bytes: int, n_experts: int, ep: int,
+                        link: Link) -> tuple[float, float]:
+    """(forward, backward) seconds of :func:`expert_all_to_all_bytes` over an ep group of
+    ``ep`` ranks on ``link`` (each message an :func:`all_to_all_s`)."""
+    fwd, bwd = expert_all_to_all_bytes(rows=rows, width=width, elem_bytes=elem_bytes, n_experts=n_experts)
+    return (sum(all_to_all_s(m, ep, link) for m in fwd), sum(all_to_all_s(m, ep, link) for m in bwd))
 
 
 def broadcast_s(nbytes: float, group_size: int, link: Link) -> float:

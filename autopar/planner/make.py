@@ -32,6 +32,7 @@ from autopar.passes.pipeline import boundary_tensors
 from autopar.passes.strategies import StrategyGraph, build_strategy_graph
 from autopar.plan import Plan
 from autopar.precision import Precision, plan_precision, resolve_precision
+from autopar.planner.experts import apply_ep, check_ep, experts_record, find_experts
 from autopar.planner.frontend import trace_pair
 from autopar.planner.ilp import Solution, build_problem, evaluate, solve
 from autopar.planner.search import Candidate, Fixed, Unit, search
@@ -127,6 +128,8 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     if precision is None:
         precision = plan_precision({"precision": "fp32" if _param_dtype(gm) == "fp32" else "bf16-mixed"})
     policy, precision = precision, precision.name
+    experts = find_experts(gm)
+    check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp, zero=fixed.zero)
     t0 = time.perf_counter()
     solved: dict[tuple[int, bool], tuple[StrategyGraph, Solution]] = {}
     with progress("solving the sharding MIP"):
@@ -172,6 +175,9 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                         n_params=lc.n_params_local if lc else 0.0,
                         shared_params=tuple((fqn, owner, local.get(fqn, 0.0))
                                             for fqn, owner in shared.get(layer.path, ()))))
+            if fixed.ep:
+                units = apply_ep(units, names=names, sites=experts, ep=fixed.ep, tp=tp, microbatch_size=mbs,
+                                 global_batch=batch, cluster=cluster)
             cache[tp, mbs, sp] = units
         return cache[tp, mbs, sp]
 
@@ -539,6 +545,14 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
             "count": 2 * cfg.microbatches * (len(best.stages) - 1),
             "bytes": 2 * cfg.microbatches * sum(st.send_bytes for st in best.stages),
             "time_s": 2 * cfg.microbatches * sum(best.p2p_cut_s)}
+    experts = {}
+    if fixed.ep and fixed.ep > 1:
+        experts = experts_record(find_experts(gm), ep=fixed.ep, dp=cfg.dp, tp=cfg.tp,
+                                 microbatch_size=cfg.microbatch_size, microbatches=cfg.microbatches,
+                                 global_batch=info.global_batch, counts={x.path: x.count for x in layers},
+                                 cluster=cluster)
+        a2a = experts["all_to_all"]
+        communication["all_to_all"]["ep"] = {"count": a2a["count"], "bytes": a2a["bytes"], "time_s": a2a["time_s"]}
     model_flops = sum((x.flops_fwd + x.flops_bwd) * x.count for x in layers)
     recompute_flops = 0.0
     if cfg.recompute == "full":
@@ -571,6 +585,6 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         model={"name": info.model_name, "n_params": info.n_params, "graph_hash": graph_hash(gm),
                "global_batch": info.global_batch, "precision": precision,
                **({"precision_source": precision_source} if precision_source else {})},
-        fixed=fixed.to_dict(), autopar_version=autopar.__version__,
+        fixed=fixed.to_dict(), experts=experts, autopar_version=autopar.__version__,
         timings={**timings, "sharding_mip_s": sol.wall_s, "search_wall_s": stats["wall_s"],
                  **{f"search_{k}": v for k, v in stats.items() if k.endswith("_s") and k != "wall_s"}})

@@ -80,7 +80,7 @@ FUSED_BACKWARD = ("gpipe", "1f1b", "interleaved")
 """Schedules that run B and W as one fused backward (BW) action."""
 RECOMPUTE = ("none", "selective", "full")
 FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
-              "virtual_stages")
+              "virtual_stages", "ep")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -100,6 +100,9 @@ class Fixed:
     """Sequence parallelism (norms and pointwise ops of a block on token shards over tp)."""
     virtual_stages: int | None = None
     """Model chunks per rank under the interleaved schedule."""
+    ep: int | None = None
+    """Expert parallelism: experts cut in ep parts over groups of ep data-parallel ranks
+    (``autopar.planner.experts``); pinned only, the search does not choose it yet."""
 
     @classmethod
     def from_dict(cls, fixed: dict | None) -> Fixed:
@@ -496,6 +499,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     recomputes = [fixed.recompute] if fixed.recompute else RECOMPUTE
 
     def zeros(dp: int):
+        if fixed.ep and fixed.ep > 1:  # ZeRO of expert state (over the dp/ep replicas) is not priced yet
+            return (0,)
         return [fixed.zero] if fixed.zero is not None else range(4) if dp > 1 else (0,)
 
     dp_prefixes: dict[tuple, list[float]] = {}  # (tp, sp, mbs, zero, dp, m) -> _dp_comm_prefix
@@ -514,7 +519,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     for tp in tp_options:
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
-            if (fixed.pp and pp != fixed.pp) or (fixed.dp and dp != fixed.dp) or pp > n_units:
+            if (fixed.pp and pp != fixed.pp) or (fixed.dp and dp != fixed.dp) or pp > n_units \
+                    or (fixed.ep and dp % fixed.ep):  # ep folds over the dp ranks
                 continue
             if global_batch % dp:
                 skipped_batch += 1

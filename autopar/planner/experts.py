@@ -1,0 +1,174 @@
+"""Expert parallelism in the planner: find the expert layers, check ``ep``, price it, record it.
+
+The experts are the forward nodes of :func:`autopar.experts.moe_experts` in the joint
+graph (one per MoE block); their weight arguments are the stacked expert parameters
+(dim 0 = expert). ``ep`` folds over the data-parallel ranks (``dp = replicas x ep``,
+ep groups of consecutive dp ranks, stride tp in the world): the experts are cut in
+``ep`` parts, everything else stays data parallel.
+
+What a plan with ``ep`` > 1 changes, per unit (layer instance) holding experts:
+- parameters (and so gradients and optimizer state, by ZeRO stage) per device: the
+  expert parameters count ``1/ep`` of their tp-local size;
+- forward and backward time: the dispatch/combine all-to-alls of
+  :func:`autopar.cost.comm.expert_all_to_all_s` on the ep group's link, not overlapped
+  with compute, under balanced routing (every rank sends and receives its own
+  tokens x top-k rows; imbalance is not modelled yet);
+- expert FLOPs per rank are unchanged under balanced routing (each rank runs its
+  tokens' share of rows, spread over its experts).
+
+Plans with ``ep`` > 1 use ZeRO stage 0 (the module-level runtime's): expert state under
+ZeRO would be sharded over the dp/ep replicas, which the per-parameter state model of the
+search does not express yet. Approximations, stated: the data-parallel gradient reduction prices the reduced
+expert size over all dp ranks (the runtime sums expert gradients over the dp/ep
+replicas only), and ``communication`` lists the dp buckets at their full size.
+``ep`` is pinned (``fixed={"ep": k}``); the search does not choose it yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import fx
+
+from autopar.cluster import Cluster
+from autopar.cost.comm import expert_all_to_all_bytes, expert_all_to_all_s
+from autopar.errors import PlanError
+from autopar.passes import meta_keys as mk
+
+__all__ = ["ExpertSite", "find_experts", "check_ep", "apply_ep", "experts_record"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertSite:
+    """One expert node of the traced graph (one MoE block's experts)."""
+
+    layer: str
+    """Layer path the node belongs to."""
+    module: str
+    """Module path of the experts, e.g. "layers.0.moe"."""
+    n_experts: int
+    rows: int
+    """Token rows entering the experts at the traced (global) batch: tokens x top-k."""
+    width: int
+    """Hidden size of a row."""
+    elem_bytes: int
+    params: tuple[str, ...]
+    """The stacked expert parameters (FQNs)."""
+    n_params: int
+    """Their elements, all experts."""
+
+
+def _is_experts(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "name", lambda: "")() == "autopar::moe_experts"
+
+
+def find_experts(gm: fx.GraphModule) -> list[ExpertSite]:
+    """The expert nodes of the traced joint graph, in graph order."""
+    sites = []
+    for node in gm.graph.nodes:
+        if not _is_experts(node):
+            continue
+        x, _counts, *weights = node.args[:5]
+        val = x.meta["val"]  # (rows, width)
+        fqns = tuple(w.meta[mk.TRACE].fqn for w in weights)
+        sites.append(ExpertSite(
+            layer=node.meta.get(mk.LAYER, ""), module=node.meta[mk.TRACE].module_path,
+            n_experts=int(weights[0].meta["val"].shape[0]), rows=int(val.shape[0]), width=int(val.shape[1]),
+            elem_bytes=val.dtype.itemsize, params=fqns,
+            n_params=sum(w.meta["val"].numel() for w in weights)))
+    return sites
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_ep(ep: int | None, sites: list[ExpertSite], *, cluster: Cluster, dp: int | None, tp: int | None,
+             zero: int | None = None) -> None:
+    """One :class:`PlanError` naming the values when ``ep`` cannot be planned."""
+    if not ep or ep == 1:
+        return
+    if not sites:
+        raise PlanError(f"ep={ep} but the model has no expert layers (autopar.experts.moe_experts, as in "
+                        f"examples/moe.py); drop ep or route the experts through that op")
+    for s in sites:
+        if s.n_experts % ep:
+            raise PlanError(f"ep={ep} does not divide the {s.n_experts} experts of {s.module}; "
+                            f"pick ep among {_divisors(s.n_experts)}")
+    if zero:
+        raise PlanError(f"ep={ep} with zero={zero}: ZeRO for expert state (sharded over the dp/ep replicas) is "
+                        f"not priced or run yet; use zero=0 with ep, or drop ep")
+    if dp is not None and dp % ep:
+        raise PlanError(f"ep={ep} must divide dp={dp}: expert parallelism folds over the data-parallel ranks; "
+                        f"pick ep among {_divisors(dp)} or another dp")
+    if cluster.world_size % (ep * (tp or 1)):
+        raise PlanError(f"ep={ep}{f' x tp={tp}' if tp else ''} does not divide the {cluster.world_size} devices "
+                        f"of {cluster.spec}")
+
+
+def _by_layer(sites: list[ExpertSite]) -> dict[str, list[ExpertSite]]:
+    out: dict[str, list[ExpertSite]] = {}
+    for s in sites:
+        out.setdefault(s.layer, []).append(s)
+    return out
+
+
+def apply_ep(units: list, *, names: dict[str, list[str]], sites: list[ExpertSite], ep: int, tp: int,
+             microbatch_size: int, global_batch: int, cluster: Cluster) -> list:
+    """``units`` (``search.Unit``, at ``microbatch_size`` per dp rank) with expert parameters
+    divided by ``ep`` and the all-to-all time added to forward and backward."""
+    if ep <= 1 or not sites:
+        return units
+    link = cluster.link_for_group(ep, stride=tp)
+    extra: dict[str, tuple[float, float, float]] = {}  # unit path -> (fwd_s, bwd_s, params removed)
+    for layer, here in _by_layer(sites).items():
+        f = b = removed = 0.0
+        for s in here:
+            rows = s.rows * microbatch_size / global_batch
+            fs, bs = expert_all_to_all_s(rows=rows, width=s.width, elem_bytes=s.elem_bytes, n_experts=s.n_experts,
+                                         ep=ep, link=link)
+            f, b, removed = f + fs, b + bs, removed + s.n_params * (1 - 1 / ep)
+        for path in names.get(layer, [layer]):
+            extra[path] = (f, b, removed)
+    out = []
+    for u in units:
+        if u.path not in extra:
+            out.append(u)
+            continue
+        f, b, removed = extra[u.path]
+        out.append(replace(u, f_s=u.f_s + f, b_s=u.b_s + b, comm_s=u.comm_s + f + b,
+                           n_params=max(0.0, u.n_params - removed)))
+    return out
+
+
+def experts_record(sites: list[ExpertSite], *, ep: int, dp: int, tp: int, microbatch_size: int, microbatches: int,
+                   global_batch: int, counts: dict[str, int], cluster: Cluster) -> dict:
+    """The plan's ``experts`` entry: where the experts live and what their all-to-alls cost."""
+    link = cluster.link_for_group(ep, stride=tp)
+    layers, fwd_bytes, bwd_bytes, time_s, messages = {}, 0.0, 0.0, 0.0, 0
+    for s in sites:
+        rows = s.rows * microbatch_size / global_batch
+        f, b = expert_all_to_all_bytes(rows=rows, width=s.width, elem_bytes=s.elem_bytes, n_experts=s.n_experts)
+        fs, bs = expert_all_to_all_s(rows=rows, width=s.width, elem_bytes=s.elem_bytes, n_experts=s.n_experts,
+                                     ep=ep, link=link)
+        n = counts.get(s.layer, 1) * microbatches
+        layers[s.module] = {"layer": s.layer, "instances": counts.get(s.layer, 1), "n_experts": s.n_experts,
+                            "experts_per_rank": s.n_experts // ep, "params": list(s.params),
+                            "rows_per_microbatch": rows,
+                            "all_to_all_bytes": {"forward": list(f), "backward": list(b)}}
+        fwd_bytes += sum(f) * n
+        bwd_bytes += sum(b) * n
+        time_s += (fs + bs) * n
+        messages += (len(f) + len(b)) * n
+    return {
+        "ep": ep, "folded_over": "dp", "replicas": dp // ep,
+        "ep_groups": "consecutive dp ranks (stride tp in the world); replicas of one expert part are ep apart",
+        "layers": layers,
+        "expert_params_per_rank": sum(s.n_params * counts.get(s.layer, 1) for s in sites) / ep,
+        "all_to_all": {"count": messages, "bytes": fwd_bytes + bwd_bytes, "forward_bytes": fwd_bytes,
+                       "backward_bytes": bwd_bytes, "time_s": time_s,
+                       "link": "intra-node" if ep * tp <= cluster.devices_per_node or cluster.nodes == 1
+                       else "inter-node", "link_bytes_per_s": link.bytes_per_s},
+        "routing": "dropless top-k; balanced load assumed",
+    }

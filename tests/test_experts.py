@@ -1,0 +1,165 @@
+"""Expert parallelism, single process: the expert op, the all-to-all prices, ``ep`` in the planner.
+
+The multi-process runs (ep=2, ep=4, ep=2 x dp=2 against one process) are in
+``tests/dist/test_expert_parallel.py``.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopar
+from autopar.cost.comm import Link, all_to_all_s, expert_all_to_all_bytes, expert_all_to_all_s
+from autopar.experts import moe_experts
+from autopar.plan import Plan
+from autopar.runtime.expert import EpLayout, refuse_ep
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import mlp  # noqa: E402
+import moe  # noqa: E402
+
+
+def _dense(x, counts, w_gate, w_up, w_down):
+    """The experts written out: expert e on its block of rows."""
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        xe = x[start:start + n]
+        out.append(F.linear(F.silu(xe @ w_gate[e]) * (xe @ w_up[e]), w_down[e].T))
+        start += n
+    return torch.cat(out)
+
+
+def test_expert_op_matches_the_dense_experts_in_value_and_gradient():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    ws = [torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True) for s in ((3, 8, 4), (3, 8, 4),
+                                                                                          (3, 4, 8))]
+    counts = torch.tensor([3, 0, 7])  # an expert with no rows
+    got = moe_experts(x, counts, *ws, "")
+    want = _dense(x, counts, *ws)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    gy = torch.randn_like(got)
+    grads = torch.autograd.grad(got, (x, *ws), gy)
+    ref = torch.autograd.grad(want, (x, *ws), gy)
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x, a, b, c: moe_experts(x, counts, a, b, c, ""), (x, *ws))
+
+
+def test_moe_example_routes_top2_and_trains():
+    model, inputs, loss_fn, target = moe.build(size="tiny", shared_expert="1", aux_loss="0.01")
+    assert isinstance(model(*inputs), tuple)
+    assert sum(p.numel() for p in model.parameters()) == moe.count_params(model.config)
+    assert model.layers[0].moe.w_gate.shape == (8, 32, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(3):
+        loss = loss_fn(model(*inputs), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    big, _, _, _ = moe.build(size="8x7b")
+    assert next(big.parameters()).device.type == "meta"
+    assert moe.count_params(big.config) == pytest.approx(47.5e9, rel=0.01)
+
+
+def test_balance_loss_is_linear_over_the_batch():
+    """Per-sequence balance: the mean over two half batches equals the whole batch's (so dp is exact)."""
+    model, (tokens,), _, _ = moe.build(size="tiny", aux_loss="1", batch="4")
+    _, whole = model(tokens)
+    halves = [model(t)[1] for t in tokens.split(2)]
+    torch.testing.assert_close(whole, sum(halves) / 2, rtol=1e-6, atol=0)
+
+
+def test_all_to_all_bytes_and_time_in_closed_form():
+    fwd, bwd = expert_all_to_all_bytes(rows=64, width=32, elem_bytes=4, n_experts=8)
+    assert fwd == (64, 8192, 8192) and bwd == (64, 16384, 8192)  # counts, dispatch, combine
+    link = Link(bytes_per_s=1e9, latency_s=1e-6)
+    f, b = expert_all_to_all_s(rows=64, width=32, elem_bytes=4, n_experts=8, ep=4, link=link)
+    # each all-to-all: (n-1)/n of the send buffer over beta, plus (n-1) alpha
+    assert f == pytest.approx(sum(3 / 4 * m / 1e9 + 3e-6 for m in fwd), rel=1e-12)
+    assert b == pytest.approx(sum(3 / 4 * m / 1e9 + 3e-6 for m in bwd), rel=1e-12)
+    assert f == pytest.approx(sum(all_to_all_s(m, 4, link) for m in fwd))
+    assert expert_all_to_all_s(rows=64, width=32, elem_bytes=4, n_experts=8, ep=1, link=link) == (0.0, 0.0)
+
+
+def test_ep_layout_groups():
+    layout = EpLayout(dp=4, ep=2)
+    assert layout.ep_groups() == [[0, 1], [2, 3]]
+    assert layout.replica_groups() == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError, match=r"ep=3 must divide dp=4"):
+        EpLayout(dp=4, ep=3)
+
+
+def _plan(fixed, **build):
+    model, inputs, loss_fn, target = moe.build(size="tiny", **build)
+    return autopar.plan(model, inputs, cluster="1x4xcpu", loss_fn=loss_fn, example_target=target, fixed=fixed)
+
+
+@pytest.mark.parametrize("fixed, message", [
+    ({"ep": 3}, r"^ep=3 does not divide the 8 experts of layers\.0\.moe; pick ep among \[1, 2, 4, 8\]$"),
+    ({"ep": 4, "dp": 2}, r"^ep=4 must divide dp=2: expert parallelism folds over the data-parallel ranks; "
+                         r"pick ep among \[1, 2\] or another dp$"),
+    ({"ep": 8}, r"^ep=8 does not divide the 4 devices of 1x4xcpu$"),
+    ({"ep": 2, "zero": 1}, r"^ep=2 with zero=1: ZeRO for expert state .* is not priced or run yet; use zero=0 with ep"),
+])
+def test_bad_ep_is_one_line_naming_the_values(fixed, message):
+    with pytest.raises(autopar.PlanError, match=message):
+        _plan(fixed)
+
+
+def test_ep_needs_expert_layers_and_an_integer():
+    model, inputs, loss_fn, target = mlp.build(size="tiny")
+    with pytest.raises(autopar.PlanError, match=r"^ep=2 but the model has no expert layers"):
+        autopar.plan(model, inputs, cluster="1x2xcpu", loss_fn=loss_fn, example_target=target, fixed={"ep": 2})
+    with pytest.raises(autopar.PlanError, match=r"ep='two' is not an integer"):
+        autopar.plan(model, inputs, cluster="1x2xcpu", loss_fn=loss_fn, example_target=target, fixed={"ep": "two"})
+    with pytest.raises(autopar.PlanError, match=r"^ep=2: autopar.parallelize does not run expert parallelism yet"):
+        refuse_ep(2)
+    refuse_ep(1)
+
+
+def test_ep_plan_divides_expert_memory_and_prices_the_all_to_alls():
+    pinned = {"tp": 1, "pp": 1, "microbatches": 1}
+    base = _plan({"ep": 1, "zero": 0, **pinned})
+    plan = _plan({"ep": 2, **pinned})
+    assert plan.zero == 0  # ep plans keep expert state unsharded (ZeRO of expert state is open)
+    config = moe.SIZES["tiny"]
+    assert "experts" not in base.to_dict() and base.mesh == plan.mesh == {"pp": 1, "dp": 4, "tp": 1}
+    # parameters per device: everything but the experts, plus half the experts (fp32)
+    expert = moe.expert_params(config)
+    assert base.stages[0]["predicted"]["memory_bytes"]["params"] == 4 * moe.count_params(config)
+    assert plan.stages[0]["predicted"]["memory_bytes"]["params"] == 4 * (moe.count_params(config) - expert / 2)
+    x = plan.experts
+    assert x["ep"] == 2 and x["replicas"] == 2 and x["expert_params_per_rank"] == expert / 2
+    assert sorted(x["layers"]) == ["layers.0.moe", "layers.1.moe"]
+    assert all(layer["experts_per_rank"] == 4 for layer in x["layers"].values())
+    # per dp rank and micro-batch: batch 8 / dp 4 = 2 sequences x 16 tokens x top-2 rows of 32 fp32
+    fwd, bwd = expert_all_to_all_bytes(rows=2 * 16 * 2, width=32, elem_bytes=4, n_experts=8)
+    assert x["all_to_all"]["bytes"] == (sum(fwd) + sum(bwd)) * 2  # two MoE layers
+    assert plan.communication["all_to_all"]["ep"]["count"] == 6 * 2
+    # forward and backward of a micro-batch grow by the all-to-alls of both layers
+    link = autopar.cluster.parse_cluster("1x4xcpu").link_for_group(2, stride=1)
+    f, b = expert_all_to_all_s(rows=64, width=32, elem_bytes=4, n_experts=8, ep=2, link=link)
+    got, want = plan.stages[0]["predicted"], base.stages[0]["predicted"]
+    assert got["f_s"] == pytest.approx(want["f_s"] + 2 * f, rel=1e-5)
+    assert got["b_s"] == pytest.approx(want["b_s"] + 2 * b, rel=1e-5)
+    assert "experts: ep=2 folded over dp=4 (2 replica(s)" in plan.summary()
+    assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+    with pytest.raises(autopar.PlanError, match=r"experts ep=3 does not divide dp=4"):
+        Plan.from_dict({**plan.to_dict(), "experts": {**plan.to_dict()["experts"], "ep": 3}})
+
+
+def test_expert_flops_are_counted_in_closed_form():
+    """Block forward = qkv + wo + router + the experts (3 matmuls of 2 d f per row, N x top-2 rows) + attention."""
+    model, inputs, loss_fn, target = moe.build(size="tiny")
+    report = autopar.analyze(model, inputs, cluster="1x1xcpu", loss_fn=loss_fn, example_target=target)
+    block = next(r for r in report.layers if r.class_name == "Block")
+    N, d, f, E, k, T, heads = 8 * 16, 32, 32, 8, 2, 16, 4
+    attention = 2 * 2 * 8 * heads * T * T * (d // heads)  # q k^T and p v
+    assert block.flops_fwd == 2 * N * d * 3 * d + 2 * N * d * d + 2 * N * d * E + 3 * 2 * N * k * d * f + attention
