@@ -1,8 +1,11 @@
-"""A fast subset of bench/hf_coverage.py: architectures not in examples/hf.py, built from their
-default configs scaled down, plan on 1x8xH100; and the bench sorts outcomes as it says
-(autopar's own errors are "refused", anything else escaping autopar is "crashed")."""
+"""A fast subset of bench/hf_coverage.py, through the bench's own code path (``plan_all``, as its
+``main`` calls it, with its CPU-second budget): architectures not in examples/hf.py, built from
+their default configs scaled down, plan on 1x8xH100; the bench sorts outcomes as it says
+(autopar's own errors are "refused", anything else escaping autopar is "crashed", a plan past
+its CPU budget is "over time")."""
 
 import importlib.util
+import signal
 from pathlib import Path
 
 import pytest
@@ -24,9 +27,20 @@ def coverage():
 
 @pytest.mark.parametrize("kind, model_type", [("causal", "gpt_neo"), ("masked", "roberta")])
 def test_default_config_architecture_plans(coverage, kind, model_type):
-    (row,) = [coverage.plan_one(k, t, c) for k, t, c in coverage.architectures([kind], {model_type}, 1)]
+    rows = coverage.architectures([kind], {model_type}, 1)
+    (row,) = coverage.plan_all(rows, jobs=1, timeout_s=coverage.TIMEOUT_CPU_S)
     assert row["outcome"] == "planned", row
     assert row["mesh"]["pp"] * row["mesh"]["dp"] * row["mesh"]["tp"] == 8, row
+    assert 0 < row["cpu_s"] < coverage.TIMEOUT_CPU_S, row
+
+
+def test_cpu_budget_stops_planning(coverage):
+    """Past its CPU seconds an architecture is "over time", and the timer and handler are put back."""
+    before = signal.getsignal(signal.SIGPROF)
+    (row,) = coverage.plan_all(coverage.architectures(["causal"], {"gpt_neo"}, 1), jobs=1, timeout_s=0.5)
+    assert row["outcome"] == "over time" and "0.5 CPU seconds" in row["error"], row
+    assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGPROF) == before
 
 
 def test_tiny_config_is_tiny(coverage):
