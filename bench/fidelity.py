@@ -102,9 +102,29 @@ ROWS = [
 ]
 
 
+_CAUSAL_SDPA = "sdpa_is_causal"
+
+
+def _register_causal_sdpa() -> str:
+    """An attention implementation for Hugging Face models that is SDPA with ``is_causal=True``
+    and no mask tensor: what HF's own "sdpa" does on a GPU for unpadded batches (``masking_utils.
+    _ignore_causal_mask_sdpa`` skips the mask and ``sdpa_attention_forward`` then passes
+    ``is_causal``), and what torchtitan's Qwen3 runs. Under autopar's fake trace HF cannot read
+    the positions, keeps its packed-sequence check and materialises a (B, 1, T, T) mask, which
+    would be priced as a masked, full (non-causal) attention."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(_CAUSAL_SDPA, sdpa_attention_forward)
+    AttentionMaskInterface.register(_CAUSAL_SDPA, lambda *args, **kwargs: None)  # no mask: is_causal
+    return _CAUSAL_SDPA
+
+
 def qwen3_32b(batch: int, seq: int):
     """Qwen3-32B (Qwen/Qwen3-32B config.json: 64 layers, hidden 5120, 64 query and 8
-    key/value heads of 128, SwiGLU 25600, vocab 151936, untied head) on "meta", bf16."""
+    key/value heads of 128, SwiGLU 25600, vocab 151936, untied head) on "meta", bf16,
+    causal SDPA (:func:`_register_causal_sdpa`)."""
     import transformers
 
     config = transformers.Qwen3Config(
@@ -113,7 +133,7 @@ def qwen3_32b(batch: int, seq: int):
         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, use_cache=False,
         attention_dropout=0.0)
     with torch.device("meta"):
-        model = transformers.Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa",
+        model = transformers.Qwen3ForCausalLM._from_config(config, attn_implementation=_register_causal_sdpa(),
                                                             dtype=torch.bfloat16)
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")  # (B, T)
     return model, {"input_ids": ids, "labels": ids.clone()}, None, None
