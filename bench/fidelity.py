@@ -7,7 +7,10 @@ Each row of bench/calibration.yaml that autopar can express is rebuilt from its
 published shape on "meta" (Llama 3.1 8B/70B/405B from examples/llama.py, Qwen3-32B
 from Hugging Face transformers' Qwen3ForCausalLM), planned with every decision pinned
 to the published one (FSDP = ZeRO-3 over dp, tp, pp, local batch = micro-batch size
-per data-parallel rank, selective/full activation checkpointing), and the plan's
+per data-parallel rank, selective/full activation checkpointing; with tp, sequence
+parallelism on, as torchtitan's ``apply_tp`` runs it: ``SequenceParallel`` on the norms,
+row-parallel outputs ``Shard(1)`` on the sequence, the head's output sharded over the
+vocabulary for its loss-parallel cross-entropy), and the plan's
 predicted tokens/s per GPU and peak memory are printed next to the measured ones.
 
 The runs were made on Meta's Grand Teton H100s (96 GB HBM2e, 2.4 TB/s, 500 W cap;
@@ -36,9 +39,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from planner_speed import _example  # noqa: E402  (bench/ is on sys.path when run as a script)
 
-import autopar  # noqa: E402
 from autopar.cluster import Cluster  # noqa: E402
 from autopar.cost.devices import lookup_device  # noqa: E402
+from autopar.planner.make import make_plan  # noqa: E402
 
 GIB = 2**30
 
@@ -73,10 +76,10 @@ ROWS = [
         fixed={"dp": 128, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective"},
         tok_s=5605, mem_gib=67.0, compiled=False, source=_TT + " table 3"),
     Row(label="Llama3.1-8B FSDP8 TP8 lb12 SAC", model="llama:8b", nodes=8, seq=8192, local_batch=12,
-        fixed={"dp": 8, "tp": 8, "pp": 1, "zero": 3, "recompute": "selective"},
+        fixed={"dp": 8, "tp": 8, "pp": 1, "zero": 3, "recompute": "selective", "sp": True},
         tok_s=4378, mem_gib=None, compiled=True, source=_ATP),
     Row(label="Llama3.1-70B FSDP32 TP8 lb16 AC", model="llama:70b", nodes=32, seq=8192, local_batch=16,
-        fixed={"dp": 32, "tp": 8, "pp": 1, "zero": 3, "recompute": "full"},
+        fixed={"dp": 32, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
         tok_s=597.3, mem_gib=None, compiled=True, source=_ATP),
     Row(label="Qwen3-32B FSDP8 lb2 AC (compile)", model="qwen3:32b", nodes=1, seq=4096, local_batch=2,
         fixed={"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "full"},
@@ -91,10 +94,10 @@ ROWS = [
         fixed={"dp": 16, "tp": 1, "pp": 1, "zero": 3, "recompute": "full"},
         tok_s=1518, mem_gib=78.48, compiled=False, source=_QW),
     Row(label="Qwen3-32B FSDP8 TP4 lb16 AC", model="qwen3:32b", nodes=4, seq=4096, local_batch=16,
-        fixed={"dp": 8, "tp": 4, "pp": 1, "zero": 3, "recompute": "full"},
+        fixed={"dp": 8, "tp": 4, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
         tok_s=1139, mem_gib=70.20, compiled=False, source=_QW),
     Row(label="Qwen3-32B FSDP4 TP8 lb16 AC", model="qwen3:32b", nodes=4, seq=4096, local_batch=16,
-        fixed={"dp": 4, "tp": 8, "pp": 1, "zero": 3, "recompute": "full"},
+        fixed={"dp": 4, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
         tok_s=876, mem_gib=43.45, compiled=False, source=_QW),
     Row(label="Qwen3-32B FSDP16 lb8 AC: OOM", model="qwen3:32b", nodes=2, seq=4096, local_batch=8,
         fixed={"dp": 16, "tp": 1, "pp": 1, "zero": 3, "recompute": "full"},
@@ -149,6 +152,14 @@ def build(row: Row):
     return qwen3_32b(batch, row.seq)
 
 
+def _in_a_block(layer: str) -> bool:
+    """torchtitan compiles each transformer block on its own (``apply_compile``); the embedding,
+    final norm, head and loss run eager. Block paths: "layers.<i>" (examples/llama.py),
+    "model.layers.<i>" (Hugging Face)."""
+    parts = layer.split(".")
+    return len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit()
+
+
 def predict(row: Row) -> dict:
     device = lookup_device("H100-96GB")
     world = row.nodes * 8
@@ -157,7 +168,8 @@ def predict(row: Row) -> dict:
     model, inputs, loss_fn, target = build(row)
     fixed = dict(row.fixed, microbatch_size=row.local_batch, microbatches=1)
     start = time.perf_counter()
-    plan = autopar.plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed)
+    plan = make_plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed,
+                     compiled_layers=_in_a_block if row.compiled else None)
     wall = time.perf_counter() - start
     peak = plan.predicted["peak_memory_bytes"]
     return {"tok_s": plan.predicted["tokens_per_s"] / world, "mem_gib": peak / GIB, "mfu": plan.predicted["mfu"],
