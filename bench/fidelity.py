@@ -21,9 +21,15 @@ the predicted peak with the device's 95 GiB (and the planner's own 10% reserve).
 
 Rows left out, and why: context parallelism (the 8B CP table; autopar has no cp
 axis), MoE rows (no expert parallelism), Float8 rows (no fp8 pricing). Rows run
-with torch.compile are marked: autopar prices every pointwise op as its own
-memory-bound kernel, as eager mode runs it, so compiled rows are expected to come
-out pessimistic.
+with torch.compile are marked and planned with ``make_plan(compiled_layers=...)``:
+the memory-bound ops of each transformer block (what torchtitan compiles) are priced
+as TorchInductor fuses them (:mod:`autopar.passes.fuse`); the rest as eager.
+
+Not expressible, and so not priced as run: torchtitan's op-level selective AC (SAC)
+also recomputes every second matmul of a block (``_custom_policy`` in its
+``parallelize_llama.py``: wk, wo, w3 of Llama, 36% of a block's forward GEMM FLOPs);
+autopar's "selective" recomputes only FLOP-free ops, so the SAC rows are priced with
+less recompute than they ran (about 4-5% of their step).
 """
 
 import argparse
@@ -75,6 +81,12 @@ ROWS = [
     Row(label="Llama3.1-8B FSDP128 lb2 SAC", model="llama:8b", nodes=16, seq=8192, local_batch=2,
         fixed={"dp": 128, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective"},
         tok_s=5605, mem_gib=67.0, compiled=False, source=_TT + " table 3"),
+    Row(label="Llama3.1-8B FSDP8 lb2 SAC (compile)", model="llama:8b", nodes=1, seq=8192, local_batch=2,
+        fixed={"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective"},
+        tok_s=6667, mem_gib=77.0, compiled=True, source=_TT + " table 1"),
+    Row(label="Llama3.1-8B FSDP128 lb2 SAC (compile)", model="llama:8b", nodes=16, seq=8192, local_batch=2,
+        fixed={"dp": 128, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective"},
+        tok_s=6514, mem_gib=62.0, compiled=True, source=_TT + " table 3"),
     Row(label="Llama3.1-8B FSDP8 TP8 lb12 SAC", model="llama:8b", nodes=8, seq=8192, local_batch=12,
         fixed={"dp": 8, "tp": 8, "pp": 1, "zero": 3, "recompute": "selective", "sp": True},
         tok_s=4378, mem_gib=None, compiled=True, source=_ATP),
