@@ -73,7 +73,11 @@ class Analysis:
     n_params: int
     model_flops_per_step: float
     training_state_bytes: float
-    """Mixed-precision AdamW state (16 bytes/param), unsharded."""
+    """AdamW state under ``precision``, unsharded (:data:`autopar.cost.memory.PRECISIONS`: 18 bytes/param
+    for "bf16-mixed": bf16 compute copy, fp32 gradients, fp32 master, m and v; 16 for "fp32")."""
+    precision: str = "bf16-mixed"
+    """The training precision policy the costs are for (:mod:`autopar.precision`), as :func:`autopar.plan`
+    resolves it: "bf16-mixed" on a GPU cluster unless asked otherwise."""
     activation_bytes: float
     time_one_device_s: float
 
@@ -91,20 +95,27 @@ class Analysis:
                          f"{_si(r.flops_bwd):>10} {_bytes(r.activation_bytes):>11} {_secs(r.time_s):>9}")
         lines.append("-" * len(head))
         lines.append(f"parameters {_si(self.n_params)}; model FLOPs per step {_si(self.model_flops_per_step)}; "
-                     f"training state {_bytes(self.training_state_bytes)} (AdamW, mixed precision, unsharded); "
+                     f"training state {_bytes(self.training_state_bytes)} (AdamW, {self.precision}, "
+                     f"{self.training_state_bytes / max(self.n_params, 1):.0f} B/param, unsharded); "
                      f"activations {_bytes(self.activation_bytes)}; one device: {_secs(self.time_one_device_s)} per step")
         return "\n".join(lines)
 
 
 def analyze(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster,
-            loss_fn: Callable | None = None, example_target: Any = None) -> Analysis:
-    """Trace ``model`` and report its per-layer-class costs on one device of ``cluster``."""
+            loss_fn: Callable | None = None, example_target: Any = None, precision: str | None = None) -> Analysis:
+    """Trace ``model`` and report its per-layer-class costs on one device of ``cluster``, under the
+    precision policy :func:`autopar.plan` would use (``precision``, default as there): traced in
+    its compute dtype, training state at its bytes per parameter."""
+    from autopar.precision import resolve_precision
+
     cluster = parse_cluster(cluster)
-    gm = build_graph(model, example_inputs, cluster=cluster, loss_fn=loss_fn, example_target=example_target)
-    return summarize(gm, cluster=cluster)
+    policy, _ = resolve_precision(precision, model=model, gpu_cluster=cluster.device.name.lower() != "cpu")
+    gm = build_graph(model, example_inputs, cluster=cluster, loss_fn=loss_fn, example_target=example_target,
+                     param_dtype=policy.param_dtype)
+    return summarize(gm, cluster=cluster, precision=policy.memory_preset)
 
 
-def summarize(gm: fx.GraphModule, *, cluster: Cluster) -> Analysis:
+def summarize(gm: fx.GraphModule, *, cluster: Cluster, precision: str = "bf16-mixed") -> Analysis:
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
     layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
     by_sig: dict[str, list[mk.LayerInfo]] = {}
@@ -123,6 +134,7 @@ def summarize(gm: fx.GraphModule, *, cluster: Cluster) -> Analysis:
         model=info.model_name, cluster=cluster.spec, graph_hash=graph_hash(gm),
         global_batch=info.global_batch, n_nodes=len(gm.graph.nodes), layers=tuple(rows),
         n_params=info.n_params, model_flops_per_step=flops,
-        training_state_bytes=training_state_bytes(n_params=info.n_params, zero_stage=0, dp=1).total,
+        training_state_bytes=training_state_bytes(n_params=info.n_params, zero_stage=0, dp=1,
+                                                  precision=precision).total, precision=precision,
         activation_bytes=sum(x.saved_bytes * x.count for x in layers),
         time_one_device_s=sum((x.time_fwd_s + x.time_bwd_s) * x.count for x in layers))

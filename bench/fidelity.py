@@ -7,7 +7,10 @@ Each row of bench/calibration.yaml that autopar can express is rebuilt from its
 published shape on "meta" (Llama 3.1 8B/70B/405B from examples/llama.py, Qwen3-32B
 from Hugging Face transformers' Qwen3ForCausalLM), planned with every decision pinned
 to the published one (FSDP = ZeRO-3 over dp, tp, pp, local batch = micro-batch size
-per data-parallel rank, selective/full activation checkpointing), and the plan's
+per data-parallel rank, selective/full activation checkpointing; with tp, sequence
+parallelism on, as torchtitan's ``apply_tp`` runs it: ``SequenceParallel`` on the norms,
+row-parallel outputs ``Shard(1)`` on the sequence, the head's output sharded over the
+vocabulary for its loss-parallel cross-entropy), and the plan's
 predicted tokens/s per GPU and peak memory are printed next to the measured ones.
 
 The runs were made on Meta's Grand Teton H100s (96 GB HBM2e, 2.4 TB/s, 500 W cap;
@@ -18,9 +21,15 @@ the predicted peak with the device's 95 GiB (and the planner's own 10% reserve).
 
 Rows left out, and why: context parallelism (the 8B CP table; autopar has no cp
 axis), MoE rows (no expert parallelism), Float8 rows (no fp8 pricing). Rows run
-with torch.compile are marked: autopar prices every pointwise op as its own
-memory-bound kernel, as eager mode runs it, so compiled rows are expected to come
-out pessimistic.
+with torch.compile are marked and planned with ``make_plan(compiled_layers=...)``:
+the memory-bound ops of each transformer block (what torchtitan compiles) are priced
+as TorchInductor fuses them (:mod:`autopar.passes.fuse`); the rest as eager.
+
+Not expressible, and so not priced as run: torchtitan's op-level selective AC (SAC)
+also recomputes every second matmul of a block (``_custom_policy`` in its
+``parallelize_llama.py``: wk, wo, w3 of Llama, 36% of a block's forward GEMM FLOPs);
+autopar's "selective" recomputes only FLOP-free ops, so the SAC rows are priced with
+less recompute than they ran (about 4-5% of their step).
 """
 
 import argparse
@@ -36,9 +45,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from planner_speed import _example  # noqa: E402  (bench/ is on sys.path when run as a script)
 
-import autopar  # noqa: E402
 from autopar.cluster import Cluster  # noqa: E402
 from autopar.cost.devices import lookup_device  # noqa: E402
+from autopar.planner.make import make_plan  # noqa: E402
 
 GIB = 2**30
 
@@ -72,11 +81,17 @@ ROWS = [
     Row(label="Llama3.1-8B FSDP128 lb2 SAC", model="llama:8b", nodes=16, seq=8192, local_batch=2,
         fixed={"dp": 128, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective"},
         tok_s=5605, mem_gib=67.0, compiled=False, source=_TT + " table 3"),
+    Row(label="Llama3.1-8B FSDP8 lb2 SAC (compile)", model="llama:8b", nodes=1, seq=8192, local_batch=2,
+        fixed={"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective"},
+        tok_s=6667, mem_gib=77.0, compiled=True, source=_TT + " table 1"),
+    Row(label="Llama3.1-8B FSDP128 lb2 SAC (compile)", model="llama:8b", nodes=16, seq=8192, local_batch=2,
+        fixed={"dp": 128, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective"},
+        tok_s=6514, mem_gib=62.0, compiled=True, source=_TT + " table 3"),
     Row(label="Llama3.1-8B FSDP8 TP8 lb12 SAC", model="llama:8b", nodes=8, seq=8192, local_batch=12,
-        fixed={"dp": 8, "tp": 8, "pp": 1, "zero": 3, "recompute": "selective"},
+        fixed={"dp": 8, "tp": 8, "pp": 1, "zero": 3, "recompute": "selective", "sp": True},
         tok_s=4378, mem_gib=None, compiled=True, source=_ATP),
     Row(label="Llama3.1-70B FSDP32 TP8 lb16 AC", model="llama:70b", nodes=32, seq=8192, local_batch=16,
-        fixed={"dp": 32, "tp": 8, "pp": 1, "zero": 3, "recompute": "full"},
+        fixed={"dp": 32, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
         tok_s=597.3, mem_gib=None, compiled=True, source=_ATP),
     Row(label="Qwen3-32B FSDP8 lb2 AC (compile)", model="qwen3:32b", nodes=1, seq=4096, local_batch=2,
         fixed={"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "full"},
@@ -91,10 +106,10 @@ ROWS = [
         fixed={"dp": 16, "tp": 1, "pp": 1, "zero": 3, "recompute": "full"},
         tok_s=1518, mem_gib=78.48, compiled=False, source=_QW),
     Row(label="Qwen3-32B FSDP8 TP4 lb16 AC", model="qwen3:32b", nodes=4, seq=4096, local_batch=16,
-        fixed={"dp": 8, "tp": 4, "pp": 1, "zero": 3, "recompute": "full"},
+        fixed={"dp": 8, "tp": 4, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
         tok_s=1139, mem_gib=70.20, compiled=False, source=_QW),
     Row(label="Qwen3-32B FSDP4 TP8 lb16 AC", model="qwen3:32b", nodes=4, seq=4096, local_batch=16,
-        fixed={"dp": 4, "tp": 8, "pp": 1, "zero": 3, "recompute": "full"},
+        fixed={"dp": 4, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
         tok_s=876, mem_gib=43.45, compiled=False, source=_QW),
     Row(label="Qwen3-32B FSDP16 lb8 AC: OOM", model="qwen3:32b", nodes=2, seq=4096, local_batch=8,
         fixed={"dp": 16, "tp": 1, "pp": 1, "zero": 3, "recompute": "full"},
@@ -102,9 +117,29 @@ ROWS = [
 ]
 
 
+_CAUSAL_SDPA = "sdpa_is_causal"
+
+
+def _register_causal_sdpa() -> str:
+    """An attention implementation for Hugging Face models that is SDPA with ``is_causal=True``
+    and no mask tensor: what HF's own "sdpa" does on a GPU for unpadded batches (``masking_utils.
+    _ignore_causal_mask_sdpa`` skips the mask and ``sdpa_attention_forward`` then passes
+    ``is_causal``), and what torchtitan's Qwen3 runs. Under autopar's fake trace HF cannot read
+    the positions, keeps its packed-sequence check and materialises a (B, 1, T, T) mask, which
+    would be priced as a masked, full (non-causal) attention."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(_CAUSAL_SDPA, sdpa_attention_forward)
+    AttentionMaskInterface.register(_CAUSAL_SDPA, lambda *args, **kwargs: None)  # no mask: is_causal
+    return _CAUSAL_SDPA
+
+
 def qwen3_32b(batch: int, seq: int):
     """Qwen3-32B (Qwen/Qwen3-32B config.json: 64 layers, hidden 5120, 64 query and 8
-    key/value heads of 128, SwiGLU 25600, vocab 151936, untied head) on "meta", bf16."""
+    key/value heads of 128, SwiGLU 25600, vocab 151936, untied head) on "meta", bf16,
+    causal SDPA (:func:`_register_causal_sdpa`)."""
     import transformers
 
     config = transformers.Qwen3Config(
@@ -113,7 +148,7 @@ def qwen3_32b(batch: int, seq: int):
         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, use_cache=False,
         attention_dropout=0.0)
     with torch.device("meta"):
-        model = transformers.Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa",
+        model = transformers.Qwen3ForCausalLM._from_config(config, attn_implementation=_register_causal_sdpa(),
                                                             dtype=torch.bfloat16)
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")  # (B, T)
     return model, {"input_ids": ids, "labels": ids.clone()}, None, None
@@ -129,6 +164,14 @@ def build(row: Row):
     return qwen3_32b(batch, row.seq)
 
 
+def _in_a_block(layer: str) -> bool:
+    """torchtitan compiles each transformer block on its own (``apply_compile``); the embedding,
+    final norm, head and loss run eager. Block paths: "layers.<i>" (examples/llama.py),
+    "model.layers.<i>" (Hugging Face)."""
+    parts = layer.split(".")
+    return len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit()
+
+
 def predict(row: Row) -> dict:
     device = lookup_device("H100-96GB")
     world = row.nodes * 8
@@ -137,7 +180,8 @@ def predict(row: Row) -> dict:
     model, inputs, loss_fn, target = build(row)
     fixed = dict(row.fixed, microbatch_size=row.local_batch, microbatches=1)
     start = time.perf_counter()
-    plan = autopar.plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed)
+    plan = make_plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed,
+                     compiled_layers=_in_a_block if row.compiled else None)
     wall = time.perf_counter() - start
     peak = plan.predicted["peak_memory_bytes"]
     return {"tok_s": plan.predicted["tokens_per_s"] / world, "mem_gib": peak / GIB, "mfu": plan.predicted["mfu"],

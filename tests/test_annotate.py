@@ -21,7 +21,7 @@ from autopar.cost.devices import DEVICES
 from autopar.cost.memory import activation_bytes_megatron
 from autopar.modelspec import load_model_spec
 from autopar.passes import meta_keys as mk
-from autopar.passes.annotate import annotate_cost, node_flops, tensor_bytes
+from autopar.passes.annotate import annotate_cost, kernel_of, node_flops, tensor_bytes
 from autopar.passes.layers import group_layers
 from autopar.passes.trace import trace_joint
 
@@ -235,8 +235,17 @@ def test_time_is_the_roofline_and_annotation_is_idempotent(gpt_tiny):
                                         device=H100, dtype="fp32")
     (sdpa,) = [n for n in ops(gm, mk.Role.FORWARD) if "scaled_dot_product" in str(n.target)][:1]
     att = sdpa.meta[mk.COST]
-    assert att.time_s == kernel_time_s(kind="attention", flops=att.flops, device=H100, dtype="fp32",
+    # GPT's attention is causal: the kernel runs half the counted FLOPs (FlashAttention skips
+    # the masked blocks); the counted FLOPs stay those of the full attention (flop_counter's)
+    assert kernel_of(sdpa)[0] == "causal_attention"
+    assert att.flops == node_flops(sdpa)
+    assert att.time_s == kernel_time_s(kind="causal_attention", flops=att.flops, device=H100, dtype="fp32",
                                        bytes_moved=att.bytes_read + att.bytes_written)
+    assert att.time_s == pytest.approx(kernel_time_s(kind="attention", flops=att.flops / 2, device=H100,
+                                                     dtype="fp32", bytes_moved=att.bytes_read + att.bytes_written))
+    (back,) = [n for n in gm.graph.nodes if n.meta[mk.TRACE].role is mk.Role.BACKWARD
+               and "scaled_dot_product" in str(n.target)][:1]
+    assert kernel_of(back)[0] == "causal_attention"
     assert all(n.meta[mk.COST].time_s >= 0 for n in gm.graph.nodes)
 
 
@@ -287,3 +296,20 @@ def test_block_activations_match_megatron_without_dropout_and_softmax(args):
     assert ratio == pytest.approx(32 + (4 * stat_size + 4 * a) / h)
     assert 30 <= ratio <= 36
     assert ratio < megatron / sbh
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_kernel_kind_follows_is_causal(causal):
+    # the kind (and so the price) follows each SDPA call's is_causal, forward and backward
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 48)
+
+        def forward(self, x):  # (B, T, 16)
+            q, k, v = self.proj(x).view(2, 32, 3, 2, 8).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum()
+
+    gm = annotated(Attn(), (torch.randn(2, 32, 16),), None, None)
+    kinds = {kernel_of(n)[0] for n in ops(gm) if "scaled_dot_product" in str(n.target)}
+    assert kinds == {"causal_attention" if causal else "attention"}

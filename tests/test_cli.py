@@ -43,6 +43,10 @@ def test_analyze_prints_a_table_and_writes_json(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert {"n_params", "layers", "model_flops_per_step"} <= set(report)
     assert report["n_params"] == 120576  # gpt tiny, the head tied to the embedding
+    # the state of the policy a GPU plan uses (bf16-mixed: 2 + 4 fp32 grads + 12), as the planner counts it
+    assert report["precision"] == "bf16-mixed"
+    assert report["training_state_bytes"] == 18 * 120576
+    assert "18 B/param" in stdout
     assert report["model_flops_per_step"] > 0
     assert any(row["class_name"] == "Block" and row["count"] == 2 for row in report["layers"])
 

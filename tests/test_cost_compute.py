@@ -126,6 +126,12 @@ def test_attention_and_memory_bound_kernels():
     flops = 1e12
     att = kernel_time_s(kind="attention", flops=flops, bytes_moved=0, device=h100)
     assert att == pytest.approx(flops / (h100.peak("bf16") * ATTENTION_EFFICIENCY))
+    # causal: the counted (full) FLOPs, of which FlashAttention executes half
+    causal = kernel_time_s(kind="causal_attention", flops=flops, bytes_moved=0, device=h100)
+    assert causal == pytest.approx(att / 2)
+    # still bounded below by its bytes
+    assert kernel_time_s(kind="causal_attention", flops=1e6, bytes_moved=1e9, device=h100) == \
+        pytest.approx(1e9 / (h100.hbm_bytes_per_s * 0.8))
     # a pointwise op (no FLOPs) is priced by its bytes alone
     assert kernel_time_s(kind="other", flops=0, bytes_moved=1e9, device=h100) == pytest.approx(1e9 / (3.35e12 * 0.8))
     with pytest.raises(ValueError, match="unknown kernel kind 'conv'"):
@@ -134,6 +140,6 @@ def test_attention_and_memory_bound_kernels():
 
 def test_cpu_device_keeps_the_flat_roofline():
     cpu = DEVICES["cpu"]
-    for kind in ("gemm", "attention", "other"):
+    for kind in ("gemm", "attention", "causal_attention", "other"):
         assert kernel_time_s(kind=kind, flops=1e9, bytes_moved=1e6, device=cpu, gemm=(64, 64, 64)) == \
             compute_time_s(flops=1e9, bytes_moved=1e6, device=cpu)

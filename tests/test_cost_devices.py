@@ -140,3 +140,14 @@ def test_from_dict_requires_every_field():
     del data["hbm_bytes"]
     with pytest.raises(ValueError, match="missing fields \\['hbm_bytes'\\]"):
         DeviceSpec.from_dict(data)
+
+
+def test_grand_teton_h100_peak_lies_between_sxm_and_nvl():
+    # torchtitan's runs: 500 W H100s whose peak is "between SXM and NVL" (989 and 835 TFLOP/s dense
+    # bf16); the catalog takes the middle for tensor-core dtypes, keeps fp32 (no NVL figure used)
+    gt, sxm = lookup_device("H100-96GB"), lookup_device("H100")
+    assert gt.peak("bf16") / sxm.peak("bf16") == pytest.approx((835e12 + 989e12) / 2 / 989e12)
+    assert 835e12 < gt.peak("bf16") < sxm.peak("bf16")
+    for dtype in ("fp16", "tf32"):
+        assert gt.peak(dtype) / sxm.peak(dtype) == pytest.approx(gt.peak("bf16") / sxm.peak("bf16"))
+    assert gt.peak("fp32") == sxm.peak("fp32")

@@ -178,3 +178,21 @@ def test_cheap_estimate_of_exposed_dp_time():
     assert simulate_step(s).exposed_s == (1.0,)
     assert group_dp_s(1e9, zero=3, dp=2, link=LINK, microbatches=2) == pytest.approx(2 * 0.5 + 4 * 0.5)
     assert estimate_exposed_s(s.stages[0], zero=0, dp=1, link=LINK, microbatches=1) == 0.0
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_group_dp_s_prices_calibrated_links_as_the_step_program(zero):
+    # the search's per-bucket figure must equal the simulated collectives: on an NVSwitch link
+    # (measured busbw and latency by group size) and on a cross-node link (NCCL base latency,
+    # its own all-reduce bandwidth), not the bare bandwidth/latency pair
+    from autopar.cost.devices import lookup_device
+    from autopar.cost.step import group_dp_s
+
+    h100 = lookup_device("H100")
+    for dp, stride in ((8, 1), (16, 1), (32, 8)):
+        link = comm.group_link(group_size=dp, stride=stride, devices_per_node=8, device=h100)
+        s = StepSpec(schedule="1f1b", pp=1, microbatches=2, zero=zero, dp=dp, dp_link=link,
+                     stages=(StageCost(groups=(GroupCost(name="g", f_s=1.0, b_s=1.0, w_s=1.0, bucket_bytes=4e8),)),))
+        ops = [op for op in lower_step(s)[0] if op.stream.startswith("dp")]
+        assert group_dp_s(4e8, zero=zero, dp=dp, link=link, microbatches=2) == pytest.approx(
+            sum(op.seconds for op in ops), rel=1e-12)

@@ -40,6 +40,15 @@ figure where the kind of kernel is known:
 - **Attention** (``ATTENTION_EFFICIENCY = 0.35``): PyTorch's SDPA runs
   FlashAttention-2 on Hopper; Shah et al., "FlashAttention-3" (2024), abstract and
   fig. 1: FlashAttention-2 reaches about 35% of H100's peak (FA3 75%).
+- **Causal attention** (kind ``"causal_attention"``) executes half the FLOPs that are
+  counted for it: ``torch.utils.flop_counter`` counts every attention as full ("NB: We
+  aren't accounting for causal attention here", its sdpa formulas), while
+  FlashAttention skips the key blocks above the diagonal. FlashAttention's own
+  benchmark (Dao-AILab/flash-attention, ``benchmarks/benchmark_flash_attention.py``,
+  ``flops()``: ``4 * batch * seqlen**2 * nheads * headdim // (2 if causal else 1)``)
+  reports its TFLOP/s, and so the efficiency above, on the halved count, so a causal
+  kernel takes ``CAUSAL_WORK_FRACTION`` x its counted FLOPs at that efficiency. The
+  counted FLOPs (and MFU) keep the full figure, as torchtitan's and Megatron's MFU do.
 - **Everything else** (pointwise, reductions, copies) is memory bound: bytes /
   (HBM bandwidth x ``MEMORY_EFFICIENCY``).
 """
@@ -52,6 +61,7 @@ from autopar.cost.devices import DeviceSpec
 
 __all__ = [
     "ATTENTION_EFFICIENCY",
+    "CAUSAL_WORK_FRACTION",
     "GEMM_HALF_DIM",
     "GEMM_LAUNCH_S",
     "GEMM_PEAK_EFFICIENCY",
@@ -83,7 +93,10 @@ GEMM_LAUNCH_S = 5e-6
 ATTENTION_EFFICIENCY = 0.35
 """Fraction of peak FlashAttention-2 reaches on H100 (FlashAttention-3 paper; see module docstring)."""
 
-KERNELS = ("gemm", "attention", "other")
+CAUSAL_WORK_FRACTION = 0.5
+"""Share of its counted (full) FLOPs a causal attention kernel executes (module docstring)."""
+
+KERNELS = ("gemm", "attention", "causal_attention", "other")
 """Kinds of kernel :func:`kernel_time_s` prices."""
 
 
@@ -173,7 +186,8 @@ def kernel_time_s(
 
     ``kind`` is one of :data:`KERNELS`. A ``"gemm"`` with its per-device shape
     ``gemm=(m, n, k)`` gets :func:`gemm_efficiency` plus :data:`GEMM_LAUNCH_S` (without
-    a shape, the generic :data:`MATMUL_EFFICIENCY`); ``"attention"`` gets :data:`ATTENTION_EFFICIENCY`;
+    a shape, the generic :data:`MATMUL_EFFICIENCY`); ``"attention"`` gets :data:`ATTENTION_EFFICIENCY`,
+    ``"causal_attention"`` the same on :data:`CAUSAL_WORK_FRACTION` of ``flops`` (the counted figure);
     ``"other"`` kernels get :data:`MATMUL_EFFICIENCY` for whatever FLOPs they do,
     and every kind is bounded below by its bytes over the HBM bandwidth. The "cpu" device
     (gloo test runs) keeps the flat :func:`compute_time_s` for every kind.
@@ -190,7 +204,9 @@ def kernel_time_s(
                               matmul_efficiency=max(gemm_efficiency(*gemm), 1e-6),
                               memory_efficiency=memory_efficiency)
         return roof + GEMM_LAUNCH_S
-    if kind == "attention":
+    if kind == "causal_attention":
+        flops, eff = flops * CAUSAL_WORK_FRACTION, ATTENTION_EFFICIENCY
+    elif kind == "attention":
         eff = ATTENTION_EFFICIENCY
     else:
         eff = MATMUL_EFFICIENCY

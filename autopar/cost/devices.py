@@ -235,13 +235,22 @@ _H100 = DeviceSpec(
 # [GT] "96GB HBM2e with 2.4 TB/sec peak memory bandwidth", 400 Gb/s RDMA per GPU, NVLink
 # inside the host, 500 W power limit. Capacity as torch reports it: torchtitan's logs
 # print 81.85 GiB as 86.17% of the device (Qwen3-32B PR #1690), i.e. 94.99 GiB.
-# Compute: torchtitan computes MFU against the SXM figure (389.87 TFLOP/s = 39.42%);
-# its footnote says the true peak of this part lies between SXM and NVL. We keep the SXM
-# figures (one number, the one MFU is quoted against); the 500 W cap is left to the
-# achieved-efficiency tables in compute.py, which come from measurements on such parts.
+# Compute: [GT] runs these parts at "the default 500W power limit" (the SXM part's TDP is
+# 700 W) and its footnote 2 says "the actual peak TFLOPs number is between SXM and NVL, and
+# we don't know its exact value". The two ends, dense BF16, as torchtitan's own MFU code
+# takes them from NVIDIA's H100 page (pytorch/torchtitan, torchtitan/tools/utils.py,
+# get_peak_flops: SXM 989e12, NVL 835e12): we take the middle of that interval, 912 TFLOP/s
+# (0.922 of SXM), for every tensor-core dtype, and say so: it is the centre of the range the
+# source gives, not a measurement, so its error is up to +-8.4%. (torchtitan quotes MFU
+# against the SXM figure, 389.87 TFLOP/s = 39.42% for Qwen3-32B; autopar's predicted MFU
+# for this device is against 912.) The achieved-efficiency tables of compute.py (measured on
+# 700 W SXM parts) apply on top. A bf16 GEMM sweep at 500 W (bench/gpu_check.py) would
+# replace this.
+_H100_500W_PEAK_FRACTION = (835e12 + 989e12) / 2 / 989e12
 _H100_96GB = DeviceSpec(
     name="H100-96GB",
-    peak_flops_per_s=_HOPPER_PEAKS,
+    peak_flops_per_s={dtype: flops * (_H100_500W_PEAK_FRACTION if dtype != "fp32" else 1.0)
+                      for dtype, flops in _HOPPER_PEAKS.items()},
     hbm_bytes=int(94.99 * _GIB),  # [GT] via torchtitan's memory log (see above)
     hbm_bytes_per_s=2.4e12,  # [GT] 2.4 TB/s HBM2e
     intra_node_bytes_per_s=450e9,  # [GT] NVLink, as H100 SXM: 900 GB/s bidirectional

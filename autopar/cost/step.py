@@ -329,13 +329,15 @@ def group_dp_s(bucket_bytes: float, *, zero: int, dp: int, link: comm.Link, micr
     """Seconds of dp collectives one bucket issues in a step (each alone on ``link``)."""
     if dp == 1 or bucket_bytes == 0:
         return 0.0
-    return _group_dp_s(bucket_bytes, zero, dp, link.bytes_per_s, link.latency_s, microbatches)
+    return _group_dp_s(bucket_bytes, zero, dp, link, microbatches)
 
 
 @lru_cache(maxsize=65536)
-def _group_dp_s(nbytes: float, zero: int, dp: int, bytes_per_s: float, latency_s: float, microbatches: int) -> float:
-    """Cached: the search prices the same buckets (repeated layers) for thousands of candidates."""
-    link = comm.Link(bytes_per_s=bytes_per_s, latency_s=latency_s)
+def _group_dp_s(nbytes: float, zero: int, dp: int, link: comm.Link, microbatches: int) -> float:
+    """Cached: the search prices the same buckets (repeated layers) for thousands of candidates.
+    The whole :class:`comm.Link` (frozen, so hashable) is the key: its NVSwitch tables, base
+    latency and all-reduce bandwidth price each collective exactly as the simulated step
+    program does (a bare ``Link(bytes_per_s, latency_s)`` rebuilt here dropped them)."""
     counts = step_collective_counts(zero, n_micro=microbatches)
     return sum(k * _COLLECTIVE_S[kind](nbytes, dp, link) for kind, k in counts.items())
 

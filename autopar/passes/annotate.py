@@ -48,8 +48,9 @@ class GemmShape(tuple):
 
 
 def kernel_of(node: fx.Node) -> tuple[str, GemmShape | None]:
-    """The kind of kernel a ``call_function`` node runs ("gemm", "attention", "other") and,
-    for a GEMM, its global shape (for :func:`autopar.cost.compute.kernel_time_s`)."""
+    """The kind of kernel a ``call_function`` node runs ("gemm", "attention", "causal_attention",
+    "other") and, for a GEMM, its global shape (for :func:`autopar.cost.compute.kernel_time_s`).
+    An SDPA kernel (forward or backward) is causal when its ``is_causal`` argument is true."""
     target = node.target
     if target in _GEMM_OPERANDS:
         ia, ib = _GEMM_OPERANDS[target]
@@ -63,8 +64,24 @@ def kernel_of(node: fx.Node) -> tuple[str, GemmShape | None]:
         return "gemm", None
     name = str(getattr(target, "__name__", target))
     if any(word in name for word in _ATTENTION_WORDS):
-        return "attention", None
+        return ("causal_attention" if _is_causal(node) else "attention"), None
     return "other", None
+
+
+def _is_causal(node: fx.Node) -> bool:
+    """The node's ``is_causal`` argument, found by name in the op's schema (its position differs
+    between the flash, efficient, cuDNN and CPU kernels and their backwards)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "is_causal":
+            if arg.name in node.kwargs:
+                return bool(node.kwargs[arg.name])
+            if i < len(node.args):
+                return bool(node.args[i])
+            return bool(arg.default_value) if arg.has_default_value() else False
+    return False
 
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

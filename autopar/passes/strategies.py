@@ -89,7 +89,7 @@ class SNode:
     shape: tuple[int, ...] = ()
     """Global shape of the (first) output."""
     kernel: str = "other"
-    """Kind of kernel for pricing: "gemm", "attention" or "other" (``annotate.kernel_of``)."""
+    """Kind of kernel for pricing: "gemm", "attention", "causal_attention" or "other" (``annotate.kernel_of``)."""
     gemm: tuple | None = None
     """For a GEMM: ``(m, n, k, a_in, b_in, a_rank, b_rank)``, global m/n/k as :class:`Affine`
     in the batch (batch folded into m), the operands' positions in ``Strategy.ins`` and ranks."""

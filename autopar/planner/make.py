@@ -47,8 +47,13 @@ RUNNERS_UP = 5
 
 
 def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, loss_fn: Callable | None = None,
-              example_target: Any = None, fixed: dict | None = None, precision: str | None = None) -> Plan:
-    """Plan ``model`` for ``cluster``; see :func:`autopar.plan`."""
+              example_target: Any = None, fixed: dict | None = None, precision: str | None = None,
+              compiled_layers: Callable[[str], bool] | None = None) -> Plan:
+    """Plan ``model`` for ``cluster``; see :func:`autopar.plan`.
+
+    ``compiled_layers`` (a predicate on layer paths) prices those layers' memory-bound ops as
+    ``torch.compile`` fuses them (:mod:`autopar.passes.fuse`): for predicting runs of programs
+    compiled that way (``bench/fidelity.py``), not what autopar's own runtime executes."""
     cluster = parse_cluster(cluster)
     fixed_ = Fixed.from_dict(fixed)
     policy, why = resolve_precision(precision, model=model, gpu_cluster=cluster.device.name.lower() != "cpu")
@@ -57,6 +62,11 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
     t0 = time.perf_counter()
     gm, gm2 = trace_pair(model, example_inputs, cluster=cluster, loss_fn=loss_fn, example_target=example_target,
                          param_dtype=policy.param_dtype)
+    if compiled_layers is not None:
+        from autopar.passes.fuse import fuse_memory_bound
+
+        for g in (gm, gm2):
+            fuse_memory_bound(g, device=cluster.device, compiled=compiled_layers)
     t1 = time.perf_counter()
     with _frozen_heap():
         plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_, precision=policy, precision_source=why)

@@ -66,8 +66,11 @@ SIMULATE_TOP = 24
 """How many configurations, best estimate first, get a full schedule simulation."""
 
 ADAM_BYTES_PER_PARAM = 28
-"""HBM traffic of one fused mixed-precision AdamW update per parameter: read fp32
-master, bf16 grad, m, v (4+2+4+4) and write master, m, v, bf16 param (4+4+4+2)."""
+"""HBM traffic of one fused AdamW update per parameter under the precision policies
+(:mod:`autopar.precision`; gradients land in fp32 buffers under bf16-mixed as under fp32):
+read fp32 master, fp32 grad, m, v (4+4+4+4) and write master, m, v (4+4+4). The bf16
+compute copy is a separate cast (read 4, write 2: once per step at ZeRO 0-2, before each
+gather at ZeRO 3), not counted here."""
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 VIRTUAL_STAGES = (2, 3, 4)
