@@ -110,13 +110,14 @@ class Plan:
     ops: dict[str, dict[str, Any]]
     """Op node name -> layer, target, phase, output/input placements on tp."""
     predicted: dict[str, Any]
-    """step_time_s (the simulated step program), bubble_fraction, p2p_s (one stage-to-stage transfer),
+    """step_time_s (the simulated step program), bubble_fraction, p2p_s (the slowest cut's transfer),
     model/hardware FLOPs per step, mfu, peak_memory_bytes, tokens_per_s; overlap (per pipeline rank:
     collectives in flight, hidden, exposed, tp) and step (the step program's inputs, ``cost.step.StepSpec``)."""
     solver: dict[str, Any]
     """Sharding MIP status, objective, gap; search statistics; runners-up."""
     communication: dict[str, Any]
-    """Collective kind -> per-step count, bytes and time, by mesh axis."""
+    """Collective kind -> per-step count, bytes and time, by mesh axis; ``["p2p"]["pp"]["cuts"]``: per
+    pipeline cut, the messages one rank sends each way per micro-batch (``autopar.planner.cuts``)."""
     cluster: dict[str, Any]
     model: dict[str, Any]
     """name, n_params, graph_hash, global_batch."""

@@ -58,9 +58,11 @@ def resimulate(plan: Plan) -> SimResult | StepResult:
                          f"autopar?); re-plan to draw its timeline")
     cuts = [p.get("p2p_s") for p in preds[:-1]]  # per cut, over its own link; older plans: one time for all
     p2p = cuts if all(t is not None for t in cuts) else plan.predicted.get("p2p_s", 0.0)
+    backs = [p.get("p2p_back_s") for p in preds[:-1]]  # the gradients' own times (plans before: p2p_s)
     return simulate_stages(plan.schedule["kind"], microbatches=plan.schedule["microbatches"],
                            f_s=[p["f_s"] for p in preds], b_s=[p["b_s"] for p in preds],
-                           w_s=[p["w_s"] for p in preds], p2p_s=p2p, pp=plan.mesh["pp"])
+                           w_s=[p["w_s"] for p in preds], p2p_s=p2p, pp=plan.mesh["pp"],
+                           p2p_back_s=backs if all(t is not None for t in backs) else None)
 
 
 def _boxes(plan: Plan, sim) -> tuple[list[tuple[int, str, Any, float, float]], float]:

@@ -242,3 +242,25 @@ def test_split_backward_by_dataflow_on_a_hand_built_graph():
     backward = {a: 2, b: 3, c: 2, d: 1, w: 2, tied: 1}
     assert split_backward(backward, backward, ignore_readers={tied}) == {a, b, c}
     assert split_backward(backward, backward) == {a, b, c, w}  # the sum read as an ordinary reader
+
+
+@pytest.mark.parametrize("example", ["gpt", "llama"])
+def test_planner_cut_table_names_what_the_runtime_sends(example):
+    """The planner prices a cut's messages from the values :class:`CutTable` says cross it; with one
+    stage per layer, every cut's forward and backward values are the runtime's message names
+    (GPT: the tied embedding's gradient addend crosses no cut; Llama: the rotary tables relay)."""
+    from autopar.planner.cuts import CutTable
+
+    gm, _ = _graph(example)
+    table = CutTable(gm)  # before the split rewrites the tied gradient sum
+    paths = [x.path for x in gm.meta[mk.LAYERS]]
+    program, _, _ = _split(gm, [[p] for p in paths])
+    for s, st in enumerate(program.stages[:-1]):
+        crossings, placed_as = table.crossings(paths[s], paths[s + 1])
+        assert placed_as is None
+        planned = {side: {c.tensor for c in crossings if c.side == side} for side in ("forward", "backward")}
+        ran = {"forward": set(st.send_forward.names), "backward": set(st.recv_backward.names)}
+        assert planned == ran, (paths[s], planned, ran)
+        dtypes = dict(zip(st.send_forward.names + st.recv_backward.names, st.send_forward.dtypes
+                          + st.recv_backward.dtypes))
+        assert all(dtypes[c.tensor] == c.dtype for c in crossings)

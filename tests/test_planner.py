@@ -203,14 +203,18 @@ def test_each_pipeline_cut_priced_on_its_own_link(gpt_small_build):
     nvlink = comm.Link(bytes_per_s=dev.intra_node_bytes_per_s, latency_s=dev.intra_node_latency_s)
     network = comm.Link(bytes_per_s=dev.inter_node_bytes_per_s, latency_s=dev.inter_node_latency_s)
     preds = [st["predicted"] for st in plan.stages]
-    sends = [p["send_bytes"] for p in preds[:-1]]
-    assert all(b > 0 for b in sends) and "p2p_s" not in preds[-1]
-    assert [p["p2p_s"] for p in preds[:-1]] == [comm.p2p_s(sends[0], nvlink), comm.p2p_s(sends[1], network),
-                                                 comm.p2p_s(sends[2], nvlink)]
+    cuts = plan.communication["p2p"]["pp"]["cuts"]
+    assert [c["stages"] for c in cuts] == [[0, 1], [1, 2], [2, 3]] and "p2p_s" not in preds[-1]
+    for p, cut, link in zip(preds, cuts, [nvlink, network, nvlink]):  # each message (one per dtype) a transfer
+        assert cut["forward"] and cut["backward"] and p["send_bytes"] == sum(m["bytes"] for m in cut["forward"]) > 0
+        assert p["back_bytes"] == sum(m["bytes"] for m in cut["backward"]) > 0
+        assert (p["p2p_s"], p["p2p_back_s"]) == (cut["forward_s"], cut["backward_s"]) == (
+            sum(comm.p2p_s(m["bytes"], link) for m in cut["forward"]),
+            sum(comm.p2p_s(m["bytes"], link) for m in cut["backward"]))
     assert preds[1]["p2p_s"] > 5 * preds[0]["p2p_s"]
-    assert plan.predicted["p2p_s"] == max(p["p2p_s"] for p in preds[:-1])  # the slowest cut
+    assert plan.predicted["p2p_s"] == max(max(p["p2p_s"], p["p2p_back_s"]) for p in preds[:-1])  # the slowest
     assert plan.communication["p2p"]["pp"]["time_s"] == pytest.approx(
-        2 * plan.schedule["microbatches"] * sum(p["p2p_s"] for p in preds[:-1]))
+        plan.schedule["microbatches"] * sum(p["p2p_s"] + p["p2p_back_s"] for p in preds[:-1]))
 
 
 def test_interleaved_tail_sums_the_stages_a_rank_holds():
@@ -231,7 +235,7 @@ def test_interleaved_tail_sums_the_stages_a_rank_holds():
     opt = [ADAM_BYTES_PER_PARAM * n / (cluster.device.hbm_bytes_per_s * 0.8) for n in n_params]
     assert [st.optimizer_s for st in best.stages] == pytest.approx(opt)
     sim = simulate_stages("interleaved", microbatches=2, f_s=[1e-3] * 4, b_s=[1e-3] * 4, w_s=[1e-3] * 4,
-                          p2p_s=list(best.p2p_cut_s), pp=2)
+                          p2p_s=list(best.p2p_cut_s), p2p_back_s=list(best.p2p_back_cut_s), pp=2)
     # each rank steps the optimizer of both its stages once its own backward is done (the step
     # program runs OPT on the compute stream after the rank's last action; dp = 1: no collectives)
     rank_end = [max(e for r, _, _, e in sim.timeline if r == rank) for rank in range(2)]

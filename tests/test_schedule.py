@@ -164,6 +164,20 @@ def test_p2p_per_cut():
         unit_sim(one_f_one_b(3, 1), 3, p2p_s=[0.25])
 
 
+def test_p2p_gradients_back_priced_apart():
+    """The gradient message back across a cut has its own time (its own size: a sequence-sharded
+    gradient, an activation that relays values needing none): forward hops pay p2p_s, backward
+    hops p2p_back_s."""
+    r = unit_sim(one_f_one_b(3, 1), 3, p2p_s=[0.25, 2.0], p2p_back_s=[0.5, 1.0])
+    starts = {str(a): s for _, a, s, _ in r.timeline}
+    assert starts["1F0"] == 1.25 and starts["2F0"] == 4.25 and starts["1BW0"] == 8.25
+    assert starts["0BW0"] == 10.75 and r.step_time_s == 3 + 6 + 0.25 + 2.0 + 1.0 + 0.5
+    same = unit_sim(one_f_one_b(3, 1), 3, p2p_s=[0.25, 2.0], p2p_back_s=[0.25, 2.0])
+    assert same.step_time_s == unit_sim(one_f_one_b(3, 1), 3, p2p_s=[0.25, 2.0]).step_time_s
+    with pytest.raises(ValueError, match="p2p_back_s must be >= 0"):
+        unit_sim(one_f_one_b(3, 1), 3, p2p_back_s=[0.25, -1.0])
+
+
 def test_act_bytes_weighted_per_stage():
     r = unit_sim(one_f_one_b(4, 8), 4, act_bytes=[1.0, 2.0, 3.0, 4.0])
     assert r.peak_activation_bytes == (4.0, 6.0, 6.0, 4.0)

@@ -15,9 +15,10 @@ LINK = comm.Link(bytes_per_s=1e9, latency_s=0.0)
 OTHER = comm.Link(bytes_per_s=1e9, latency_s=1e-12)  # a second link (different figures)
 
 
-def spec(groups, *, zero=0, dp=2, m=1, pp=1, kind="1f1b", slowdown=1.0, opt=0.0, send=0.0, tied=()):
+def spec(groups, *, zero=0, dp=2, m=1, pp=1, kind="1f1b", slowdown=1.0, opt=0.0, send=0.0, back=None, tied=()):
     stages = tuple(StageCost(groups=tuple(GroupCost(name=f"s{s}g{g}", f_s=f, b_s=b, w_s=w, bucket_bytes=n)
-                                          for g, (f, b, w, n) in enumerate(gs)), optimizer_s=opt, send_s=send)
+                                          for g, (f, b, w, n) in enumerate(gs)), optimizer_s=opt, send_s=send,
+                             send_back_s=back)
                    for s, gs in enumerate(groups))
     return StepSpec(schedule=kind, pp=pp, microbatches=m, zero=zero, dp=dp, stages=stages, dp_link=LINK,
                     tied=tied, overlap_slowdown=slowdown)
@@ -131,6 +132,25 @@ def test_pipeline_only_matches_the_schedule_simulator():
     res = simulate_step(s)
     pipe = simulate(one_f_one_b(2, 4), f_s=[1, 1], b_s=[2, 2.5], w_s=[0, 0], p2p_s=0.25)
     assert res.step_time_s == pipe.step_time_s and res.bubble_fraction == pytest.approx(pipe.bubble_fraction)
+
+
+def test_gradient_messages_back_take_their_own_time():
+    # as above with the activation 0.5 s forward and its gradient 1.5 s back: F0 0..1, F1 1.5..2.5,
+    # BW1 2.5..4.5, BW0 6..8; the bare pipeline simulator agrees; a spec written before the two
+    # were priced apart (no send_back_s) prices the gradients at send_s
+    s = spec([[(1, 1, 1, 0)], [(1, 1, 1, 0)]], pp=2, dp=1, send=0.5, back=1.5)
+    t = spans(simulate_step(s))
+    assert t["1F0"] == (1.5, 2.5) and t["0BW0"] == (6, 8) and simulate_step(s).step_time_s == 8
+    sends = {op.name: op.seconds for ops in lower_step(s).values() for op in ops if op.kind == "SEND"}
+    assert sends == {"0SEND_F0": 0.5, "1SEND_B0": 1.5}
+    pipe = simulate(one_f_one_b(2, 1), f_s=[1, 1], b_s=[2, 2], w_s=[0, 0], p2p_s=0.5, p2p_back_s=1.5)
+    assert pipe.step_time_s == 8
+    old = s.to_dict()
+    for st in old["stages"]:
+        del st["send_back_s"]
+    assert simulate_step(StepSpec.from_dict(old)).step_time_s == simulate_step(spec(
+        [[(1, 1, 1, 0)], [(1, 1, 1, 0)]], pp=2, dp=1, send=0.5)).step_time_s == 7
+    assert StepSpec.from_dict(s.to_dict()) == s
 
 
 def test_spec_round_trips_and_bad_input_is_one_clear_error():

@@ -9,7 +9,8 @@ the planner's step time and the plan's ``predicted`` come from it.
 :func:`simulate` times a bare pipeline schedule on the same engine: an action starts at
 ``max(rank free, inputs done (+ p2p_s when an input comes from another rank))``,
 where ``p2p_s`` is one time for every cut or one per cut (stage c -> c + 1: a
-pipeline whose neighbours sit on one node for some cuts and on two for others),
+pipeline whose neighbours sit on one node for some cuts and on two for others), for
+the activations forward and, unless ``p2p_back_s`` gives their own, the gradients back,
 and lasts ``f_s``, ``b_s``, ``w_s`` or ``b_s + w_s`` (fused BW) of its stage.
 Activations: a micro-batch is in flight on a stage from its F until the action
 that frees it, W for a split backward, BW for a fused one (Qi et al. 2024 free
@@ -72,11 +73,13 @@ def simulate(
     w_s: list[float],
     p2p_s: float | list[float] | tuple[float, ...] = 0.0,
     act_bytes: list[float] | None = None,
+    p2p_back_s: float | list[float] | tuple[float, ...] | None = None,
 ) -> SimResult:
     """Run ``schedule`` with the given per-stage times (``len(f_s)`` stages; stage s on rank s % ranks).
 
     ``p2p_s`` is the time of one transfer across any cut, or a list with one time per
-    cut (``len(f_s) - 1`` entries, entry c for stage c <-> c + 1, both directions).
+    cut (``len(f_s) - 1`` entries, entry c for stage c <-> c + 1), both directions
+    unless ``p2p_back_s`` (same forms) gives the gradients' transfers back their own.
     The pipeline alone: no collectives, no optimizer (:func:`simulate_step` times a whole step).
 
     Raises ValueError when the schedule is invalid (see ``validate_schedule``) or
@@ -87,9 +90,8 @@ def simulate(
         raise ValueError("f_s is empty: give one forward time per stage")
     for name, values in (("b_s", b_s), ("w_s", w_s), ("act_bytes", act_bytes), ("f_s", f_s)):
         _check_times(name, values, n_stages)
-    cut_s = [p2p_s] * max(0, n_stages - 1) if isinstance(p2p_s, (int, float)) else list(p2p_s)
-    if len(cut_s) != max(0, n_stages - 1) or not all(t >= 0 for t in cut_s):
-        raise ValueError(f"p2p_s must be >= 0, one time or one per cut ({max(0, n_stages - 1)}), got {p2p_s}")
+    cut_s = _per_cut("p2p_s", p2p_s, n_stages)
+    back_s = cut_s if p2p_back_s is None else _per_cut("p2p_back_s", p2p_back_s, n_stages)
     n_micro = 1 + max((a.microbatch for acts in schedule.values() for a in acts), default=0)
     validate_schedule(schedule, n_stages, n_micro)
     n_ranks = len(schedule)
@@ -101,7 +103,8 @@ def simulate(
             waits = []
             for key in _needs(a, n_stages):  # an input from another rank crosses the cut between the two stages
                 s = key[1]
-                waits.append((provider[key], 0.0 if s % n_ranks == rank else cut_s[min(s, a.stage)]))
+                cut = (cut_s if key[0] == "F" else back_s)[min(s, a.stage)] if s % n_ranks != rank else 0.0
+                waits.append((provider[key], cut))
             dur = b_s[a.stage] + w_s[a.stage] if a.kind == "BW" else duration[a.kind][a.stage]
             program[rank].append(Op(str(a), a.kind, dur, tuple(waits), stage=a.stage, microbatch=a.microbatch,
                                     action=a))
@@ -120,6 +123,13 @@ def simulate(
         peak_activation_bytes=tuple(peak_bytes) if act_bytes is not None else None,
         timeline=timeline,
     )
+
+
+def _per_cut(name: str, value, n_stages: int) -> list[float]:
+    cuts = [value] * max(0, n_stages - 1) if isinstance(value, (int, float)) else list(value)
+    if len(cuts) != max(0, n_stages - 1) or not all(t >= 0 for t in cuts):
+        raise ValueError(f"{name} must be >= 0, one time or one per cut ({max(0, n_stages - 1)}), got {value}")
+    return cuts
 
 
 def _peak_memory(acts: list[Action], act_bytes: list[float] | None) -> tuple[int, float]:

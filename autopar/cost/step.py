@@ -13,8 +13,10 @@ What the lists hold, per ZeRO stage (the one definition is :mod:`autopar.zero_de
   piece per layer group where a collective hangs off a group (ZeRO-3 gathers before a
   group's forward and backward; a gradient bucket after the group's gradients are final);
   the backward runs the groups last to first. ``OPT`` steps a stage's optimizer.
-- p2p: ``SEND_F`` / ``SEND_B`` carries one transfer over the cut's link; the peer's
-  ``RECV_*`` completes with it and the peer's compute waits for the RECV.
+- p2p: ``SEND_F`` carries the cut's activation messages of one micro-batch over the cut's
+  link, ``SEND_B`` its gradient messages back (each priced at its own bytes, as the plan
+  records them: :mod:`autopar.planner.cuts`); the peer's ``RECV_*`` completes with it and
+  the peer's compute waits for the RECV.
 - ``UNSHARD`` (stage 3): the all-gather of one layer group, placed so that it is issued
   when the previous group's piece starts (prefetch depth ``zero_def.PREFETCH_GROUPS`` = 1),
   before the forward and again before the backward (B or BW; a W reads no weights).
@@ -85,7 +87,14 @@ class StageCost:
     groups: tuple[GroupCost, ...]
     optimizer_s: float = 0.0
     send_s: float = 0.0
-    """One p2p transfer to the next stage (activations forward, their gradient back)."""
+    """The activation messages of one micro-batch to the next stage, over the cut's link."""
+    send_back_s: float | None = None
+    """The gradient messages of one micro-batch back across the same cut (None: ``send_s``,
+    as plans written before the two were priced apart)."""
+
+    @property
+    def back_s(self) -> float:
+        return self.send_s if self.send_back_s is None else self.send_back_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +132,8 @@ class StepSpec:
     @classmethod
     def from_dict(cls, d: dict) -> StepSpec:
         stages = tuple(StageCost(groups=tuple(GroupCost(**g) for g in s["groups"]),
-                                 optimizer_s=s["optimizer_s"], send_s=s["send_s"]) for s in d["stages"])
+                                 optimizer_s=s["optimizer_s"], send_s=s["send_s"],
+                                 send_back_s=s.get("send_back_s")) for s in d["stages"])
         tied = tuple(TiedCost(name=t["name"], stages=tuple(t["stages"]), groups=tuple(t["groups"]),
                               nbytes=t["nbytes"], link=comm.Link(**t["link"])) for t in d.get("tied", ()))
         return cls(schedule=d["schedule"], pp=d["pp"], microbatches=d["microbatches"], zero=d["zero"], dp=d["dp"],
@@ -175,8 +185,8 @@ def _check_spec(spec: StepSpec) -> None:
         if not st.groups:
             problems.append(f"stage {s} has no layer groups")
         bad = [g.name for g in st.groups if min(g.f_s, g.b_s, g.w_s, g.tp_comm_s, g.bucket_bytes) < 0]
-        if bad or st.optimizer_s < 0 or st.send_s < 0:
-            problems.append(f"stage {s} has negative times or bytes ({bad or 'optimizer_s/send_s'})")
+        if bad or st.optimizer_s < 0 or st.send_s < 0 or st.back_s < 0:
+            problems.append(f"stage {s} has negative times or bytes ({bad or 'optimizer_s/send_s/send_back_s'})")
     if not spec.overlap_slowdown >= 1:
         problems.append(f"overlap_slowdown must be >= 1, got {spec.overlap_slowdown!r}")
     if problems:
@@ -297,7 +307,8 @@ def _add_p2p(ops: list[Op], program: dict[int, list[Op]], a: Action, done: str, 
     if peer_stage % pp == a.stage % pp:
         return
     send = f"{a.stage}SEND_{tag}{a.microbatch}"
-    ops.append(Op(send, "SEND", spec.stages[cut].send_s, ((done, 0.0),), stage=a.stage, microbatch=a.microbatch,
+    seconds = spec.stages[cut].send_s if tag == "F" else spec.stages[cut].back_s
+    ops.append(Op(send, "SEND", seconds, ((done, 0.0),), stage=a.stage, microbatch=a.microbatch,
                   action=a))
     program[peer_stage % pp].append(Op(f"{a.stage}RECV_{tag}{a.microbatch}", "RECV", 0.0, ((send, 0.0),),
                                        stage=peer_stage, microbatch=a.microbatch))

@@ -28,10 +28,10 @@ import autopar
 from autopar.cluster import Cluster, parse_cluster
 from autopar.passes import meta_keys as mk
 from autopar.passes.layers import graph_hash
-from autopar.passes.pipeline import boundary_tensors
 from autopar.passes.strategies import StrategyGraph, build_strategy_graph
 from autopar.plan import Plan
 from autopar.precision import Precision, plan_precision, resolve_precision
+from autopar.planner.cuts import CutTable
 from autopar.planner.experts import apply_ep, check_ep, experts_record, find_experts
 from autopar.planner.frontend import trace_pair
 from autopar.planner.ilp import Solution, build_problem, evaluate, solve
@@ -158,6 +158,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     t1 = time.perf_counter()
     names = _expanded_names(layers, info)
     shared = _shared_params(gm)
+    cut_table = CutTable(gm)
     cache: dict[tuple[int, int, bool], list[Unit]] = {}
 
     def units_for(tp: int, mbs: int, sp: bool = False) -> list[Unit]:
@@ -170,7 +171,11 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
             for layer in layers:
                 lc = ev.layers.get(layer.path)
                 scale = mbs / batch
+                after = cut_table.messages(*cut_table.crossings(layer.path), sg, sol.choice, mbs)
+                inside = (cut_table.messages(*cut_table.crossings(layer.path, layer.path), sg, sol.choice, mbs)
+                          if layer.path in cut_table.first_of_run else after)
                 for i in range(layer.count):
+                    sends = inside if i + 1 < layer.count else after  # a cut inside a run, or after it
                     c = lc.compute_s if lc else {}
                     k = lc.comm_s if lc else {}
                     units.append(Unit(
@@ -182,6 +187,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                         cheap_act_bytes=lc.cheap_activation_bytes if lc else 0.0,
                         transient_bytes=lc.transient_bytes if lc else 0.0,
                         boundary_bytes=layer.boundary_bytes * scale,
+                        send_forward=sends.forward, send_backward=sends.backward,
                         n_params=lc.n_params_local if lc else 0.0,
                         shared_params=tuple((fqn, owner, local.get(fqn, 0.0))
                                             for fqn, owner in shared.get(layer.path, ()))))
@@ -398,25 +404,29 @@ def _expanded_names(layers, info: mk.GraphTrace) -> dict[str, list[str]]:
     return out
 
 
-def _cut_tensors(gm: fx.GraphModule, stage_layers: list[list[str]], microbatch: int) -> list[dict]:
-    """Per cut (stage s -> s + 1), the tensors sent forward and the gradients sent back.
-
-    The planner's trace stands one block for a run of identical ones, so a cut
-    between two blocks of the run is read off the cut after the run's first traced
-    block: the same tensors cross it (a block's output, plus what every block reads).
-    """
+def _cut_tensors(gm: fx.GraphModule, stage_layers: list[list[str]], microbatch: int, sg: StrategyGraph,
+                 sol: Solution) -> list[dict]:
+    """Per cut (stage s -> s + 1), the tensors sent forward and the gradients sent back, as the
+    runtime sends them (:mod:`autopar.planner.cuts`): each with the module that makes it and
+    the one that reads it, its shape per micro-batch, dtype and bytes, its placement on tp and
+    the bytes one rank sends (its tp shard)."""
     layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
     rep = {name: path for path, names in _expanded_names(layers, info).items() for name in names}
-    first_of_run = {r.traced[1]: r.traced[0] for r in info.repeats}
-    order = [x.path for x in layers]
+    table = CutTable(gm)
+    vals = {n.name: n.meta["val"] for n in gm.graph.nodes if n.op == "call_function"}
     out = []
     for s in range(len(stage_layers) - 1):
-        a, b = rep[stage_layers[s][-1]], rep[stage_layers[s + 1][0]]
-        if a == b:  # inside a run of repeated blocks
-            a = first_of_run.get(a, a)
-        k = order.index(a)
-        out.append(boundary_tensors(gm, set(order[: k + 1]), batch=info.global_batch, microbatch=microbatch))
+        crossings, placed_as = table.crossings(rep[stage_layers[s][-1]], rep[stage_layers[s + 1][0]])
+        sends: dict[str, list[dict]] = {"forward": [], "backward": []}
+        for c, (whole, placement, rank_bytes) in zip(crossings, table.placed(crossings, placed_as, sg, sol.choice,
+                                                                              microbatch)):
+            shape = [microbatch if i == 0 and d == info.global_batch else int(d)
+                     for i, d in enumerate(vals[c.tensor].shape)]
+            sends[c.side].append({"tensor": c.tensor, "from": c.source, "to": c.reader, "shape": shape,
+                                  "dtype": str(c.dtype).removeprefix("torch."), "bytes": whole,
+                                  "placement": placement, "rank_bytes": rank_bytes})
+        out.append(sends)
     return out
 
 
@@ -474,6 +484,22 @@ def _overlap(best: Candidate) -> list[dict[str, float]]:
     return out
 
 
+def _p2p_record(best: Candidate) -> dict:
+    """One pipeline's p2p messages in a step (every dp x tp pipeline sends the same): per cut,
+    the messages of one micro-batch each way (one per dtype, the bytes one rank sends) and how
+    often each is sent (once per micro-batch), priced on the cut's link; and the totals."""
+    m = best.config.microbatches
+    cuts = []
+    for s, st in enumerate(best.stages[:-1]):
+        cuts.append({"stages": [s, s + 1],
+                     "forward": [{"dtype": d, "bytes": b, "count": m} for d, b in st.send_messages],
+                     "backward": [{"dtype": d, "bytes": b, "count": m} for d, b in st.back_messages],
+                     "forward_s": best.p2p_cut_s[s], "backward_s": best.p2p_back_cut_s[s]})
+    messages = [x for c in cuts for x in c["forward"] + c["backward"]]
+    return {"count": sum(x["count"] for x in messages), "bytes": sum(x["bytes"] * x["count"] for x in messages),
+            "time_s": m * sum(c["forward_s"] + c["backward_s"] for c in cuts), "cuts": cuts}
+
+
 def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, sol: Solution, cluster: Cluster,
              fixed: Fixed, stats: dict, policy: Precision, precision_source: str, timings: dict) -> Plan:
     precision = policy.name
@@ -493,12 +519,13 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
                 "grad_sync_s": st.grad_sync_s, "optimizer_s": st.optimizer_s,
                 "inflight_microbatches": st.inflight,
                 "send_bytes": st.send_bytes,
-                **({"p2p_s": best.p2p_cut_s[s]} if s < len(best.p2p_cut_s) else {}),
+                **({"back_bytes": sum(b for _, b in st.back_messages), "p2p_s": best.p2p_cut_s[s],
+                    "p2p_back_s": best.p2p_back_cut_s[s]} if s < len(best.p2p_cut_s) else {}),
                 "memory_bytes": {"params": st.params_bytes, "grads": st.grads_bytes,
                                  "optimizer": st.optimizer_bytes, "activations": st.activations_bytes,
                                  "total": st.memory_bytes},
             }})
-    for s, sends in enumerate(_cut_tensors(gm, [st["layers"] for st in stages], cfg.microbatch_size)):
+    for s, sends in enumerate(_cut_tensors(gm, [st["layers"] for st in stages], cfg.microbatch_size, sg, sol)):
         stages[s]["sends"] = sends
     chosen = {sg.nodes[v].name: sg.nodes[v].candidates[sol.choice[v]] for v in range(len(sg.nodes))}
     token_sharded = _token_sharded_norms(gm, sg, chosen)
@@ -550,11 +577,8 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
             communication[kind]["dp"] = {"count": sum(r["count"] for r in rows),
                                          "bytes": sum(r["bytes"] * r["count"] for r in rows),
                                          "time_s": max(per_rank) / len(counts), "buckets": rows}
-    if cfg.pp > 1:  # activations forward and their gradients back, every micro-batch, every cut (its own link)
-        communication["p2p"]["pp"] = {
-            "count": 2 * cfg.microbatches * (len(best.stages) - 1),
-            "bytes": 2 * cfg.microbatches * sum(st.send_bytes for st in best.stages),
-            "time_s": 2 * cfg.microbatches * sum(best.p2p_cut_s)}
+    if cfg.pp > 1:
+        communication["p2p"]["pp"] = _p2p_record(best)
     experts = {}
     if fixed.ep and fixed.ep > 1:
         experts = experts_record(find_experts(gm), ep=fixed.ep, dp=cfg.dp, tp=cfg.tp,

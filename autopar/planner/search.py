@@ -201,6 +201,11 @@ class Unit:
     """Parameters held per device under tensor parallelism (before ZeRO)."""
     transient_bytes: float = 0.0
     """Largest single-op working set beyond saved activations (``ilp.LayerCost.transient_bytes``)."""
+    send_forward: tuple[tuple[str, float], ...] | None = None
+    """(dtype, bytes) of each message (one per dtype) one rank sends across a cut right after
+    this unit, per micro-batch (:mod:`autopar.planner.cuts`); None: one of ``boundary_bytes``."""
+    send_backward: tuple[tuple[str, float], ...] | None = None
+    """(dtype, bytes) of each gradient message sent back across that cut; None: one of ``boundary_bytes``."""
     shared_params: tuple[tuple[str, str, float], ...] = ()
     """Parameters this unit reads that another unit owns (a tied embedding read by the output
     head): (name, owning unit, parameters per device). A stage without the owner holds a copy."""
@@ -221,7 +226,11 @@ class StagePlan:
     grad_sync_s: float
     optimizer_s: float
     send_bytes: float
-    """Activation bytes sent to the next stage per micro-batch (0 on the last stage)."""
+    """Bytes one rank sends to the next stage per micro-batch (0 on the last stage)."""
+    send_messages: tuple[tuple[str, float], ...] = ()
+    """Those bytes per message: (dtype, bytes), one message per dtype."""
+    back_messages: tuple[tuple[str, float], ...] = ()
+    """The gradient messages the next stage sends back across the cut, per micro-batch."""
     groups: tuple[GroupCost, ...] = ()
     """Per layer group (unit) of the stage: times per micro-batch and gradient-bucket bytes."""
     copies: tuple[tuple[str, str, str, float], ...] = ()
@@ -241,9 +250,11 @@ class Candidate:
     bubble_fraction: float
     stages: tuple[StagePlan, ...]
     p2p_s: float = 0.0
-    """Time of one activation (or gradient) transfer across the slowest cut, as simulated."""
+    """Time of the slowest transfer (a micro-batch's activations or gradients) across a cut, as simulated."""
     p2p_cut_s: tuple[float, ...] = ()
-    """Per cut (stage c -> c + 1), the time of one transfer over that cut's link, as simulated."""
+    """Per cut (stage c -> c + 1), the time of a micro-batch's activation messages over that cut's link."""
+    p2p_back_cut_s: tuple[float, ...] = ()
+    """Per cut, the time of a micro-batch's gradient messages back (stage c + 1 -> c)."""
     spec: StepSpec | None = field(default=None, compare=False)
     """What the step program was lowered from (after simulation)."""
     step: StepResult | None = field(default=None, compare=False)
@@ -902,7 +913,7 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
                                inflight[s] * (acts - max(u.act_bytes for u in chunk)) + max(u.act_bytes for u in chunk))
             + max(u.transient_bytes for u in chunk),  # the largest op's working set, once
             grad_sync_s=sync, optimizer_s=opt_s,
-            send_bytes=chunk[-1].boundary_bytes if s < len(cuts) - 1 else 0.0,
+            **_sends(chunk[-1], last=s == len(cuts) - 1),
             groups=tuple(groups),
             copies=tuple(sorted((fqn, reader, owner, n * grad_elem) for fqn, (reader, owner, n) in copies.items()))))
     m, p, v = cfg.microbatches, cfg.pp, cfg.virtual_stages
@@ -922,6 +933,15 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
     tail = max(per_rank)
     return Candidate(config=cfg, step_time_s=pipe + tail, estimate_s=pipe + tail, bubble_fraction=0.0,
                      stages=tuple(stages))
+
+
+def _sends(u: Unit, *, last: bool) -> dict:
+    """A stage's p2p messages per micro-batch: across the cut after its last unit ``u``."""
+    if last:
+        return {"send_bytes": 0.0, "send_messages": (), "back_messages": ()}
+    fwd = u.send_forward if u.send_forward is not None else (("", u.boundary_bytes),)
+    back = u.send_backward if u.send_backward is not None else (("", u.boundary_bytes),)
+    return {"send_bytes": sum(b for _, b in fwd), "send_messages": tuple(fwd), "back_messages": tuple(back)}
 
 
 def _optimizer_s(n_params: float, cluster: Cluster) -> float:
@@ -955,10 +975,11 @@ def _tail_bound_s(stages: Sequence[StagePlan], pp: int) -> list[float]:
 
 
 def simulate_stages(kind: str, *, microbatches: int, f_s: list[float], b_s: list[float], w_s: list[float],
-                    p2p_s: float | Sequence[float], pp: int | None = None) -> SimResult:
+                    p2p_s: float | Sequence[float], pp: int | None = None,
+                    p2p_back_s: float | Sequence[float] | None = None) -> SimResult:
     """The pipeline part of a step: ``kind``'s action lists for ``len(f_s)`` stages on ``pp``
     ranks (default: one stage per rank), timed; ``p2p_s`` is one transfer time for every
-    cut or one per cut.
+    cut or one per cut, ``p2p_back_s`` the same for the gradients sent back (default ``p2p_s``).
 
     The plan stores each stage's F, B, W and the p2p time, so a report can redraw
     exactly the timeline the search ranked by (``autopar.report``)."""
@@ -966,12 +987,14 @@ def simulate_stages(kind: str, *, microbatches: int, f_s: list[float], b_s: list
     sched = _schedule(kind, pp, microbatches, len(f_s) // pp)
     fused = kind in FUSED_BACKWARD
     return simulate(sched, f_s=list(f_s), b_s=[b + (w if fused else 0.0) for b, w in zip(b_s, w_s)],
-                    w_s=[0.0 if fused else w for w in w_s], p2p_s=p2p_s)
+                    w_s=[0.0 if fused else w for w in w_s], p2p_s=p2p_s, p2p_back_s=p2p_back_s)
 
 
-def cut_times(stages: Sequence[StagePlan], links: Sequence[comm.Link]) -> tuple[float, ...]:
-    """Per cut, one transfer of the activations the stage before it sends, over the cut's link."""
-    return tuple(comm.p2p_s(st.send_bytes, link) for st, link in zip(stages, links))
+def cut_times(stages: Sequence[StagePlan], links: Sequence[comm.Link]) -> tuple[tuple[float, float], ...]:
+    """Per cut, (the activation messages the stage before it sends, the gradient messages sent
+    back) for one micro-batch over the cut's link: each message (one per dtype) a transfer."""
+    return tuple((sum(comm.p2p_s(b, link) for _, b in st.send_messages),
+                  sum(comm.p2p_s(b, link) for _, b in st.back_messages)) for st, link in zip(stages, links))
 
 
 def step_spec(c: Candidate, cluster: Cluster) -> StepSpec:
@@ -981,7 +1004,8 @@ def step_spec(c: Candidate, cluster: Cluster) -> StepSpec:
     links = cluster.pipeline_links(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, n_stages=len(c.stages))
     cuts = cut_times(c.stages, links)
     stages = tuple(StageCost(groups=st.groups, optimizer_s=st.optimizer_s,
-                             send_s=cuts[s] if s < len(cuts) else 0.0) for s, st in enumerate(c.stages))
+                             send_s=cuts[s][0] if s < len(cuts) else 0.0,
+                             send_back_s=cuts[s][1] if s < len(cuts) else 0.0) for s, st in enumerate(c.stages))
     index = {u: (s, g) for s, st in enumerate(c.stages) for g, u in enumerate(st.layers)}
     shared: dict[str, list] = {}  # parameter -> [(stage, group)], its owner first, and its bytes
     for s, st in enumerate(c.stages):
@@ -1013,11 +1037,13 @@ def _pipeline_bound_s(c: Candidate, spec: StepSpec, memo: dict | None = None) ->
     the same cuts."""
     cfg = c.config
     sends = tuple(st.send_s for st in spec.stages[:-1])
-    key = (cfg.schedule, cfg.pp, cfg.microbatches, tuple((st.f_s, st.b_s, st.w_s) for st in c.stages), sends)
+    backs = tuple(st.back_s for st in spec.stages[:-1])
+    key = (cfg.schedule, cfg.pp, cfg.microbatches, tuple((st.f_s, st.b_s, st.w_s) for st in c.stages), sends, backs)
     ends = memo.get(key) if memo is not None else None
     if ends is None:
         sim = simulate_stages(cfg.schedule, microbatches=cfg.microbatches, f_s=[st.f_s for st in c.stages],
                               b_s=[st.b_s for st in c.stages], w_s=[st.w_s for st in c.stages], p2p_s=sends,
+                              p2p_back_s=backs,
                               pp=cfg.pp)
         last = [0.0] * cfg.pp
         for r, _, _, end in sim.timeline:
@@ -1044,8 +1070,9 @@ def _simulate(c: Candidate, cluster: Cluster, memo: dict | None = None, *, spec:
         if memo is not None:
             memo[spec] = res
     cuts = tuple(st.send_s for st in spec.stages[:-1])
+    backs = tuple(st.back_s for st in spec.stages[:-1])
     return replace(c, step_time_s=res.step_time_s, bubble_fraction=res.bubble_fraction, spec=spec, step=res,
-                   p2p_s=max(cuts, default=0.0), p2p_cut_s=cuts)
+                   p2p_s=max(cuts + backs, default=0.0), p2p_cut_s=cuts, p2p_back_cut_s=backs)
 
 
 def _infeasible(least, cluster: Cluster, fixed: Fixed, skipped_batch: int, batch: int, world: int) -> Exception:
