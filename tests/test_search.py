@@ -69,6 +69,31 @@ def test_pruned_search_equals_exhaustive_and_bounds_hold():
     assert [c.step_time_s for c in pruned] == [c.step_time_s for c in everything[:S.KEEP]]
 
 
+@pytest.mark.parametrize("kind, pp, m, v", [("gpipe", 4, 6, 1), ("1f1b", 4, 8, 1), ("zb-h1", 4, 8, 1),
+                                             ("zb-h2", 4, 8, 1), ("interleaved", 3, 6, 2),
+                                             ("interleaved", 2, 4, 4)])
+def test_bare_pipeline_pass_equals_the_event_simulation(kind, pp, m, v):
+    """The bound's one-pass timing (bounds.bare_pipeline_ends) gives each rank's end of compute
+    exactly as the event engine does (simulate_stages), with unequal stages and per-cut p2p."""
+    import random
+
+    from autopar.planner import bounds
+
+    rng = random.Random(pp * 100 + m * 10 + v)
+    n = pp * v
+    f = [rng.uniform(0.5, 2.0) for _ in range(n)]
+    b = [x * rng.uniform(1.0, 2.5) for x in f]
+    w = [x * rng.uniform(0.3, 1.0) for x in f]
+    p2p = [rng.uniform(0.0, 0.4) for _ in range(n - 1)]
+    sim = S.simulate_stages(kind, microbatches=m, f_s=f, b_s=b, w_s=w, p2p_s=p2p, pp=pp)
+    last = [0.0] * pp
+    for r, _, _, end in sim.timeline:
+        last[r] = max(last[r], end)
+    fast = bounds.bare_pipeline_ends(kind, pp=pp, microbatches=m, f_s=f, b_s=b, w_s=w, p2p_s=p2p)
+    assert fast == pytest.approx(last, rel=1e-12)
+    assert max(fast) == pytest.approx(sim.step_time_s, rel=1e-12)
+
+
 def test_zero_stage_by_modelled_cost_not_first_fit():
     """Every stage fits; a sharded optimizer step makes a higher stage the fastest (which one
     depends on how much of its collectives the step program hides), and the old loop (stop
