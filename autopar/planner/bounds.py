@@ -127,14 +127,15 @@ def _before_first_reduce(kind: str, pp: int, m: int, v: int, zero: int) -> tuple
                 last[acts[i].stage] = i
             issuers = sorted(last.values())
         options = []
-        for i in issuers:
-            counts: dict[int, list[int]] = {}
-            for a in acts[:i]:
-                c = counts.setdefault(a.stage, [0, 0, 0])
-                c[0] += a.kind == "F"
-                c[1] += a.kind in ("B", "BW")
-                c[2] += a.kind in ("W", "BW")
-            options.append(tuple((st, *c) for st, c in sorted(counts.items())))
+        wanted = set(issuers)
+        counts: dict[int, list[int]] = {}  # running counts of the actions before index i, one pass
+        for i, a in enumerate(acts):
+            if i in wanted:
+                options.append(tuple((st, *c) for st, c in sorted(counts.items())))
+            c = counts.setdefault(a.stage, [0, 0, 0])
+            c[0] += a.kind == "F"
+            c[1] += a.kind in ("B", "BW")
+            c[2] += a.kind in ("W", "BW")
         out.append(tuple(options))
     return tuple(out)
 
@@ -156,7 +157,7 @@ def _comm_bound_s(cfg: Config, *, f_s: Sequence[float], b_s: Sequence[float], w_
     pp, v = cfg.pp, cfg.virtual_stages
     if cfg.dp == 1:
         return 0.0
-    starts = _before_first_reduce(cfg.schedule, pp, cfg.microbatches, v, cfg.zero)
+    starts = _before_first_reduce(cfg.schedule, pp, cfg.microbatches, v, max(cfg.zero, 1))  # 0 and 1: the same issuers
     best = 0.0
     head = 0.0
     for r in range(pp):

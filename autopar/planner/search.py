@@ -270,6 +270,54 @@ def _inflight(kind: str, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
     return tuple(peaks)
 
 
+class _Layers:
+    """A unit list's running sums under one recompute policy, for stage sums and the memory
+    rule in O(1): time, activation bytes, parameters, and range maxima (sparse tables) of
+    the full-recompute working set and the largest op's transient bytes. Built once per
+    (units, recompute) in a search (:func:`_partition`'s memo) instead of per cut."""
+
+    def __init__(self, units: Sequence[Unit], recompute: str):
+        self.n, self.full = len(units), recompute == "full"
+        self.times, pre_t, pre_a, pre_p = [], [0.0], [0.0], [0.0]
+        for u in units:
+            f, b, w, a = _unit_times(u, recompute)
+            self.times.append(f + b + w)
+            pre_t.append(pre_t[-1] + f + b + w)
+            pre_a.append(pre_a[-1] + a)
+            pre_p.append(pre_p[-1] + u.n_params)
+        self.pre_t, self.pre_a, self.pre_p = pre_t, pre_a, pre_p
+        self.work = _sparse_max([u.act_bytes if self.full else 0.0 for u in units])
+        self.transient = _sparse_max([u.transient_bytes for u in units])
+
+    def fits(self, i: int, j: int, s: int, *, cap: float, state_per_param: float, inflight: Sequence[int]) -> bool:
+        """Stage ``s`` = layers ``[i, j)`` within ``cap``: training state + activations of the
+        micro-batches in flight + (full recompute) one layer's activations + the largest op's
+        working set."""
+        mem = state_per_param * (self.pre_p[j] - self.pre_p[i]) + inflight[s] * (self.pre_a[j] - self.pre_a[i])
+        return mem + (_range_max(self.work, i, j) if self.full else 0.0) + _range_max(self.transient, i, j) <= cap
+
+
+def _sparse_max(values: list[float]) -> list[list[float]]:
+    """Sparse table: level k holds the max of every 2**k consecutive values."""
+    table = [values]
+    k = 1
+    while 2 * k <= len(values):
+        prev = table[-1]
+        table.append([max(prev[i], prev[i + k]) for i in range(len(values) - 2 * k + 1)])
+        k *= 2
+    return table
+
+
+def _range_max(table: list[list[float]], i: int, j: int) -> float:
+    """max(values[i:j]) (0.0 when empty) from a :func:`_sparse_max` table."""
+    if j <= i:
+        return 0.0
+    k = (j - i).bit_length() - 1
+    level = table[k]
+    a, b = level[i], level[j - (1 << k)]
+    return a if a >= b else b
+
+
 def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
                inflight: tuple[int, ...], memo: dict | None = None) -> list[tuple[int, int]] | None:
     """Contiguous cuts minimising the slowest stage under the memory cap (None if none fits).
@@ -280,57 +328,43 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     faster slowest stage (or, interleaved, better balanced ranks) than the best cut without
     one, so when that one fits it is optimal (interleaved: the rank balancing is the same local
     search from the same start). Only configurations it does not fit are cut again under
-    their cap."""
+    their cap, starting the bisection at the uncapped one's bound (a cap only lowers what
+    fits, so no capped cut has a faster slowest stage)."""
     if memo is None:
-        return _cut(units, cfg, cap=cap, state_per_param=state_per_param, inflight=inflight)
-    key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.pp, cfg.virtual_stages)
+        return _cut(_Layers(units, cfg.recompute), cfg, cap=cap, state_per_param=state_per_param,
+                    inflight=inflight)[0]
+    layers_key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute)
+    layers = memo.get(layers_key)
+    if layers is None:
+        layers = memo[layers_key] = _Layers(units, cfg.recompute)
+    key = layers_key + (cfg.pp, cfg.virtual_stages)
     if key not in memo:
-        memo[key] = _cut(units, cfg, cap=math.inf, state_per_param=0.0, inflight=(0,) * cfg.n_stages)
-    free = memo[key]
+        memo[key] = _cut(layers, cfg, cap=math.inf, state_per_param=0.0, inflight=(0,) * cfg.n_stages)
+    free, infeasible_below = memo[key]
     if free is None:
         return None  # too few layers for the stages: no cap changes that
-    if _cuts_fit(units, free, cfg.recompute, cap=cap, state_per_param=state_per_param, inflight=inflight):
+    rule = dict(cap=cap, state_per_param=state_per_param, inflight=inflight)
+    if all(layers.fits(i, j, s, **rule) for s, (i, j) in enumerate(free)):
         return list(free)
-    return _cut(units, cfg, cap=cap, state_per_param=state_per_param, inflight=inflight)
-
-
-def _cuts_fit(units: list[Unit], cuts, recompute: str, *, cap: float, state_per_param: float,
-              inflight: tuple[int, ...]) -> bool:
-    """Every stage of ``cuts`` within ``cap`` (the memory rule of :func:`_cut`)."""
-    for s, (i, j) in enumerate(cuts):
-        chunk = units[i:j]
-        mem = state_per_param * sum(u.n_params for u in chunk) \
-            + inflight[s] * sum(_unit_times(u, recompute)[3] for u in chunk)
-        if recompute == "full":
-            mem += max(u.act_bytes for u in chunk)
-        mem += max(u.transient_bytes for u in chunk)  # the largest op's working set, as _estimate counts it
-        if mem > cap:
-            return False
-    return True
-
-
-def _cut(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
-         inflight: tuple[int, ...]) -> list[tuple[int, int]] | None:
-    """:func:`_partition` without the memo."""
-    times, acts, work = [], [], []
-    for u in units:
-        f, b, w, a = _unit_times(u, cfg.recompute)
-        times.append(f + b + w)
-        acts.append(a)
-        work.append(u.act_bytes if cfg.recompute == "full" else 0.0)
-    transient = [u.transient_bytes for u in units]
-    n, pp = len(units), cfg.n_stages
-    if pp > n:
+    # Every stage within the cap: their sum too, so state + the fewest in flight's activations
+    # of the whole model must fit in n_stages caps (a quick no for most configurations that fit
+    # no cut at all).
+    if state_per_param * layers.pre_p[-1] + min(inflight) * layers.pre_a[-1] > cfg.n_stages * cap:
         return None
-    pre_t, pre_a, pre_p = [0.0], [0.0], [0.0]
-    for t, a, u in zip(times, acts, units):
-        pre_t.append(pre_t[-1] + t)
-        pre_a.append(pre_a[-1] + a)
-        pre_p.append(pre_p[-1] + u.n_params)
+    return _cut(layers, cfg, **rule, lo=infeasible_below)[0]
+
+
+def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, inflight: tuple[int, ...],
+         lo: float = 0.0) -> tuple[list[tuple[int, int]] | None, float]:
+    """:func:`_partition` without the memo; also a time bound at which no cut fits (``lo``, if
+    given, is one already known)."""
+    times, pre_t = layers.times, layers.pre_t
+    n, pp = layers.n, cfg.n_stages
+    if pp > n:
+        return None, math.inf
 
     def fits(i: int, j: int, s: int) -> bool:
-        mem = state_per_param * (pre_p[j] - pre_p[i]) + inflight[s] * (pre_a[j] - pre_a[i])
-        return mem + (max(work[i:j]) if cfg.recompute == "full" else 0.0) + max(transient[i:j], default=0.0) <= cap
+        return layers.fits(i, j, s, cap=cap, state_per_param=state_per_param, inflight=inflight)
 
     def greedy(bound: float) -> list[tuple[int, int]] | None:
         cuts, i = [], 0
@@ -356,10 +390,10 @@ def _cut(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
             i = j
         return cuts if i == n else None
 
-    lo, hi = max(times), pre_t[-1]
+    lo, hi = max(max(times), lo), pre_t[-1]
     best = greedy(hi * (1 + 1e-9))
     if best is None:
-        return None
+        return None, math.inf
     for _ in range(60):
         if hi - lo <= 1e-9 * max(hi, 1e-12):
             break
@@ -369,19 +403,20 @@ def _cut(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
             lo = mid
         else:
             best, hi = cuts, mid
+    infeasible_below = lo
     while len(best) < pp:  # use every stage: split the largest stage in two
         k = max(range(len(best)), key=lambda x: (best[x][1] - best[x][0], -x))
         i, j = best[k]
         if j - i < 2:
-            return None
+            return None, math.inf
         mid = min(range(i + 1, j), key=lambda c: abs((pre_t[c] - pre_t[i]) - (pre_t[j] - pre_t[c])))
         best[k:k + 1] = [(i, mid), (mid, j)]
     best = _smooth(best, pre_t, fits)
     if cfg.virtual_stages > 1:
         best = _balance_ranks(best, pre_t, fits, cfg.pp)
     if not all(fits(i, j, s) for s, (i, j) in enumerate(best)):
-        return None
-    return best
+        return None, math.inf
+    return best, infeasible_below
 
 
 def _balance_ranks(cuts: list[tuple[int, int]], pre_t: list[float], fits, pp: int) -> list[tuple[int, int]]:
@@ -397,17 +432,23 @@ def _balance_ranks(cuts: list[tuple[int, int]], pre_t: list[float], fits, pp: in
     own prefix sums and memory check; an exact min-max over ranks would be an ILP per
     configuration."""
     points = [i for i, _ in cuts] + [cuts[-1][1]]
+    n_stages = len(cuts)
 
-    def key(pts: list[int]) -> tuple:
-        per_rank = [0.0] * pp
-        longest = 0.0
-        for s in range(len(pts) - 1):
-            t = pre_t[pts[s + 1]] - pre_t[pts[s]]
-            per_rank[s % pp] += t
-            longest = max(longest, t)
-        return tuple(float(f"{t:.9g}") for t in sorted(per_rank, reverse=True)) + (float(f"{longest:.9g}"),)
+    def rounded(t: float) -> float:
+        return float(f"{t:.9g}")
 
-    current = key(points)
+    def rank_sum(times: list[float], r: int) -> float:
+        total = 0.0  # in stage order, so a rank's sum is the same float however it is reached
+        for s in range(r, n_stages, pp):
+            total += times[s]
+        return total
+
+    def key(times: list[float], loads: list[float]) -> tuple:
+        return tuple(sorted(loads, reverse=True)) + (rounded(max(times)),)
+
+    times = [pre_t[points[s + 1]] - pre_t[points[s]] for s in range(n_stages)]
+    loads = [rounded(rank_sum(times, r)) for r in range(pp)]
+    current = key(times, loads)
     while True:
         best_move, best_key = None, current
         for c in range(1, len(points) - 1):  # cut point c ends stage c - 1 and starts stage c
@@ -416,13 +457,20 @@ def _balance_ranks(cuts: list[tuple[int, int]], pre_t: list[float], fits, pp: in
                 if not points[c - 1] < at < points[c + 1] or not (fits(points[c - 1], at, c - 1)
                                                                    and fits(at, points[c + 1], c)):
                     continue
-                trial = points[:c] + [at] + points[c + 1:]
-                k = key(trial)
+                trial_t = times.copy()
+                trial_t[c - 1] = pre_t[at] - pre_t[points[c - 1]]
+                trial_t[c] = pre_t[points[c + 1]] - pre_t[at]
+                trial_l = loads.copy()  # only the two ranks of the stages it touches change
+                for r in {(c - 1) % pp, c % pp}:
+                    trial_l[r] = rounded(rank_sum(trial_t, r))
+                k = key(trial_t, trial_l)
                 if k < best_key:
-                    best_move, best_key = trial, k
+                    best_move, best_key = (c, at, trial_t, trial_l), k
         if best_move is None:
             return [(points[s], points[s + 1]) for s in range(len(points) - 1)]
-        points, current = best_move, best_key
+        c, at, times, loads = best_move
+        points = points[:c] + [at] + points[c + 1:]
+        current = best_key
 
 
 def _smooth(cuts: list[tuple[int, int]], pre_t: list[float], fits) -> list[tuple[int, int]]:
