@@ -281,8 +281,9 @@ class _Layers:
         self.times, pre_t, pre_a, pre_p = [], [0.0], [0.0], [0.0]
         for u in units:
             f, b, w, a = _unit_times(u, recompute)
-            self.times.append(f + b + w)
-            pre_t.append(pre_t[-1] + f + b + w)
+            t = f + b + w
+            self.times.append(t)
+            pre_t.append(pre_t[-1] + t)  # the unit's total, then the running sum: ties fall as they always did
             pre_a.append(pre_a[-1] + a)
             pre_p.append(pre_p[-1] + u.n_params)
         self.pre_t, self.pre_a, self.pre_p = pre_t, pre_a, pre_p
