@@ -69,6 +69,33 @@ def test_pruned_search_equals_exhaustive_and_bounds_hold():
     assert [c.step_time_s for c in pruned] == [c.step_time_s for c in everything[:S.KEEP]]
 
 
+@pytest.mark.parametrize("kind, pp, m, v", [("gpipe", 4, 6, 1), ("1f1b", 4, 8, 1), ("zb-h1", 4, 8, 1),
+                                             ("zb-h2", 4, 8, 1), ("interleaved", 3, 6, 2),
+                                             ("interleaved", 2, 4, 4)])
+def test_bare_pipeline_pass_equals_the_event_simulation(kind, pp, m, v):
+    """The bound's one-pass timing (bounds.bare_pipeline_ends) gives each rank's end of compute
+    exactly as the event engine does (simulate_stages), with unequal stages and per-cut p2p,
+    the gradients back at their own (smaller) times."""
+    import random
+
+    from autopar.planner import bounds
+
+    rng = random.Random(pp * 100 + m * 10 + v)
+    n = pp * v
+    f = [rng.uniform(0.5, 2.0) for _ in range(n)]
+    b = [x * rng.uniform(1.0, 2.5) for x in f]
+    w = [x * rng.uniform(0.3, 1.0) for x in f]
+    p2p = [rng.uniform(0.0, 0.4) for _ in range(n - 1)]
+    back = [x * rng.uniform(0.3, 1.0) for x in p2p]
+    sim = S.simulate_stages(kind, microbatches=m, f_s=f, b_s=b, w_s=w, p2p_s=p2p, pp=pp, p2p_back_s=back)
+    last = [0.0] * pp
+    for r, _, _, end in sim.timeline:
+        last[r] = max(last[r], end)
+    fast = bounds.bare_pipeline_ends(kind, pp=pp, microbatches=m, f_s=f, b_s=b, w_s=w, p2p_s=p2p, p2p_back_s=back)
+    assert fast == pytest.approx(last, rel=1e-12)
+    assert max(fast) == pytest.approx(sim.step_time_s, rel=1e-12)
+
+
 def test_zero_stage_by_modelled_cost_not_first_fit():
     """Every stage fits; a sharded optimizer step makes a higher stage the fastest (which one
     depends on how much of its collectives the step program hides), and the old loop (stop
@@ -132,6 +159,50 @@ def test_balancing_respects_memory():
     cuts = S._partition(units, cfg, cap=2.5 * per_layer, state_per_param=16, inflight=(4,) * 6)
     assert max(j - i for i, j in cuts) <= 2
     assert _rank_layers(cuts, 2) == [4, 4]
+
+
+def test_memoised_capped_cuts_equal_fresh_ones():
+    """The partitioner's memo (running sums shared per units, the capped bisection started at
+    the uncapped bound, the total-memory shortcut) finds cuts that fit with the slowest stage
+    a fresh partition finds, or None where that finds None, under caps from roomy to
+    infeasible."""
+    import random
+
+    rng = random.Random(7)
+    units = [replace(u, f_s=u.f_s * rng.uniform(0.5, 2.0), act_bytes=u.act_bytes * rng.uniform(0.5, 2.0),
+                     transient_bytes=rng.uniform(0, 1e8)) for u in _units(24)]
+    per_layer = 16 * units[0].n_params + 4 * units[0].act_bytes
+    memo = {}
+    seen = set()
+    for pp, v, kind in ((2, 1, "1f1b"), (4, 1, "zb-h1"), (4, 2, "interleaved"), (2, 4, "interleaved")):
+        for recompute in ("none", "full"):
+            for scale in (100.0, 8.0, 5.0, 3.5, 2.5, 1.5, 0.5):
+                cfg = S.Config(tp=1, pp=pp, dp=1, microbatch_size=1, microbatches=8, zero=0, recompute=recompute,
+                               schedule=kind, virtual_stages=v)
+                inflight = S._inflight(kind, pp, 8, v)
+                rule = dict(cap=scale * per_layer, state_per_param=16, inflight=inflight)
+                fresh = S._partition(units, cfg, **rule)
+                memoised = S._partition(units, cfg, **rule, memo=memo)
+                seen.add(fresh is None)
+                assert (memoised is None) == (fresh is None), (pp, v, recompute, scale)
+                if fresh is not None:
+                    layers = S._Layers(units, recompute)
+                    assert all(layers.fits(i, j, s, **rule) for s, (i, j) in enumerate(memoised))
+                    assert max(layers.pre_t[j] - layers.pre_t[i] for i, j in memoised) == pytest.approx(
+                        max(layers.pre_t[j] - layers.pre_t[i] for i, j in fresh), rel=1e-9)
+    assert seen == {True, False}  # both outcomes were exercised
+
+
+def test_range_max_equals_slices():
+    import random
+
+    rng = random.Random(3)
+    for n in (1, 2, 5, 16, 37):
+        values = [rng.random() for _ in range(n)]
+        table = S._sparse_max(values)
+        for i in range(n + 1):
+            for j in range(i, n + 1):
+                assert S._range_max(table, i, j) == max(values[i:j], default=0.0)
 
 
 def test_interleaved_depth_is_searched():

@@ -45,10 +45,12 @@ from functools import lru_cache
 from autopar.cluster import Cluster
 from autopar.cost import comm
 from autopar.cost.memory import training_state_bytes
-from autopar.cost.schedule import make_schedule
 from autopar.cost.simulate import SimResult, StepResult, simulate, simulate_step
 from autopar.cost.step import GroupCost, StageCost, StepSpec, TiedCost, estimate_exposed_s, group_dp_s
 from autopar.errors import InfeasibleError, PlanError
+from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _COLLECTIVE_S, _config_bound_s,  # noqa: F401
+                                    _cuts_bound_s, _dp_comm_prefix, _grad_elem_bytes, _optimizer_s,
+                                    _pipeline_bound_s, _prefix_sums, _schedule, _unit_times, _work_s, lower_bound_s)
 from autopar import zero_def
 
 log = logging.getLogger(__name__)
@@ -65,12 +67,6 @@ Megatron and torchtitan memory estimates leave similar headroom)."""
 SIMULATE_TOP = 24
 """How many configurations, best estimate first, get a full schedule simulation."""
 
-ADAM_BYTES_PER_PARAM = 28
-"""HBM traffic of one fused AdamW update per parameter under the precision policies
-(:mod:`autopar.precision`; gradients land in fp32 buffers under bf16-mixed as under fp32):
-read fp32 master, fp32 grad, m, v (4+4+4+4) and write master, m, v (4+4+4). The bf16
-compute copy is a separate cast (read 4, write 2: once per step at ZeRO 0-2, before each
-gather at ZeRO 3), not counted here."""
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 VIRTUAL_STAGES = (2, 3, 4)
@@ -79,8 +75,6 @@ Narayanan et al. 2021, sec. 2.2; more chunks shrink the bubble but add p2p messa
 KEEP = 6
 """Configurations the search ranks exactly (the plan and its runners-up): the bound prunes
 only what cannot enter this list."""
-FUSED_BACKWARD = ("gpipe", "1f1b", "interleaved")
-"""Schedules that run B and W as one fused backward (BW) action."""
 RECOMPUTE = ("none", "selective", "full")
 FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
               "virtual_stages", "ep")
@@ -273,13 +267,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-@lru_cache(maxsize=256)
-def _schedule(kind: str, pp: int, m: int, v: int = 1):
-    """The action lists of ``kind`` (built once per shape: the search reads them for memory
-    and simulates them for time, and nothing changes them)."""
-    return make_schedule(kind, n_stages=pp, n_micro=m, n_virtual=v)
-
-
 @lru_cache(maxsize=4096)
 def _inflight(kind: str, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
     """Per stage, the peak number of its micro-batches whose activations it holds
@@ -297,13 +284,53 @@ def _inflight(kind: str, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
     return tuple(peaks)
 
 
-def _unit_times(u: Unit, recompute: str) -> tuple[float, float, float, float]:
-    """(F, B, W, activation bytes) of a unit under a recompute policy."""
-    if recompute == "full":
-        return u.f_s, u.b_s + u.f_s, u.w_s, u.boundary_bytes
-    if recompute == "selective":
-        return u.f_s, u.b_s + u.cheap_f_s, u.w_s, u.act_bytes - u.cheap_act_bytes
-    return u.f_s, u.b_s, u.w_s, u.act_bytes
+class _Layers:
+    """A unit list's running sums under one recompute policy, for stage sums and the memory
+    rule in O(1): time, activation bytes, parameters, and range maxima (sparse tables) of
+    the full-recompute working set and the largest op's transient bytes. Built once per
+    (units, recompute) in a search (:func:`_partition`'s memo) instead of per cut."""
+
+    def __init__(self, units: Sequence[Unit], recompute: str):
+        self.n, self.full = len(units), recompute == "full"
+        self.times, pre_t, pre_a, pre_p = [], [0.0], [0.0], [0.0]
+        for u in units:
+            f, b, w, a = _unit_times(u, recompute)
+            t = f + b + w
+            self.times.append(t)
+            pre_t.append(pre_t[-1] + t)  # the unit's total, then the running sum: ties fall as they always did
+            pre_a.append(pre_a[-1] + a)
+            pre_p.append(pre_p[-1] + u.n_params)
+        self.pre_t, self.pre_a, self.pre_p = pre_t, pre_a, pre_p
+        self.work = _sparse_max([u.act_bytes if self.full else 0.0 for u in units])
+        self.transient = _sparse_max([u.transient_bytes for u in units])
+
+    def fits(self, i: int, j: int, s: int, *, cap: float, state_per_param: float, inflight: Sequence[int]) -> bool:
+        """Stage ``s`` = layers ``[i, j)`` within ``cap``: training state + activations of the
+        micro-batches in flight + (full recompute) one layer's activations + the largest op's
+        working set."""
+        mem = state_per_param * (self.pre_p[j] - self.pre_p[i]) + inflight[s] * (self.pre_a[j] - self.pre_a[i])
+        return mem + (_range_max(self.work, i, j) if self.full else 0.0) + _range_max(self.transient, i, j) <= cap
+
+
+def _sparse_max(values: list[float]) -> list[list[float]]:
+    """Sparse table: level k holds the max of every 2**k consecutive values."""
+    table = [values]
+    k = 1
+    while 2 * k <= len(values):
+        prev = table[-1]
+        table.append([max(prev[i], prev[i + k]) for i in range(len(values) - 2 * k + 1)])
+        k *= 2
+    return table
+
+
+def _range_max(table: list[list[float]], i: int, j: int) -> float:
+    """max(values[i:j]) (0.0 when empty) from a :func:`_sparse_max` table."""
+    if j <= i:
+        return 0.0
+    k = (j - i).bit_length() - 1
+    level = table[k]
+    a, b = level[i], level[j - (1 << k)]
+    return a if a >= b else b
 
 
 def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
@@ -316,57 +343,43 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     faster slowest stage (or, interleaved, better balanced ranks) than the best cut without
     one, so when that one fits it is optimal (interleaved: the rank balancing is the same local
     search from the same start). Only configurations it does not fit are cut again under
-    their cap."""
+    their cap, starting the bisection at the uncapped one's bound (a cap only lowers what
+    fits, so no capped cut has a faster slowest stage)."""
     if memo is None:
-        return _cut(units, cfg, cap=cap, state_per_param=state_per_param, inflight=inflight)
-    key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.pp, cfg.virtual_stages)
+        return _cut(_Layers(units, cfg.recompute), cfg, cap=cap, state_per_param=state_per_param,
+                    inflight=inflight)[0]
+    layers_key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute)
+    layers = memo.get(layers_key)
+    if layers is None:
+        layers = memo[layers_key] = _Layers(units, cfg.recompute)
+    key = layers_key + (cfg.pp, cfg.virtual_stages)
     if key not in memo:
-        memo[key] = _cut(units, cfg, cap=math.inf, state_per_param=0.0, inflight=(0,) * cfg.n_stages)
-    free = memo[key]
+        memo[key] = _cut(layers, cfg, cap=math.inf, state_per_param=0.0, inflight=(0,) * cfg.n_stages)
+    free, infeasible_below = memo[key]
     if free is None:
         return None  # too few layers for the stages: no cap changes that
-    if _cuts_fit(units, free, cfg.recompute, cap=cap, state_per_param=state_per_param, inflight=inflight):
+    rule = dict(cap=cap, state_per_param=state_per_param, inflight=inflight)
+    if all(layers.fits(i, j, s, **rule) for s, (i, j) in enumerate(free)):
         return list(free)
-    return _cut(units, cfg, cap=cap, state_per_param=state_per_param, inflight=inflight)
-
-
-def _cuts_fit(units: list[Unit], cuts, recompute: str, *, cap: float, state_per_param: float,
-              inflight: tuple[int, ...]) -> bool:
-    """Every stage of ``cuts`` within ``cap`` (the memory rule of :func:`_cut`)."""
-    for s, (i, j) in enumerate(cuts):
-        chunk = units[i:j]
-        mem = state_per_param * sum(u.n_params for u in chunk) \
-            + inflight[s] * sum(_unit_times(u, recompute)[3] for u in chunk)
-        if recompute == "full":
-            mem += max(u.act_bytes for u in chunk)
-        mem += max(u.transient_bytes for u in chunk)  # the largest op's working set, as _estimate counts it
-        if mem > cap:
-            return False
-    return True
-
-
-def _cut(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
-         inflight: tuple[int, ...]) -> list[tuple[int, int]] | None:
-    """:func:`_partition` without the memo."""
-    times, acts, work = [], [], []
-    for u in units:
-        f, b, w, a = _unit_times(u, cfg.recompute)
-        times.append(f + b + w)
-        acts.append(a)
-        work.append(u.act_bytes if cfg.recompute == "full" else 0.0)
-    transient = [u.transient_bytes for u in units]
-    n, pp = len(units), cfg.n_stages
-    if pp > n:
+    # Every stage within the cap: their sum too, so state + the fewest in flight's activations
+    # of the whole model must fit in n_stages caps (a quick no for most configurations that fit
+    # no cut at all).
+    if state_per_param * layers.pre_p[-1] + min(inflight) * layers.pre_a[-1] > cfg.n_stages * cap:
         return None
-    pre_t, pre_a, pre_p = [0.0], [0.0], [0.0]
-    for t, a, u in zip(times, acts, units):
-        pre_t.append(pre_t[-1] + t)
-        pre_a.append(pre_a[-1] + a)
-        pre_p.append(pre_p[-1] + u.n_params)
+    return _cut(layers, cfg, **rule, lo=infeasible_below)[0]
+
+
+def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, inflight: tuple[int, ...],
+         lo: float = 0.0) -> tuple[list[tuple[int, int]] | None, float]:
+    """:func:`_partition` without the memo; also a time bound at which no cut fits (``lo``, if
+    given, is one already known)."""
+    times, pre_t = layers.times, layers.pre_t
+    n, pp = layers.n, cfg.n_stages
+    if pp > n:
+        return None, math.inf
 
     def fits(i: int, j: int, s: int) -> bool:
-        mem = state_per_param * (pre_p[j] - pre_p[i]) + inflight[s] * (pre_a[j] - pre_a[i])
-        return mem + (max(work[i:j]) if cfg.recompute == "full" else 0.0) + max(transient[i:j], default=0.0) <= cap
+        return layers.fits(i, j, s, cap=cap, state_per_param=state_per_param, inflight=inflight)
 
     def greedy(bound: float) -> list[tuple[int, int]] | None:
         cuts, i = [], 0
@@ -392,10 +405,10 @@ def _cut(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
             i = j
         return cuts if i == n else None
 
-    lo, hi = max(times), pre_t[-1]
+    lo, hi = max(max(times), lo), pre_t[-1]
     best = greedy(hi * (1 + 1e-9))
     if best is None:
-        return None
+        return None, math.inf
     for _ in range(60):
         if hi - lo <= 1e-9 * max(hi, 1e-12):
             break
@@ -405,19 +418,20 @@ def _cut(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
             lo = mid
         else:
             best, hi = cuts, mid
+    infeasible_below = lo
     while len(best) < pp:  # use every stage: split the largest stage in two
         k = max(range(len(best)), key=lambda x: (best[x][1] - best[x][0], -x))
         i, j = best[k]
         if j - i < 2:
-            return None
+            return None, math.inf
         mid = min(range(i + 1, j), key=lambda c: abs((pre_t[c] - pre_t[i]) - (pre_t[j] - pre_t[c])))
         best[k:k + 1] = [(i, mid), (mid, j)]
     best = _smooth(best, pre_t, fits)
     if cfg.virtual_stages > 1:
         best = _balance_ranks(best, pre_t, fits, cfg.pp)
     if not all(fits(i, j, s) for s, (i, j) in enumerate(best)):
-        return None
-    return best
+        return None, math.inf
+    return best, infeasible_below
 
 
 def _balance_ranks(cuts: list[tuple[int, int]], pre_t: list[float], fits, pp: int) -> list[tuple[int, int]]:
@@ -433,17 +447,23 @@ def _balance_ranks(cuts: list[tuple[int, int]], pre_t: list[float], fits, pp: in
     own prefix sums and memory check; an exact min-max over ranks would be an ILP per
     configuration."""
     points = [i for i, _ in cuts] + [cuts[-1][1]]
+    n_stages = len(cuts)
 
-    def key(pts: list[int]) -> tuple:
-        per_rank = [0.0] * pp
-        longest = 0.0
-        for s in range(len(pts) - 1):
-            t = pre_t[pts[s + 1]] - pre_t[pts[s]]
-            per_rank[s % pp] += t
-            longest = max(longest, t)
-        return tuple(float(f"{t:.9g}") for t in sorted(per_rank, reverse=True)) + (float(f"{longest:.9g}"),)
+    def rounded(t: float) -> float:
+        return float(f"{t:.9g}")
 
-    current = key(points)
+    def rank_sum(times: list[float], r: int) -> float:
+        total = 0.0  # in stage order, so a rank's sum is the same float however it is reached
+        for s in range(r, n_stages, pp):
+            total += times[s]
+        return total
+
+    def key(times: list[float], loads: list[float]) -> tuple:
+        return tuple(sorted(loads, reverse=True)) + (rounded(max(times)),)
+
+    times = [pre_t[points[s + 1]] - pre_t[points[s]] for s in range(n_stages)]
+    loads = [rounded(rank_sum(times, r)) for r in range(pp)]
+    current = key(times, loads)
     while True:
         best_move, best_key = None, current
         for c in range(1, len(points) - 1):  # cut point c ends stage c - 1 and starts stage c
@@ -452,13 +472,20 @@ def _balance_ranks(cuts: list[tuple[int, int]], pre_t: list[float], fits, pp: in
                 if not points[c - 1] < at < points[c + 1] or not (fits(points[c - 1], at, c - 1)
                                                                    and fits(at, points[c + 1], c)):
                     continue
-                trial = points[:c] + [at] + points[c + 1:]
-                k = key(trial)
+                trial_t = times.copy()
+                trial_t[c - 1] = pre_t[at] - pre_t[points[c - 1]]
+                trial_t[c] = pre_t[points[c + 1]] - pre_t[at]
+                trial_l = loads.copy()  # only the two ranks of the stages it touches change
+                for r in {(c - 1) % pp, c % pp}:
+                    trial_l[r] = rounded(rank_sum(trial_t, r))
+                k = key(trial_t, trial_l)
                 if k < best_key:
-                    best_move, best_key = trial, k
+                    best_move, best_key = (c, at, trial_t, trial_l), k
         if best_move is None:
             return [(points[s], points[s + 1]) for s in range(len(points) - 1)]
-        points, current = best_move, best_key
+        c, at, times, loads = best_move
+        points = points[:c] + [at] + points[c + 1:]
+        current = best_key
 
 
 def _smooth(cuts: list[tuple[int, int]], pre_t: list[float], fits) -> list[tuple[int, int]]:
@@ -660,200 +687,6 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     return top, stats
 
 
-# Lower bounds on a configuration's step time, for pruning. They must never exceed what
-# _simulate returns (tests/test_search.py checks this on every configuration of a small
-# search): a bound that did would prune the optimum. They read the same terms as the time
-# function (the step program of autopar.cost.step): each rank's pipeline actions one after
-# the other, then its optimizer steps. The gradient collectives are left out, since the step
-# program overlaps them with the backward; compute only slows while they overlap it.
-
-
-def _work_s(units: Sequence[Unit], recompute: str) -> float:
-    """Time of one micro-batch's F + B + W through every layer (recompute included)."""
-    total = 0.0
-    for u in units:
-        f, b, w, _ = _unit_times(u, recompute)
-        total += f + b + w
-    return total
-
-
-def _config_bound_s(work_s: float, n_params: float, *, zero: int, m: int, pp: int, dp: int, link: comm.Link,
-                    precision: str, cluster: Cluster, dp_comm_s: float = 0.0, virtual_stages: int = 1) -> float:
-    """A lower bound for any cut of a configuration, before partitioning: the busiest rank
-    runs at least the average share of the F, B and W actions (``m * work / pp``), then at
-    least the average share of the tail (collectives and optimizer step over ``n_params /
-    pp`` parameters: their times grow with size, and a rank's several stages cost at least
-    one stage of their total size, message latency being per message).
-
-    ``dp_comm_s`` is every layer group's dp collectives of a step, each alone on the link
-    (:func:`_dp_comm_prefix`'s total): the busiest rank's link carries at least the average
-    share of them (:func:`_comm_bound_s`), and with one stage per rank its optimizer step
-    follows them."""
-    share = n_params / pp
-    opt = _optimizer_s(share / zero_def.state_shards(zero, dp)[2], cluster)
-    return max(m * work_s / pp + opt, dp_comm_s / pp + (opt if virtual_stages == 1 else 0.0))
-
-
-def _dp_collective_s(nbytes: float, *, zero: int, dp: int, link: comm.Link, microbatches: int) -> float:
-    """One layer group's dp collectives in one step, each priced as the step program prices it
-    (:func:`autopar.cost.step.lower_step`: the same functions on the same link), alone on the link."""
-    if dp == 1 or nbytes <= 0:
-        return 0.0
-    counts = zero_def.step_collective_counts(zero, n_micro=microbatches)
-    return sum(k * _COLLECTIVE_S[kind](nbytes, dp, link) for kind, k in counts.items())
-
-
-def _dp_comm_prefix(units: Sequence[Unit], *, zero: int, dp: int, link: comm.Link, microbatches: int,
-                    precision: str) -> list[float]:
-    """Running sums over the layers of their dp collectives' time in a step (each unit one
-    gradient bucket of its own parameters; a stage's copies of tied parameters only add)."""
-    elem = _grad_elem_bytes(precision)
-    seen: dict[float, float] = {}
-    pre = [0.0]
-    for u in units:
-        nbytes = u.n_params * elem
-        if nbytes not in seen:
-            seen[nbytes] = _dp_collective_s(nbytes, zero=zero, dp=dp, link=link, microbatches=microbatches)
-        pre.append(pre[-1] + seen[nbytes])
-    return pre
-
-
-@lru_cache(maxsize=4096)
-def _before_first_reduce(kind: str, pp: int, m: int, v: int, zero: int) -> tuple[tuple[tuple, ...], ...]:
-    """Per rank, the compute that must end before the rank can issue its first dp collective:
-    for each action that may issue it (ZeRO 0/1: each stage's last W or BW; ZeRO 2: the first
-    W or BW), the actions before it in the rank's list, as counts ``((stage, n_F, n_B, n_W),
-    ...)`` (a BW counts as one B and one W). ZeRO 3 gathers before the first forward: ``()``
-    (no such compute)."""
-    if zero == 3:
-        return tuple(() for _ in range(pp))
-    sched = _schedule(kind, pp, m, v)
-    out = []
-    for rank in range(pp):
-        acts = sched[rank]
-        grads = [i for i, a in enumerate(acts) if a.kind in ("W", "BW")]
-        if zero == 2:
-            issuers = grads[:1]
-        else:
-            last = {}
-            for i in grads:
-                last[acts[i].stage] = i
-            issuers = sorted(last.values())
-        options = []
-        for i in issuers:
-            counts: dict[int, list[int]] = {}
-            for a in acts[:i]:
-                c = counts.setdefault(a.stage, [0, 0, 0])
-                c[0] += a.kind == "F"
-                c[1] += a.kind in ("B", "BW")
-                c[2] += a.kind in ("W", "BW")
-            options.append(tuple((st, *c) for st, c in sorted(counts.items())))
-        out.append(tuple(options))
-    return tuple(out)
-
-
-def _comm_bound_s(cfg: Config, *, f_s: Sequence[float], b_s: Sequence[float], w_s: Sequence[float],
-                  dp_s: Sequence[float], opt_s: Sequence[float]) -> float:
-    """A lower bound on the step time from the dp link (per stage: F, B, W, dp collectives of a
-    step each alone on the link, optimizer step).
-
-    On a rank, the dp collectives share its dp link and together progress at most at the rate
-    of one alone (:func:`autopar.cost.simulate.simulate_program`: ``k`` in flight each move at
-    ``1/k``), so from the first one's start they take at least the sum of their times. The
-    first cannot start before the rank's compute reaches the action that issues it
-    (:func:`_before_first_reduce`; compute runs in list order at full speed at best, from
-    ``head``, the first micro-batch's forward through the stages before). After the last:
-    with one stage per rank, its optimizer step (it waits for the reductions; ZeRO 1/2 gather
-    only after it, so the link idles meanwhile); with several, under ZeRO 0/3 the optimizer
-    step of the stage whose reduction ended last, at least the rank's shortest."""
-    pp, v = cfg.pp, cfg.virtual_stages
-    if cfg.dp == 1:
-        return 0.0
-    starts = _before_first_reduce(cfg.schedule, pp, cfg.microbatches, v, cfg.zero)
-    best = 0.0
-    head = 0.0
-    for r in range(pp):
-        mine = range(r, len(f_s), pp)
-        start = min((sum(nf * f_s[s] + nb * b_s[s] + nw * w_s[s] for s, nf, nb, nw in option)
-                     for option in starts[r]), default=0.0)
-        if v == 1:
-            tail = opt_s[r]
-        elif cfg.zero in (0, 3):
-            tail = min(opt_s[s] for s in mine)
-        else:
-            tail = 0.0
-        best = max(best, (head if cfg.zero != 3 else 0.0) + start + sum(dp_s[s] for s in mine) + tail)
-        head += f_s[r]
-    return best
-
-
-def _prefix_sums(units: Sequence[Unit], recompute: str) -> tuple[list[float], ...]:
-    """Running sums over the layers of (F, F + B + W, parameters, B, W), for stage sums in O(1)."""
-    pre_f, pre_t, pre_p, pre_b, pre_w = [0.0], [0.0], [0.0], [0.0], [0.0]
-    for u in units:
-        f, b, w, _ = _unit_times(u, recompute)
-        pre_f.append(pre_f[-1] + f)
-        pre_t.append(pre_t[-1] + f + b + w)
-        pre_p.append(pre_p[-1] + u.n_params)
-        pre_b.append(pre_b[-1] + b)
-        pre_w.append(pre_w[-1] + w)
-    return pre_f, pre_t, pre_p, pre_b, pre_w
-
-
-def _cuts_bound_s(prefix, cuts, cfg: Config, *, cluster: Cluster, precision: str,
-                  dp_prefix: Sequence[float] | None = None) -> float:
-    """:func:`lower_bound_s` from the cuts alone, before the candidate is built: the same
-    terms, with each stage's parameters counted without the copies of tied parameters it
-    holds (a copy only adds time). ``dp_prefix`` (:func:`_dp_comm_prefix` for the
-    configuration's ZeRO stage, dp and micro-batches) adds the dp link's bound."""
-    pre_f, pre_t, pre_p, pre_b, pre_w = prefix
-    pp, m = cfg.pp, cfg.microbatches
-    shard = zero_def.state_shards(cfg.zero, cfg.dp)[2]
-    pipe, tail = [0.0] * pp, [0.0] * pp
-    opts = []
-    for s, (i, j) in enumerate(cuts):
-        n = pre_p[j] - pre_p[i]
-        pipe[s % pp] += m * (pre_t[j] - pre_t[i])
-        opts.append(_optimizer_s(n / shard, cluster))
-        tail[s % pp] += opts[-1]
-    head = 0.0
-    for r in range(min(pp, len(cuts))):
-        pipe[r] += head
-        head += pre_f[cuts[r][1]] - pre_f[cuts[r][0]]
-    bound = max(p + t for p, t in zip(pipe, tail))
-    if dp_prefix is None or cfg.dp == 1 or len(cuts) != cfg.n_stages:
-        return bound
-    return max(bound, _comm_bound_s(cfg, f_s=[pre_f[j] - pre_f[i] for i, j in cuts],
-                                    b_s=[pre_b[j] - pre_b[i] for i, j in cuts],
-                                    w_s=[pre_w[j] - pre_w[i] for i, j in cuts],
-                                    dp_s=[dp_prefix[j] - dp_prefix[i] for i, j in cuts], opt_s=opts))
-
-
-def lower_bound_s(c: Candidate, cluster: Cluster | None = None) -> float:
-    """A lower bound on ``c``'s simulated step time, from its cuts: each rank ``r`` waits for the
-    first micro-batch's forward through the stages before its first (stage ``r``), then runs
-    its stages' F, B and W for every micro-batch one after the other; the tail follows.
-    With ``cluster``, also the bound of the dp link (:func:`_comm_bound_s`)."""
-    pp, m = c.config.pp, c.config.microbatches
-    per_rank = [0.0] * pp
-    for s, st in enumerate(c.stages):
-        per_rank[s % pp] += m * (st.f_s + st.b_s + st.w_s)
-    head = 0.0
-    for r in range(pp):
-        per_rank[r] += head
-        head += c.stages[r].f_s
-    bound = max(p + t for p, t in zip(per_rank, _tail_bound_s(c.stages, pp)))
-    if cluster is None:
-        return bound
-    cfg = c.config
-    link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
-    dp_s = [sum(_dp_collective_s(g.bucket_bytes, zero=cfg.zero, dp=cfg.dp, link=link, microbatches=m)
-                for g in st.groups) for st in c.stages]
-    return max(bound, _comm_bound_s(cfg, f_s=[st.f_s for st in c.stages], b_s=[st.b_s for st in c.stages],
-                                    w_s=[st.w_s for st in c.stages], dp_s=dp_s,
-                                    opt_s=[st.optimizer_s for st in c.stages]))
-
-
 def _rank_key(time_of):
     def key(c: Candidate):
         cfg = c.config
@@ -873,11 +706,6 @@ def _min_memory(units: list[Unit], cfg: Config, per_param: float, inflight: tupl
         acts = sum(_unit_times(u, cfg.recompute)[3] for u in chunk)
         worst = max(worst, per_param * sum(u.n_params for u in chunk) + inflight[s] * acts)
     return worst
-
-
-def _grad_elem_bytes(precision: str) -> int:
-    """Bytes per gradient element as the dp collectives reduce it (the bounds and the estimate must agree)."""
-    return 2 if precision in ("mixed", "bf16-mixed-bf16-reduce") else 4
 
 
 def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision: str,
@@ -944,15 +772,6 @@ def _sends(u: Unit, *, last: bool) -> dict:
     return {"send_bytes": sum(b for _, b in fwd), "send_messages": tuple(fwd), "back_messages": tuple(back)}
 
 
-def _optimizer_s(n_params: float, cluster: Cluster) -> float:
-    """One fused AdamW step over ``n_params`` (memory bound; 80% of HBM bandwidth)."""
-    return ADAM_BYTES_PER_PARAM * n_params / (cluster.device.hbm_bytes_per_s * 0.8)
-
-
-_COLLECTIVE_S = {"all_reduce": comm.all_reduce_s, "reduce_scatter": comm.reduce_scatter_s,
-                 "all_gather": comm.all_gather_s}
-
-
 def grad_sync_s(grad_bytes: float, *, zero: int, dp: int, microbatches: int, link: comm.Link) -> float:
     """Data-parallel collectives of one stage's gradient bucket in one step, as
     :mod:`autopar.zero_def` defines them for ZeRO stage ``zero``: stage 0 all-reduces once,
@@ -962,16 +781,6 @@ def grad_sync_s(grad_bytes: float, *, zero: int, dp: int, microbatches: int, lin
         return 0.0
     counts = zero_def.step_collective_counts(zero, n_micro=microbatches)
     return sum(n * _COLLECTIVE_S[kind](grad_bytes, dp, link) for kind, n in counts.items())
-
-
-def _tail_bound_s(stages: Sequence[StagePlan], pp: int) -> list[float]:
-    """Per pipeline rank, the optimizer steps of the stages it holds (stage s on rank s % pp):
-    what follows its last compute at the least. Its gradient collectives are left out: the
-    step program overlaps them with the backward, so they may cost nothing."""
-    per_rank = [0.0] * pp
-    for s, st in enumerate(stages):
-        per_rank[s % pp] += st.optimizer_s
-    return per_rank
 
 
 def simulate_stages(kind: str, *, microbatches: int, f_s: list[float], b_s: list[float], w_s: list[float],
@@ -1022,36 +831,6 @@ def step_spec(c: Candidate, cluster: Cluster) -> StepSpec:
                              nbytes=nbytes, link=link))
     return StepSpec(schedule=cfg.schedule, pp=cfg.pp, microbatches=cfg.microbatches, zero=cfg.zero, dp=cfg.dp,
                     stages=stages, dp_link=cluster.link_for_group(cfg.dp, stride=cfg.tp), tied=tuple(tied))
-
-
-def _pipeline_bound_s(c: Candidate, spec: StepSpec, memo: dict | None = None) -> float:
-    """A lower bound on ``c``'s simulated step time: its bare pipeline (:func:`simulate_stages`,
-    the stages' F, B, W and each cut's p2p time of ``spec``, nothing else), then on each rank
-    its stages' optimizer steps.
-
-    The step program runs the same actions in the same order per rank with the same p2p
-    delays; it only adds (pieces that sum to the action, waits for ZeRO-3 gathers, compute
-    slowed under overlapped collectives), and start times in fixed-order lists only grow
-    when durations and waits grow, so each rank's compute ends no earlier; its optimizer
-    steps follow its last compute. ``memo`` shares one pipeline among the ZeRO stages with
-    the same cuts."""
-    cfg = c.config
-    sends = tuple(st.send_s for st in spec.stages[:-1])
-    backs = tuple(st.back_s for st in spec.stages[:-1])
-    key = (cfg.schedule, cfg.pp, cfg.microbatches, tuple((st.f_s, st.b_s, st.w_s) for st in c.stages), sends, backs)
-    ends = memo.get(key) if memo is not None else None
-    if ends is None:
-        sim = simulate_stages(cfg.schedule, microbatches=cfg.microbatches, f_s=[st.f_s for st in c.stages],
-                              b_s=[st.b_s for st in c.stages], w_s=[st.w_s for st in c.stages], p2p_s=sends,
-                              p2p_back_s=backs,
-                              pp=cfg.pp)
-        last = [0.0] * cfg.pp
-        for r, _, _, end in sim.timeline:
-            last[r] = max(last[r], end)
-        ends = tuple(last)
-        if memo is not None:
-            memo[key] = ends
-    return max(ends[r] + sum(st.optimizer_s for st in c.stages[r::cfg.pp]) for r in range(cfg.pp))
 
 
 def pipeline_bound_s(c: Candidate, cluster: Cluster) -> float:

@@ -1,0 +1,366 @@
+"""Lower bounds on a configuration's step time, for the outer search's branch and bound.
+
+:func:`autopar.planner.search.search` visits mesh shapes, configurations and cut candidates
+best bound first, and stops at the first whose bound exceeds the ``keep``-th best simulated
+time; each bound here is checked against the simulation on every configuration of an
+exhaustive search (``tests/test_search.py``). Also the cost primitives the bounds and the
+search's estimate share (a unit's times under a recompute policy, the optimizer step, the
+schedules' action lists).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from autopar.cluster import Cluster
+from autopar.cost import comm
+from autopar.cost.schedule import _needs, _provides, make_schedule
+from autopar import zero_def
+
+if TYPE_CHECKING:
+    from autopar.cost.step import StepSpec
+    from autopar.planner.search import Candidate, Config, StagePlan, Unit
+
+__all__ = ["lower_bound_s", "bare_pipeline_ends"]
+
+
+ADAM_BYTES_PER_PARAM = 28
+"""HBM traffic of one fused AdamW update per parameter under the precision policies
+(:mod:`autopar.precision`; gradients land in fp32 buffers under bf16-mixed as under fp32):
+read fp32 master, fp32 grad, m, v (4+4+4+4) and write master, m, v (4+4+4). The bf16
+compute copy is a separate cast (read 4, write 2: once per step at ZeRO 0-2, before each
+gather at ZeRO 3), not counted here."""
+
+
+@lru_cache(maxsize=256)
+def _schedule(kind: str, pp: int, m: int, v: int = 1):
+    """The action lists of ``kind`` (built once per shape: the search reads them for memory
+    and simulates them for time, and nothing changes them)."""
+    return make_schedule(kind, n_stages=pp, n_micro=m, n_virtual=v)
+
+
+def _unit_times(u: Unit, recompute: str) -> tuple[float, float, float, float]:
+    """(F, B, W, activation bytes) of a unit under a recompute policy."""
+    if recompute == "full":
+        return u.f_s, u.b_s + u.f_s, u.w_s, u.boundary_bytes
+    if recompute == "selective":
+        return u.f_s, u.b_s + u.cheap_f_s, u.w_s, u.act_bytes - u.cheap_act_bytes
+    return u.f_s, u.b_s, u.w_s, u.act_bytes
+
+
+# Lower bounds on a configuration's step time, for pruning. They must never exceed what
+# _simulate returns (tests/test_search.py checks this on every configuration of a small
+# search): a bound that did would prune the optimum. They read the same terms as the time
+# function (the step program of autopar.cost.step): each rank's pipeline actions one after
+# the other, then its optimizer steps. The gradient collectives are left out, since the step
+# program overlaps them with the backward; compute only slows while they overlap it.
+
+
+def _work_s(units: Sequence[Unit], recompute: str) -> float:
+    """Time of one micro-batch's F + B + W through every layer (recompute included)."""
+    total = 0.0
+    for u in units:
+        f, b, w, _ = _unit_times(u, recompute)
+        total += f + b + w
+    return total
+
+
+def _config_bound_s(work_s: float, n_params: float, *, zero: int, m: int, pp: int, dp: int, link: comm.Link,
+                    precision: str, cluster: Cluster, dp_comm_s: float = 0.0, virtual_stages: int = 1) -> float:
+    """A lower bound for any cut of a configuration, before partitioning: the busiest rank
+    runs at least the average share of the F, B and W actions (``m * work / pp``), then at
+    least the average share of the tail (collectives and optimizer step over ``n_params /
+    pp`` parameters: their times grow with size, and a rank's several stages cost at least
+    one stage of their total size, message latency being per message).
+
+    ``dp_comm_s`` is every layer group's dp collectives of a step, each alone on the link
+    (:func:`_dp_comm_prefix`'s total): the busiest rank's link carries at least the average
+    share of them (:func:`_comm_bound_s`), and with one stage per rank its optimizer step
+    follows them."""
+    share = n_params / pp
+    opt = _optimizer_s(share / zero_def.state_shards(zero, dp)[2], cluster)
+    return max(m * work_s / pp + opt, dp_comm_s / pp + (opt if virtual_stages == 1 else 0.0))
+
+
+def _dp_collective_s(nbytes: float, *, zero: int, dp: int, link: comm.Link, microbatches: int) -> float:
+    """One layer group's dp collectives in one step, each priced as the step program prices it
+    (:func:`autopar.cost.step.lower_step`: the same functions on the same link), alone on the link."""
+    if dp == 1 or nbytes <= 0:
+        return 0.0
+    counts = zero_def.step_collective_counts(zero, n_micro=microbatches)
+    return sum(k * _COLLECTIVE_S[kind](nbytes, dp, link) for kind, k in counts.items())
+
+
+def _dp_comm_prefix(units: Sequence[Unit], *, zero: int, dp: int, link: comm.Link, microbatches: int,
+                    precision: str) -> list[float]:
+    """Running sums over the layers of their dp collectives' time in a step (each unit one
+    gradient bucket of its own parameters; a stage's copies of tied parameters only add)."""
+    elem = _grad_elem_bytes(precision)
+    seen: dict[float, float] = {}
+    pre = [0.0]
+    for u in units:
+        nbytes = u.n_params * elem
+        if nbytes not in seen:
+            seen[nbytes] = _dp_collective_s(nbytes, zero=zero, dp=dp, link=link, microbatches=microbatches)
+        pre.append(pre[-1] + seen[nbytes])
+    return pre
+
+
+@lru_cache(maxsize=4096)
+def _before_first_reduce(kind: str, pp: int, m: int, v: int, zero: int) -> tuple[tuple[tuple, ...], ...]:
+    """Per rank, the compute that must end before the rank can issue its first dp collective:
+    for each action that may issue it (ZeRO 0/1: each stage's last W or BW; ZeRO 2: the first
+    W or BW), the actions before it in the rank's list, as counts ``((stage, n_F, n_B, n_W),
+    ...)`` (a BW counts as one B and one W). ZeRO 3 gathers before the first forward: ``()``
+    (no such compute)."""
+    if zero == 3:
+        return tuple(() for _ in range(pp))
+    sched = _schedule(kind, pp, m, v)
+    out = []
+    for rank in range(pp):
+        acts = sched[rank]
+        grads = [i for i, a in enumerate(acts) if a.kind in ("W", "BW")]
+        if zero == 2:
+            issuers = grads[:1]
+        else:
+            last = {}
+            for i in grads:
+                last[acts[i].stage] = i
+            issuers = sorted(last.values())
+        options = []
+        wanted = set(issuers)
+        counts: dict[int, list[int]] = {}  # running counts of the actions before index i, one pass
+        for i, a in enumerate(acts):
+            if i in wanted:
+                options.append(tuple((st, *c) for st, c in sorted(counts.items())))
+            c = counts.setdefault(a.stage, [0, 0, 0])
+            c[0] += a.kind == "F"
+            c[1] += a.kind in ("B", "BW")
+            c[2] += a.kind in ("W", "BW")
+        out.append(tuple(options))
+    return tuple(out)
+
+
+def _comm_bound_s(cfg: Config, *, f_s: Sequence[float], b_s: Sequence[float], w_s: Sequence[float],
+                  dp_s: Sequence[float], opt_s: Sequence[float]) -> float:
+    """A lower bound on the step time from the dp link (per stage: F, B, W, dp collectives of a
+    step each alone on the link, optimizer step).
+
+    On a rank, the dp collectives share its dp link and together progress at most at the rate
+    of one alone (:func:`autopar.cost.simulate.simulate_program`: ``k`` in flight each move at
+    ``1/k``), so from the first one's start they take at least the sum of their times. The
+    first cannot start before the rank's compute reaches the action that issues it
+    (:func:`_before_first_reduce`; compute runs in list order at full speed at best, from
+    ``head``, the first micro-batch's forward through the stages before). After the last:
+    with one stage per rank, its optimizer step (it waits for the reductions; ZeRO 1/2 gather
+    only after it, so the link idles meanwhile); with several, under ZeRO 0/3 the optimizer
+    step of the stage whose reduction ended last, at least the rank's shortest."""
+    pp, v = cfg.pp, cfg.virtual_stages
+    if cfg.dp == 1:
+        return 0.0
+    starts = _before_first_reduce(cfg.schedule, pp, cfg.microbatches, v, max(cfg.zero, 1))  # 0 and 1: the same issuers
+    best = 0.0
+    head = 0.0
+    for r in range(pp):
+        mine = range(r, len(f_s), pp)
+        start = min((sum(nf * f_s[s] + nb * b_s[s] + nw * w_s[s] for s, nf, nb, nw in option)
+                     for option in starts[r]), default=0.0)
+        if v == 1:
+            tail = opt_s[r]
+        elif cfg.zero in (0, 3):
+            tail = min(opt_s[s] for s in mine)
+        else:
+            tail = 0.0
+        best = max(best, (head if cfg.zero != 3 else 0.0) + start + sum(dp_s[s] for s in mine) + tail)
+        head += f_s[r]
+    return best
+
+
+def _prefix_sums(units: Sequence[Unit], recompute: str) -> tuple[list[float], ...]:
+    """Running sums over the layers of (F, F + B + W, parameters, B, W), for stage sums in O(1)."""
+    pre_f, pre_t, pre_p, pre_b, pre_w = [0.0], [0.0], [0.0], [0.0], [0.0]
+    for u in units:
+        f, b, w, _ = _unit_times(u, recompute)
+        pre_f.append(pre_f[-1] + f)
+        pre_t.append(pre_t[-1] + f + b + w)
+        pre_p.append(pre_p[-1] + u.n_params)
+        pre_b.append(pre_b[-1] + b)
+        pre_w.append(pre_w[-1] + w)
+    return pre_f, pre_t, pre_p, pre_b, pre_w
+
+
+def _cuts_bound_s(prefix, cuts, cfg: Config, *, cluster: Cluster, precision: str,
+                  dp_prefix: Sequence[float] | None = None) -> float:
+    """:func:`lower_bound_s` from the cuts alone, before the candidate is built: the same
+    terms, with each stage's parameters counted without the copies of tied parameters it
+    holds (a copy only adds time). ``dp_prefix`` (:func:`_dp_comm_prefix` for the
+    configuration's ZeRO stage, dp and micro-batches) adds the dp link's bound."""
+    pre_f, pre_t, pre_p, pre_b, pre_w = prefix
+    pp, m = cfg.pp, cfg.microbatches
+    shard = zero_def.state_shards(cfg.zero, cfg.dp)[2]
+    pipe, tail = [0.0] * pp, [0.0] * pp
+    opts = []
+    for s, (i, j) in enumerate(cuts):
+        n = pre_p[j] - pre_p[i]
+        pipe[s % pp] += m * (pre_t[j] - pre_t[i])
+        opts.append(_optimizer_s(n / shard, cluster))
+        tail[s % pp] += opts[-1]
+    head = 0.0
+    for r in range(min(pp, len(cuts))):
+        pipe[r] += head
+        head += pre_f[cuts[r][1]] - pre_f[cuts[r][0]]
+    bound = max(p + t for p, t in zip(pipe, tail))
+    if dp_prefix is None or cfg.dp == 1 or len(cuts) != cfg.n_stages:
+        return bound
+    return max(bound, _comm_bound_s(cfg, f_s=[pre_f[j] - pre_f[i] for i, j in cuts],
+                                    b_s=[pre_b[j] - pre_b[i] for i, j in cuts],
+                                    w_s=[pre_w[j] - pre_w[i] for i, j in cuts],
+                                    dp_s=[dp_prefix[j] - dp_prefix[i] for i, j in cuts], opt_s=opts))
+
+
+def lower_bound_s(c: Candidate, cluster: Cluster | None = None) -> float:
+    """A lower bound on ``c``'s simulated step time, from its cuts: each rank ``r`` waits for the
+    first micro-batch's forward through the stages before its first (stage ``r``), then runs
+    its stages' F, B and W for every micro-batch one after the other; the tail follows.
+    With ``cluster``, also the bound of the dp link (:func:`_comm_bound_s`)."""
+    pp, m = c.config.pp, c.config.microbatches
+    per_rank = [0.0] * pp
+    for s, st in enumerate(c.stages):
+        per_rank[s % pp] += m * (st.f_s + st.b_s + st.w_s)
+    head = 0.0
+    for r in range(pp):
+        per_rank[r] += head
+        head += c.stages[r].f_s
+    bound = max(p + t for p, t in zip(per_rank, _tail_bound_s(c.stages, pp)))
+    if cluster is None:
+        return bound
+    cfg = c.config
+    link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
+    dp_s = [sum(_dp_collective_s(g.bucket_bytes, zero=cfg.zero, dp=cfg.dp, link=link, microbatches=m)
+                for g in st.groups) for st in c.stages]
+    return max(bound, _comm_bound_s(cfg, f_s=[st.f_s for st in c.stages], b_s=[st.b_s for st in c.stages],
+                                    w_s=[st.w_s for st in c.stages], dp_s=dp_s,
+                                    opt_s=[st.optimizer_s for st in c.stages]))
+
+
+def _grad_elem_bytes(precision: str) -> int:
+    """Bytes per gradient element as the dp collectives reduce it (the bounds and the estimate must agree)."""
+    return 2 if precision in ("mixed", "bf16-mixed-bf16-reduce") else 4
+
+
+def _optimizer_s(n_params: float, cluster: Cluster) -> float:
+    """One fused AdamW step over ``n_params`` (memory bound; 80% of HBM bandwidth)."""
+    return ADAM_BYTES_PER_PARAM * n_params / (cluster.device.hbm_bytes_per_s * 0.8)
+
+
+_COLLECTIVE_S = {"all_reduce": comm.all_reduce_s, "reduce_scatter": comm.reduce_scatter_s,
+                 "all_gather": comm.all_gather_s}
+
+
+def _tail_bound_s(stages: Sequence[StagePlan], pp: int) -> list[float]:
+    """Per pipeline rank, the optimizer steps of the stages it holds (stage s on rank s % pp):
+    what follows its last compute at the least. Its gradient collectives are left out: the
+    step program overlaps them with the backward, so they may cost nothing."""
+    per_rank = [0.0] * pp
+    for s, st in enumerate(stages):
+        per_rank[s % pp] += st.optimizer_s
+    return per_rank
+
+
+FUSED_BACKWARD = ("gpipe", "1f1b", "interleaved")
+"""Schedules that run B and W as one fused backward (BW) action."""
+
+_CODES = {"F": 0, "B": 1, "W": 2, "BW": 3}
+
+
+@lru_cache(maxsize=64)
+def _bare_program(kind: str, pp: int, m: int, v: int) -> tuple[tuple, ...]:
+    """``kind``'s action lists compiled for :func:`bare_pipeline_ends`: every action once, in an
+    order where each comes after the actions it waits for and after the one before it on its
+    rank, as ``(rank, stage, kind code, waits)`` with waits ``((index, cut, back), ...)``: the
+    index of the action it needs in this order, the cut its input crosses (-1 on the same
+    rank) and whether that input is a gradient sent back (1) or an activation (0).
+
+    Built once per shape (the memo of the search reuses it for every cut and every ZeRO
+    stage of that shape) so that timing one pipeline is a single pass over plain tuples."""
+    sched = _schedule(kind, pp, m, v)
+    n_stages = pp * v
+    where: dict[tuple, int] = {}  # dependency key -> index in the order
+    out: list[tuple] = []
+    pos = [0] * pp
+    left = sum(len(sched[r]) for r in range(pp))
+    while left:
+        moved = False
+        for r in range(pp):
+            acts = sched[r]
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                needs = _needs(a, n_stages)
+                if any(key not in where for key in needs):
+                    break
+                waits = tuple((where[key], -1 if key[1] % pp == r else min(key[1], a.stage), int(key[0] != "F"))
+                              for key in needs)
+                for key in _provides(a):
+                    where[key] = len(out)
+                out.append((r, a.stage, _CODES[a.kind], waits))
+                pos[r] += 1
+                left -= 1
+                moved = True
+        if not moved:  # make_schedule's lists are validated: this is a bug, not an input error
+            raise RuntimeError(f"{kind} schedule for pp={pp} m={m} v={v} deadlocks")
+    return tuple(out)
+
+
+def bare_pipeline_ends(kind: str, *, pp: int, microbatches: int, f_s: Sequence[float], b_s: Sequence[float],
+                       w_s: Sequence[float], p2p_s: Sequence[float],
+                       p2p_back_s: Sequence[float] | None = None) -> tuple[float, ...]:
+    """Per rank, when its last compute action of ``kind``'s schedule ends, with per stage
+    ``f_s``, ``b_s``, ``w_s`` and per cut ``p2p_s`` (activations forward) and ``p2p_back_s``
+    (gradients back; default ``p2p_s``) and nothing else: the timing
+    :func:`autopar.cost.simulate.simulate` gives (an action starts when its rank is free
+    and its inputs have arrived, a cut's transfer time after they end; a fused BW lasts
+    B + W), computed in one pass over the compiled order instead of the event engine
+    (no validation, no timeline: tests/test_search.py checks the two agree)."""
+    program = _bare_program(kind, pp, microbatches, len(f_s) // pp)
+    if kind in FUSED_BACKWARD:
+        b_s, w_s = [b + w for b, w in zip(b_s, w_s)], [0.0] * len(w_s)
+    dur = (f_s, b_s, w_s, [b + w for b, w in zip(b_s, w_s)])
+    cut_s = (p2p_s, p2p_s if p2p_back_s is None else p2p_back_s)
+    end = [0.0] * len(program)
+    free = [0.0] * pp
+    for i, (r, s, code, waits) in enumerate(program):
+        t = free[r]
+        for j, cut, back in waits:
+            e = end[j] if cut < 0 else end[j] + cut_s[back][cut]
+            if e > t:
+                t = e
+        t += dur[code][s]
+        end[i] = free[r] = t
+    return tuple(free)
+
+
+def _pipeline_bound_s(c: Candidate, spec: StepSpec, memo: dict | None = None) -> float:
+    """A lower bound on ``c``'s simulated step time: its bare pipeline (:func:`bare_pipeline_ends`,
+    the stages' F, B, W and each cut's p2p time of ``spec``, nothing else), then on each rank
+    its stages' optimizer steps.
+
+    The step program runs the same actions in the same order per rank with the same p2p
+    delays; it only adds (pieces that sum to the action, waits for ZeRO-3 gathers, compute
+    slowed under overlapped collectives), and start times in fixed-order lists only grow
+    when durations and waits grow, so each rank's compute ends no earlier; its optimizer
+    steps follow its last compute. ``memo`` shares one pipeline among the ZeRO stages with
+    the same cuts."""
+    cfg = c.config
+    sends = tuple(st.send_s for st in spec.stages[:-1])
+    backs = tuple(st.back_s for st in spec.stages[:-1])
+    key = (cfg.schedule, cfg.pp, cfg.microbatches, tuple((st.f_s, st.b_s, st.w_s) for st in c.stages), sends, backs)
+    ends = memo.get(key) if memo is not None else None
+    if ends is None:
+        ends = bare_pipeline_ends(cfg.schedule, pp=cfg.pp, microbatches=cfg.microbatches,
+                                  f_s=[st.f_s for st in c.stages], b_s=[st.b_s for st in c.stages],
+                                  w_s=[st.w_s for st in c.stages], p2p_s=sends, p2p_back_s=backs)
+        if memo is not None:
+            memo[key] = ends
+    return max(ends[r] + sum(st.optimizer_s for st in c.stages[r::cfg.pp]) for r in range(cfg.pp))
