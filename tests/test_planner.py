@@ -267,3 +267,20 @@ def test_working_set_of_the_loss_is_in_stage_memory():
     assert saved > 0
     assert stage["predicted"]["memory_bytes"]["activations"] == pytest.approx(
         saved + 3 * logits, rel=1e-9)
+
+
+def test_pinned_pp_and_dp_leave_only_the_tp_degrees_a_mesh_can_use():
+    """pp x dp x tp is the world: the sharding MIP is solved only at tp degrees some mesh
+    with the pinned pp and dp can have, and pins no tp can complete are refused up front."""
+    from autopar.planner.make import _tp_options
+    from autopar.planner.search import Fixed
+
+    cluster = parse_cluster("2x8xH100")
+    assert _tp_options(cluster, Fixed()) == [1, 2, 4, 8]
+    assert _tp_options(cluster, Fixed(dp=4)) == [1, 2, 4]
+    assert _tp_options(cluster, Fixed(pp=2, dp=4)) == [2]
+    assert _tp_options(parse_cluster("1x2xcpu"), Fixed(dp=2, zero=3)) == [1]
+    with pytest.raises(PlanError, match=r"fixed pp=4 x dp=8 leaves no tensor-parallel degree for the 16 devices"):
+        _tp_options(cluster, Fixed(pp=4, dp=8))
+    with pytest.raises(PlanError, match=r"fixed pp=3 leaves no tensor-parallel degree"):
+        _tp_options(cluster, Fixed(pp=3))

@@ -106,6 +106,8 @@ def test_node_limit_returns_the_best_solution_with_its_gap(llama_tp4, no_root_cu
     # the solution is real: its cost, recomputed from scratch, is the objective SCIP reports
     assert ilp.evaluate(llama_tp4, stopped).total_s == pytest.approx(stopped.objective_s, rel=1e-6)
     # and the limit is work, not time: the same problem stops at the same solution every time
+    # (solved afresh, not recalled from this process's memo of solved MIPs)
+    ilp._SOLVED.clear()
     again = ilp.solve(llama_tp4, node_limit=1)
     assert (again.choice, again.objective_s, again.bound_s, again.nodes) == \
         (stopped.choice, stopped.objective_s, stopped.bound_s, stopped.nodes)
@@ -139,3 +141,22 @@ def test_no_solution_within_the_limit_is_a_clear_error(llama_tp4):
     with pytest.raises(InfeasibleError, match=r"found no solution within its limit of 0 branch-and-bound nodes; "
                                               r"try a larger node_limit"):
         ilp.solve(llama_tp4, node_limit=0)
+
+
+def test_the_same_mip_is_solved_once_per_process(llama_tp4, monkeypatch):
+    """A MIP built again (same variables, rows, coefficients and settings) is recalled, not
+    re-solved; any change to the model or the settings solves it afresh."""
+    calls = []
+    solve = ilp.pywraplp.Solver.Solve
+    monkeypatch.setattr(ilp.pywraplp.Solver, "Solve", lambda self, *a: calls.append(1) or solve(self, *a))
+    ilp._SOLVED.clear()
+    first = ilp.solve(llama_tp4)
+    again = ilp.solve(llama_tp4)
+    assert len(calls) == 1
+    assert (again.choice, again.status, again.objective_s, again.bound_s, again.nodes) == \
+        (first.choice, first.status, first.objective_s, first.bound_s, first.nodes)
+    ilp.solve(llama_tp4, node_limit=first.nodes + 1)  # another setting
+    other = parse_cluster("1x4xH100")
+    ilp.solve(ilp.build_problem(llama_tp4.graph, batch=llama_tp4.batch * 2, device=other.device,
+                                link=other.link_for_group(4, stride=1)))  # other costs
+    assert len(calls) == 3

@@ -45,11 +45,12 @@ recomputes its cost split from scratch, independently of the solver.
 
 from __future__ import annotations
 
+import hashlib
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field, replace
 
-from ortools.linear_solver import pywraplp
+from ortools.linear_solver import linear_solver_pb2, pywraplp
 
 from autopar.cost import comm
 from autopar.cost.comm import Link
@@ -333,6 +334,16 @@ _SCIP_SETTINGS = {
 }
 
 
+_SOLVED: OrderedDict[bytes, Solution] = OrderedDict()
+"""Solutions of the last MIPs solved in this process, by a digest of the model as built (every
+variable, bound, row and coefficient, with the solver settings). Planning the same graph again
+(another cluster whose tensor-parallel groups see the same links and micro-batch, a re-plan,
+the test suite's many plans of one tiny model) rebuilds the MIP, which takes little, but does not
+re-solve it, which took 20-50 CPU-s for Llama tiny at tp=2. Same model, same answer: SCIP is
+deterministic under a node limit, so the memo changes no plan."""
+_SOLVED_MAX = 64
+
+
 def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLVER_BACKEND) -> Solution:
     """Solve the ILP (deterministic: same problem, same answer, however loaded the machine).
 
@@ -378,6 +389,12 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
     objective.SetMinimization()
     for var, c in obj:  # each variable once
         objective.SetCoefficient(var, c)
+    model = linear_solver_pb2.MPModelProto()
+    solver.ExportModelToProto(model)
+    key = hashlib.sha256(model.SerializeToString(deterministic=True) + f"{backend}\n{text}\n{fixed_cost!r}".encode()).digest()
+    if key in _SOLVED:
+        _SOLVED.move_to_end(key)
+        return replace(_SOLVED[key], wall_s=time.perf_counter() - start)
     status = solver.Solve()
     names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
              pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.UNBOUNDED: "UNBOUNDED"}
@@ -392,9 +409,12 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
     choice = tuple(max(range(len(lits)), key=lambda i: lits[i].solution_value()) for lits in x)
     objective = solver.Objective().Value() + fixed_cost
     bound = solver.Objective().BestBound() + fixed_cost if name != "OPTIMAL" else objective
-    return Solution(choice=choice, status=name, objective_s=objective * _UNIT_S,
-                    bound_s=bound * _UNIT_S, nodes=nodes, node_limit=node_limit, limit=limit,
-                    wall_s=time.perf_counter() - start)
+    _SOLVED[key] = solution = Solution(choice=choice, status=name, objective_s=objective * _UNIT_S,
+                                       bound_s=bound * _UNIT_S, nodes=nodes, node_limit=node_limit,
+                                       limit=limit, wall_s=time.perf_counter() - start)
+    if len(_SOLVED) > _SOLVED_MAX:
+        _SOLVED.popitem(last=False)
+    return solution
 
 
 def _local_out_bytes(problem: Problem, solution: Solution, v: int, o: int) -> float:

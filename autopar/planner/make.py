@@ -124,8 +124,20 @@ def _tp_options(cluster: Cluster, fixed: Fixed) -> list[int]:
                 f"tp={fixed.tp} must divide the {cluster.devices_per_node} devices of a node (tensor "
                 f"parallelism stays inside a node) and the world size {cluster.world_size}")
         return [fixed.tp]
-    return [t for t in range(1, cluster.devices_per_node + 1)
-            if cluster.devices_per_node % t == 0 and cluster.world_size % t == 0]
+    # A mesh is pp x dp x tp = the world: pinned pp and dp leave tp fewer values (both pinned:
+    # one), and a tp no mesh can use is not worth its sharding MIP (the costliest part of
+    # planning a small model: 20-50 CPU-s for Llama tiny at tp=2).
+    rest = (fixed.pp or 1) * (fixed.dp or 1)
+    options = [t for t in range(1, cluster.devices_per_node + 1)
+               if cluster.devices_per_node % t == 0 and cluster.world_size % (t * rest) == 0
+               and (not (fixed.pp and fixed.dp) or t * rest == cluster.world_size)]
+    if not options:
+        pinned = " x ".join(f"{k}={v}" for k, v in (("pp", fixed.pp), ("dp", fixed.dp)) if v)
+        raise autopar.PlanError(
+            f"fixed {pinned} leaves no tensor-parallel degree for the {cluster.world_size} devices: pp x dp x tp "
+            f"must equal the world size, with tp dividing the {cluster.devices_per_node} devices of a node; "
+            f"pin values whose product divides {cluster.world_size}")
+    return options
 
 
 def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fixed: Fixed,
