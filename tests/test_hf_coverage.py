@@ -6,6 +6,8 @@ its CPU budget is "over time")."""
 
 import importlib.util
 import signal
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,22 @@ def test_tiny_config_key_value_heads(coverage, config_name, heads, kv_heads):
     GLM-4 MoE lite) expands keys and values to every head, so there they stay equal."""
     config = coverage.hf.tiny_config(getattr(coverage.transformers, config_name))
     assert (config.num_attention_heads, config.num_key_value_heads) == (heads, kv_heads)
+
+
+def test_a_swallowed_alarm_still_counts_as_over_time(coverage, monkeypatch):
+    """An alarm raised inside a callback whose exceptions Python drops (weakref, gc) must not
+    let an architecture past its budget: the alarm repeats, and a plan finished after any
+    alarm fired is still over time."""
+    def plan(*args, **kwargs):
+        end = time.process_time() + 0.5
+        while time.process_time() < end:
+            try:
+                sum(range(1000))
+            except BaseException:  # every alarm lands here and is dropped
+                pass
+        return types.SimpleNamespace(mesh={"dp": 8})
+
+    monkeypatch.setattr(coverage.autopar, "plan", plan)
+    (row,) = [coverage.plan_one(k, t, c, timeout_s=0.1) for k, t, c in coverage.architectures(["causal"], {"gpt2"}, 1)]
+    assert row["outcome"] == "over time", row
+    assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)

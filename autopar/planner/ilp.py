@@ -50,7 +50,7 @@ import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field, replace
 
-from ortools.linear_solver import linear_solver_pb2, pywraplp
+from ortools.linear_solver import pywraplp
 
 from autopar.cost import comm
 from autopar.cost.comm import Link
@@ -389,6 +389,8 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
     objective.SetMinimization()
     for var, c in obj:  # each variable once
         objective.SetCoefficient(var, c)
+    from ortools.linear_solver import linear_solver_pb2  # (here: bench/gpu_check.py stubs pywraplp alone)
+
     model = linear_solver_pb2.MPModelProto()
     solver.ExportModelToProto(model)
     key = hashlib.sha256(model.SerializeToString(deterministic=True) + f"{backend}\n{text}\n{fixed_cost!r}".encode()).digest()
