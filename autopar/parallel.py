@@ -79,7 +79,7 @@ from autopar.plan import Plan
 from autopar.precision import cast_floating, plan_precision, resolve_precision
 from autopar.progress import progress
 from autopar.runtime.device import bind_local_device, local_device
-from autopar.runtime.expert import refuse_ep
+from autopar.runtime.expert import check_ep_runnable
 
 log = logging.getLogger(__name__)
 
@@ -443,10 +443,12 @@ class ParallelModule:
             from autopar.planner.search import Fixed
 
             fixed = Fixed.from_dict(self.fixed)
-            refuse_ep(fixed.ep)
+            check_ep_runnable(fixed.ep, pp=fixed.pp, tp=fixed.tp, meta_start=self.from_meta)
             check_batch_split(_batch_size(values), fixed)
         else:
-            refuse_ep(self._given_plan.experts.get("ep"))
+            mesh = self._given_plan.mesh
+            check_ep_runnable(self._given_plan.experts.get("ep"), pp=mesh.get("pp"), tp=mesh.get("tp"),
+                              meta_start=self.from_meta)
         bind_local_device(self.device)  # before the first collective: NCCL binds to the current GPU
         _init_process_group(self.device, self.timeout_s)
         self._watch = _peer_watch(self.timeout_s)
@@ -458,6 +460,8 @@ class ParallelModule:
             self.init_seed = int(seed[0])
         self._adopt_plan(self._make_plan(names, values, has_target))
         dp, tp = self.plan.mesh["dp"], self.plan.mesh["tp"]
+        # (every rank has the same plan: all raise alike)
+        check_ep_runnable(self.ep, pp=self.plan.mesh["pp"], tp=tp, meta_start=self.from_meta)
         device = self.device
         pp = self.plan.mesh["pp"]
         mesh_text = " x ".join(f"{a}={self.plan.mesh[a]}" for a in ("pp", "dp", "tp"))
@@ -485,6 +489,22 @@ class ParallelModule:
         """Take ``plan`` as this module's plan: its mesh, schedule and precision policy drive the build."""
         self.plan = plan
         self.policy = plan_precision(plan.model)
+        self.ep = int(plan.experts.get("ep", 1)) if plan.experts else 1
+
+    def _expert_parallel(self) -> dict[str, Any]:
+        """ep > 1: create the ep and replica groups, keep this rank's experts in the model (before
+        the trace, so the traced program holds them); ShardedParams' expert arguments."""
+        if self.ep == 1:
+            return {}
+        from autopar.runtime.expert import cut_experts, ep_groups
+
+        ep_group, replica_group = ep_groups(self.mesh.mesh, self.ep, dist.get_rank())
+        self.expert_names = [f for layer in self.plan.experts["layers"].values() for f in layer["params"]]
+        cut_experts(self.model, self.expert_names, ep=self.ep, part=self.mesh.get_local_rank(0) % self.ep,
+                    device=self.torch_device)
+        log.info("rank %d: experts cut to part %d of %d (ep group %s)", dist.get_rank(),
+                 self.mesh.get_local_rank(0) % self.ep, self.ep, dist.get_process_group_ranks(ep_group))
+        return {"experts": self.expert_names, "ep_group": ep_group, "replica_group": replica_group}
 
     def _build(self, names, values, has_target) -> None:
         """Trace at the micro-batch size, map the plan, shard the parameters, generate the program."""
@@ -496,13 +516,19 @@ class ParallelModule:
         inputs, target = self._as_user_inputs(names, first, has_target)
         got = next(iter(v.shape[0] for v in first.values() if isinstance(v, torch.Tensor)))
         assert got == micro, (got, micro)
+        experts = self._expert_parallel()
         self.gm = self._trace(inputs, target)
+        if experts:
+            from autopar.runtime.expert import point_experts_at
+
+            point_experts_at(self.gm, experts["ep_group"].group_name)
         _check_scalar_loss(self.gm)
         self.ops, tp_params = placements_for_graph(self.gm, self.plan)
         info: mk.GraphTrace = self.gm.meta[mk.GRAPH]
         trainable = [f for f in info.param_fqns if f in info.grad_outputs]
         self.params = ShardedParams(self.model, mesh=self.mesh, tp_placements=tp_params, zero=self.plan.zero,
-                                    trainable=trainable, groups=_layer_groups(self.gm), **self._param_policy())
+                                    trainable=trainable, groups=_layer_groups(self.gm), **self._param_policy(),
+                                    **experts)
         self._setup_params()
         self._materialize(trainable, held=self.params.entries)
         self.frozen = self._frozen_state(set(trainable))

@@ -115,11 +115,9 @@ class MoE(nn.Module):
     """Top-k routed SwiGLU experts (stacked weights), optional shared expert.
 
     ``ep_group`` is the name of the expert-parallel process group ("" when every
-    expert is local); :func:`autopar.runtime.expert.shard_experts` sets it and cuts
-    ``w_gate``/``w_up``/``w_down`` down to this rank's experts."""
-
-    autopar_experts = ("w_gate", "w_up", "w_down")
-    """The stacked expert parameters (dim 0 = expert): what expert parallelism shards."""
+    expert is local); under expert parallelism :func:`autopar.parallelize` cuts
+    ``w_gate``/``w_up``/``w_down`` down to this rank's experts and runs the traced
+    experts op over the rank's ep group (:mod:`autopar.runtime.expert`)."""
 
     def __init__(self, config: MoEConfig):
         super().__init__()

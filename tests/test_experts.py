@@ -15,7 +15,7 @@ import autopar
 from autopar.cost.comm import Link, all_to_all_s, expert_all_to_all_bytes, expert_all_to_all_s
 from autopar.experts import moe_experts
 from autopar.plan import Plan
-from autopar.runtime.expert import EpLayout, refuse_ep
+from autopar.runtime.expert import EpLayout, check_ep_runnable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import mlp  # noqa: E402
@@ -119,9 +119,18 @@ def test_ep_needs_expert_layers_and_an_integer():
         autopar.plan(model, inputs, cluster="1x2xcpu", loss_fn=loss_fn, example_target=target, fixed={"ep": 2})
     with pytest.raises(autopar.PlanError, match=r"ep='two' is not an integer"):
         autopar.plan(model, inputs, cluster="1x2xcpu", loss_fn=loss_fn, example_target=target, fixed={"ep": "two"})
-    with pytest.raises(autopar.PlanError, match=r"^ep=2: autopar.parallelize does not run expert parallelism yet"):
-        refuse_ep(2)
-    refuse_ep(1)
+
+
+def test_ep_beside_pp_tp_or_meta_start_is_refused_before_any_collective():
+    for kw, message in (({"pp": 2}, r"^ep=2 with pp=2: autopar.parallelize runs expert parallelism over "
+                                    r"data-parallel ranks only \(pp=1, tp=1\) so far; pin pp=1, or drop ep$"),
+                        ({"tp": 4}, r"^ep=2 with tp=4: .* pin tp=1, or drop ep$"),
+                        ({"meta_start": True}, r"^ep=2 with a model on meta: .*build the model on the CPU, or drop ep$")):
+        args = {"pp": None, "tp": None, "meta_start": False, **kw}
+        with pytest.raises(autopar.PlanError, match=message):
+            check_ep_runnable(2, **args)
+    check_ep_runnable(1, pp=2, tp=4, meta_start=True)  # no ep: nothing to refuse
+    check_ep_runnable(4, pp=1, tp=1, meta_start=False)
 
 
 def test_ep_plan_divides_expert_memory_and_prices_the_all_to_alls():

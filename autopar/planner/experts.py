@@ -16,7 +16,7 @@ What a plan with ``ep`` > 1 changes, per unit (layer instance) holding experts:
 - expert FLOPs per rank are unchanged under balanced routing (each rank runs its
   tokens' share of rows, spread over its experts).
 
-Plans with ``ep`` > 1 use ZeRO stage 0 (the module-level runtime's): expert state under
+Plans with ``ep`` > 1 use ZeRO stage 0 (what the runtime runs with ep): expert state under
 ZeRO would be sharded over the dp/ep replicas, which the per-parameter state model of the
 search does not express yet. Approximations, stated: the data-parallel gradient reduction prices the reduced
 expert size over all dp ranks (the runtime sums expert gradients over the dp/ep

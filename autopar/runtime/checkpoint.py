@@ -270,6 +270,7 @@ def save(pm, root: str | os.PathLike, *, state: dict | None = None, async_save: 
     written in a thread while training goes on; otherwise this returns when it is published."""
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive number of checkpoints to keep, got {keep!r}")
+    _refuse_ep(pm)
     for name, obj in (state or {}).items():
         if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
             raise TypeError(f"state[{name!r}] is a {type(obj).__name__}, which has no state_dict/load_state_dict; "
@@ -387,11 +388,20 @@ def load(pm, path: str | os.PathLike, *, state: dict | None = None) -> None:
         load_shards(pm)
 
 
+def _refuse_ep(pm) -> None:
+    """Shards are laid out by tp placement and ZeRO slice; an expert parallel rank's experts are
+    neither, so saving them as such would write the wrong rows: refused until the layout has ep."""
+    if getattr(pm, "ep", 1) > 1:
+        raise CheckpointError(f"checkpoints under expert parallelism (ep={pm.ep}) are not supported yet; "
+                              f"train without ep to save or load checkpoints")
+
+
 def load_shards(pm) -> None:
     """Load the pending checkpoint's shards into the compiled ``pm`` (a collective)."""
     src, pm._pending_checkpoint = pm._pending_checkpoint, None
     if src is None:
         return
+    _refuse_ep(pm)
     _wait_for_saves()
     with torch.no_grad():
         if src.kind == "checkpoint":

@@ -1,4 +1,4 @@
-"""Expert parallelism at module level: each rank keeps only its experts, folded over dp.
+"""Expert parallelism in :func:`autopar.parallelize`: each rank keeps only its experts, folded over dp.
 
 The layout (the seeds' EP section; DESIGN's mesh axes, ``ep`` inside ``dp``): the
 world's ``dp`` data-parallel ranks are ``dp // ep`` groups of ``ep`` consecutive ranks.
@@ -13,39 +13,98 @@ each ep group holds every expert once and the ``dp // ep`` groups are replicas:
     replicas  {0, 2}  {1, 3}         expert gradients summed here
     dp        {0, 1, 2, 3}           non-expert gradients summed here
 
-The global loss is the mean over the dp ranks' local mean losses (equal slices), so
-every gradient is (sum over the ranks that computed an addend) / dp: non-expert over
-all dp ranks, expert over its replica group, whose members' all-to-alls already brought
-every token of their ep group to them.
+Every gradient is the sum of the ranks' addends of the global mean loss: non-expert ones
+over all dp ranks, expert ones over the replica group, whose members' all-to-alls already
+brought every token of their ep group to them.
 
-What is recognised: a module with the class attribute ``autopar_experts`` naming its
-stacked expert parameters (dim 0 = expert), an ``n_experts`` attribute and an
-``ep_group`` attribute that it passes to :func:`autopar.experts.moe_experts`, as
-``examples/moe.py``'s ``MoE`` does. Recognising experts from arbitrary traced graphs
-(Hugging Face Mixtral's grouped matmul) and running EP inside the compiled per-rank
-program of :func:`autopar.parallelize` are not done yet.
+What is recognised: the experts ops of the traced graph (:func:`autopar.experts.moe_experts`,
+as ``examples/moe.py``'s ``MoE`` calls it); the plan's ``experts`` record names their stacked
+parameters (dim 0 = expert). Recognising experts in other forms (Hugging Face Mixtral's
+grouped matmul) is not done yet.
+
+In the build (pp = tp = 1, ZeRO-0 so far; :func:`check_ep_runnable` refuses the rest before
+any collective): :func:`ep_groups` creates the groups, :func:`cut_experts` keeps each rank's
+experts before the trace (so the traced program holds them), :func:`point_experts_at` sends
+the traced experts ops over the rank's ep group, the routing runs on each rank's own tokens
+(:mod:`autopar.passes.token_local`), and :class:`autopar.runtime.zero.ShardedParams` sums
+expert gradients over the replica group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["refuse_ep", "EpLayout", "expert_modules", "expert_parameter_names", "shard_experts", "ExpertParallel"]
+__all__ = ["check_ep_runnable", "ep_groups", "cut_experts", "point_experts_at", "EpLayout"]
 
 
-def refuse_ep(ep: int | None) -> None:
-    """:func:`autopar.parallelize` does not run expert parallelism yet: a clear error for ``ep`` > 1."""
-    if ep and ep > 1:
-        from autopar.errors import PlanError
+def check_ep_runnable(ep: int | None, *, pp: int | None, tp: int | None, meta_start: bool) -> None:
+    """:func:`autopar.parallelize` runs expert parallelism without pipelining or tensor
+    parallelism and from real weights: a clear error (before any collective) for the rest."""
+    if not ep or ep == 1:
+        return
+    from autopar.errors import PlanError
 
-        raise PlanError(f"ep={ep}: autopar.parallelize does not run expert parallelism yet (it is planned and "
-                        f"priced); train with autopar.runtime.expert.ExpertParallel (experts sharded over ep, "
-                        f"everything else data parallel), or drop ep")
+    for axis, size in (("pp", pp), ("tp", tp)):
+        if size and size > 1:
+            raise PlanError(f"ep={ep} with {axis}={size}: autopar.parallelize runs expert parallelism over "
+                            f"data-parallel ranks only (pp=1, tp=1) so far; pin {axis}=1, or drop ep")
+    if meta_start:
+        raise PlanError(f"ep={ep} with a model on meta: expert parallelism starts from real weights so far; "
+                        f"build the model on the CPU, or drop ep")
+
+
+def ep_groups(mesh_ranks: torch.Tensor, ep: int, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(ep group, replica group) of ``rank`` for the (dp, tp) mesh of global ranks ``mesh_ranks``:
+    along each tp column, ep groups of ``ep`` consecutive dp ranks and replica groups of the dp
+    ranks ``ep`` apart (the plan's layout, :class:`EpLayout`). Every rank creates every group, in
+    the same order (``new_group`` is collective)."""
+    dp, tp = mesh_ranks.shape
+    layout = EpLayout(dp=dp, ep=ep)
+    mine: dict[str, dist.ProcessGroup] = {}
+    for t in range(tp):
+        column = [int(r) for r in mesh_ranks[:, t]]
+        for kind, groups in (("ep", layout.ep_groups()), ("replicas", layout.replica_groups())):
+            for members in groups:
+                ranks = [column[i] for i in members]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine[kind] = group
+    return mine["ep"], mine["replicas"]
+
+
+def cut_experts(model: nn.Module, fqns: list[str], *, ep: int, part: int, device: torch.device) -> None:
+    """Keep part ``part`` of ``ep`` (rows ``[part * E/ep, (part + 1) * E/ep)`` of dim 0) of rank
+    0's value of each stacked expert parameter ``fqns``, in place; the rest is freed. (Every
+    rank starts from rank 0's weights, as for every other parameter: the whole value is
+    broadcast first, over ``device`` as NCCL needs.) A collective: every rank calls it."""
+    for fqn in fqns:
+        path, _, name = fqn.rpartition(".")
+        module = model.get_submodule(path)
+        full = getattr(module, name)
+        if full.shape[0] % ep:
+            raise ValueError(f"{fqn} has {full.shape[0]} experts, not divisible by ep={ep}")
+        whole = full.detach().to(device, copy=True)
+        dist.broadcast(whole, src=0)
+        n = full.shape[0] // ep
+        setattr(module, name, nn.Parameter(whole[part * n:(part + 1) * n].to(full.device, copy=True),
+                                           requires_grad=full.requires_grad))
+
+
+def point_experts_at(gm: torch.fx.GraphModule, group_name: str) -> int:
+    """Make every experts op of the traced graph (forward and backward) run over the process
+    group ``group_name`` (its last argument); the number of nodes changed."""
+    from autopar.passes.token_local import expert_ops
+
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in expert_ops():
+            node.args = (*node.args[:-1], group_name)
+            n += 1
+    return n
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,96 +129,3 @@ class EpLayout:
 
     def expert_part(self, rank: int) -> int:
         return rank % self.ep
-
-
-def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(path, module) of every expert module (``autopar_experts`` marker), in model order."""
-    return [(path, m) for path, m in model.named_modules() if getattr(type(m), "autopar_experts", None)]
-
-
-def expert_parameter_names(model: nn.Module) -> list[str]:
-    """Fully qualified names of the stacked expert parameters."""
-    return [f"{path}.{name}" if path else name for path, m in expert_modules(model) for name in type(m).autopar_experts]
-
-
-def shard_experts(model: nn.Module, *, ep: int, part: int, group_name: str) -> list[str]:
-    """Cut every expert module's stacked weights to part ``part`` of ``ep`` (rows
-    ``[part * E/ep, (part + 1) * E/ep)`` of dim 0) in place, and point it at the ep group
-    ``group_name``. Returns the expert parameter names. The rest is freed: the rank holds
-    only its experts."""
-    for path, m in expert_modules(model):
-        if m.n_experts % ep:
-            raise ValueError(f"{path or 'the model'} has {m.n_experts} experts, not divisible by ep={ep}; "
-                             f"pick ep among the divisors of {m.n_experts}")
-        n = m.n_experts // ep
-        for name in type(m).autopar_experts:
-            full = getattr(m, name)
-            if full.shape[0] != m.n_experts:
-                raise ValueError(f"{path}.{name} has {full.shape[0]} rows on dim 0 but {m.n_experts} experts; "
-                                 f"was it sharded already?")
-            setattr(m, name, nn.Parameter(full.detach()[part * n:(part + 1) * n].clone(),
-                                          requires_grad=full.requires_grad))
-        m.ep_group = group_name if ep > 1 else ""
-    return expert_parameter_names(model)
-
-
-class ExpertParallel:
-    """Train ``model`` under ``layout`` on this process group's ranks (world size = dp):
-    experts sharded over ep, everything else replicated and data parallel.
-
-    ``train_step(inputs, target)`` takes the global batch (the same on every rank), keeps
-    this rank's slice of dim 0, runs forward, backward, the gradient sums above and one
-    optimizer step, and returns the global mean loss."""
-
-    def __init__(self, model: nn.Module, *, layout: EpLayout, loss_fn: Callable,
-                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]):
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if world != layout.dp:
-            raise ValueError(f"expert parallelism with dp={layout.dp} needs {layout.dp} processes, "
-                             f"this world has {world}")
-        if not expert_modules(model):
-            raise ValueError(f"ep={layout.ep}: {type(model).__name__} has no expert module (a module with "
-                             f"an 'autopar_experts' attribute, like examples/moe.py's MoE)")
-        self.layout, self.rank, self.model, self.loss_fn = layout, rank, model, loss_fn
-        # every rank creates every group, in the same order (new_group is collective)
-        ep_groups = [dist.new_group(r) for r in layout.ep_groups()]
-        replica_groups = [dist.new_group(r) for r in layout.replica_groups()]
-        self.ep_group = ep_groups[rank // layout.ep]
-        self.replica_group = replica_groups[layout.expert_part(rank)]
-        self.expert_names = set(shard_experts(model, ep=layout.ep, part=layout.expert_part(rank),
-                                              group_name=self.ep_group.group_name))
-        self.optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
-
-    def local_batch(self, value):
-        """This rank's slice of dim 0 of a global batch tensor."""
-        if not isinstance(value, torch.Tensor):
-            return value
-        if value.shape[0] % self.layout.dp:
-            raise ValueError(f"the global batch of {value.shape[0]} is not divisible by dp={self.layout.dp}")
-        n = value.shape[0] // self.layout.dp
-        return value[self.rank * n:(self.rank + 1) * n]
-
-    def train_step(self, inputs, target) -> float:
-        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-        out = self.model(*(self.local_batch(x) for x in inputs))
-        loss = self.loss_fn(out, self.local_batch(target))
-        loss.backward()
-        self.reduce_grads()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        return total.item() / self.layout.dp
-
-    def reduce_grads(self) -> None:
-        """Non-expert gradients: mean over all dp ranks; expert gradients: summed over their
-        replica group, divided by dp (one all-reduce per tensor: a first milestone, not bucketed)."""
-        for name, p in self.model.named_parameters():
-            if p.grad is None:
-                continue
-            if name in self.expert_names:
-                if self.layout.dp > self.layout.ep:
-                    dist.all_reduce(p.grad, group=self.replica_group)
-            else:
-                dist.all_reduce(p.grad)
-            p.grad.div_(self.layout.dp)

@@ -60,6 +60,12 @@ is widened into the fp32 buffers, as FSDP2 upcasts its reduce-scattered shard). 
 parallel gradient sums run in ``reduce_dtype`` too. Every buffer is created on
 ``device`` (the mesh's device unless given).
 
+Expert parallelism (``experts``, ZeRO-0 only): the stacked expert parameters are held as
+this rank's experts (the model's parameters were cut to them before the build), and their
+gradients are summed over the ``replica_group`` (the dp ranks holding the same experts)
+instead of all of dp: the all-to-alls inside the experts op already brought every token of
+the rank's ep group to them. :meth:`ShardedParams.full_tensor` gathers the ep parts whole.
+
 Streams on CUDA: the overlap above needs no stream of autopar's own. NCCL runs every
 ``async_op=True`` collective on its internal stream, after waiting for the work the
 current (compute) stream has queued on its buffers, and ``Work.wait()`` makes the current
@@ -153,8 +159,9 @@ class _Bucket:
     flat all-reduce buffer (stage 0; ``numel`` wide).
     """
 
-    def __init__(self, group: int, entries: list[_Entry], zero: int):
+    def __init__(self, group: int, entries: list[_Entry], zero: int, expert: bool = False):
         self.group, self.entries, self.dtype = group, entries, entries[0].dtype
+        self.expert = expert  # expert parameters: reduced over their replica group
         widths = [e.numel if zero == 0 else e.chunk for e in entries]
         self.col = [sum(widths[:i]) for i in range(len(entries))]
         self.width = sum(widths)
@@ -172,14 +179,20 @@ class ShardedParams:
     ``groups`` lists the layer groups' parameter names in forward order (default: one
     group); ``addends`` how many gradient addends of a parameter one micro-batch yields
     on this rank (default 1; 2 for a tied parameter both of whose stages run here).
+    ``experts``, ``ep_group`` and ``replica_group``: expert parallelism (module docstring).
     """
 
     def __init__(self, model: nn.Module, *, mesh: DeviceMesh, tp_placements: dict[str, str], zero: int,
                  trainable: list[str], groups: Sequence[Sequence[str]] | None = None,
                  addends: dict[str, int] | None = None, dp_dim: int = 0, tp_dim: int = 1,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 master_dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 master_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 experts: Sequence[str] = (), ep_group: dist.ProcessGroup | None = None,
+                 replica_group: dist.ProcessGroup | None = None):
+        if experts and zero:
+            raise ValueError(f"expert parallelism runs with ZeRO-0 only (zero={zero} was asked for)")
         self.mesh, self.zero, self.dp_dim, self.tp_dim = mesh, zero, dp_dim, tp_dim
+        self.experts, self.ep_group, self.replica_group = frozenset(experts), ep_group, replica_group
         self.param_dtype, self.reduce_dtype, self.master_dtype = param_dtype, reduce_dtype, master_dtype
         self.device = torch.device(device) if device is not None else mesh_device(mesh)
         self.stage = zero_def.stage(zero)
@@ -213,7 +226,10 @@ class ShardedParams:
                 e.opt_param = nn.Parameter(e.full_local() if zero == 0 else e.slice)
                 self.entries[fqn] = e
                 continue
-            local = distribute_tensor(full.to(self.device), mesh, pls, src_data_rank=0).to_local()
+            # from rank 0's copy, except a rank's own experts (each rank holds other experts: the
+            # caller cut them from rank 0's whole values, autopar.runtime.expert.cut_experts)
+            local = distribute_tensor(full.to(self.device), mesh, pls,
+                                      src_data_rank=None if fqn in self.experts else 0).to_local()
             dtype = master_dtype if master_dtype is not None and local.is_floating_point() else local.dtype
             e = _Entry(fqn, full.shape, tp_placements.get(fqn, "R"), local.shape, local.stride(), dtype,
                        self.dp, self.dp_rank, zero)
@@ -232,10 +248,10 @@ class ShardedParams:
         self.group_of = {f: g for g, fqns in enumerate(self.groups) for f in fqns}
         self.buckets: list[list[_Bucket]] = []  # per group, one bucket per dtype
         for g, fqns in enumerate(self.groups):
-            by_dtype: dict[torch.dtype, list[_Entry]] = {}
+            by_kind: dict[tuple[torch.dtype, bool], list[_Entry]] = {}
             for f in fqns:
-                by_dtype.setdefault(self.entries[f].dtype, []).append(self.entries[f])
-            self.buckets.append([_Bucket(g, es, zero) for es in by_dtype.values()])
+                by_kind.setdefault((self.entries[f].dtype, f in self.experts), []).append(self.entries[f])
+            self.buckets.append([_Bucket(g, es, zero, expert) for (_, expert), es in by_kind.items()])
         self.addends = {f: (addends or {}).get(f, 1) for f in trainable}
         self.tp_returns: dict[str, GradReturn] = {}
         self._n_micro = 1
@@ -432,13 +448,14 @@ class ShardedParams:
             wire = self._reduce(b.dtype)  # a bf16 reduction sends a bf16 copy, widened when it lands
             if self.zero == 0:
                 done = None
-                if self.dp == 1:
+                group = self.replica_group if b.expert else self.dp_group
+                if dist.get_world_size(group) == 1:
                     work = None
                 elif wire == b.dtype:
-                    work = dist.all_reduce(b.full, group=self.dp_group, async_op=True)
+                    work = dist.all_reduce(b.full, group=group, async_op=True)
                 else:
                     send = self.live.track(b.full.to(wire), "buffers")
-                    work = dist.all_reduce(send, group=self.dp_group, async_op=True)
+                    work = dist.all_reduce(send, group=group, async_op=True)
                     done = (lambda b=b, send=send: b.full.copy_(send))
             else:
                 if grads is None:
@@ -589,15 +606,24 @@ class ShardedParams:
         """The whole parameter, gathered over dp and tp (a collective: call on every rank)."""
         e = self.entries[fqn]
         local = self._gather_one(e.slice, e) if self.zero == 3 else e.full_local()
-        return DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
-                                  shape=e.shape, stride=_contiguous_stride(e.shape)).full_tensor()
+        return self._whole(fqn, DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
+                                                   shape=e.shape, stride=_contiguous_stride(e.shape)).full_tensor())
 
     def full_grad(self, fqn: str) -> torch.Tensor:
         """The whole reduced gradient (a collective: call on every rank)."""
         e = self.entries[fqn]
         local = e.grad if self.zero == 0 else self._gather_one(e.grad, e)
-        return DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
-                                  shape=e.shape, stride=_contiguous_stride(e.shape)).full_tensor()
+        return self._whole(fqn, DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
+                                                   shape=e.shape, stride=_contiguous_stride(e.shape)).full_tensor())
+
+    def _whole(self, fqn: str, part: torch.Tensor) -> torch.Tensor:
+        """An expert parameter's (or gradient's) ep parts, gathered along dim 0 (in ep-group rank
+        order, which is the experts' order); any other tensor as it is."""
+        if fqn not in self.experts or self.ep_group is None or dist.get_world_size(self.ep_group) == 1:
+            return part
+        recv = torch.empty((dist.get_world_size(self.ep_group) * part.numel(),), dtype=part.dtype, device=part.device)
+        _all_gather(recv, part.reshape(-1).contiguous(), group=self.ep_group)
+        return recv.view(-1, *part.shape[1:])
 
     def _gather_one(self, piece: torch.Tensor, e: _Entry) -> torch.Tensor:
         """This parameter's dp chunks (``piece`` on this rank) gathered into its whole tp shard."""
