@@ -386,7 +386,8 @@ class ParallelModule:
                     log.info("planning %s for %s on rank 0", name, self.cluster.spec)
                     with progress(f"planning {name} for {self.cluster.spec} (rank 0; the others wait)"):
                         plan = make_plan(self.model, inputs, cluster=self.cluster, loss_fn=self.loss_fn,
-                                         example_target=target, fixed=self.fixed, precision=self._asked_precision)
+                                         example_target=target, fixed=self.fixed, precision=self._asked_precision,
+                                         runnable=True)
                 else:
                     plan = self._given_plan
                     planned, got = plan.model.get("global_batch"), _batch_size(values)

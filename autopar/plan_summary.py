@@ -47,6 +47,8 @@ def mesh_words(plan: Plan) -> list[str]:
             1: "optimizer state sharded over dp (ZeRO-1)",
             2: "gradients and optimizer state sharded over dp (ZeRO-2)",
             3: "parameters, gradients and optimizer state sharded over dp (ZeRO-3)"}[plan.zero]
+    if plan.experts and plan.zero == 0:  # the experts are cut over ep instead (expert_words)
+        zero = "parameters, gradients and optimizer state replicated over dp except the experts' (cut over ep)"
     sched = plan.schedule
     return [
         f"mesh pp={m['pp']} x dp={m['dp']} x tp={m['tp']} = {world} devices "
@@ -200,6 +202,17 @@ def precision_words(model: dict[str, Any]) -> str:
         words += f" ({source}; pass precision='fp32' or --precision fp32 for fp32 compute)" \
             if name != "fp32" else f" ({source})"
     return f"precision {words}"
+
+
+def expert_rows(plan: Plan) -> list[tuple[str, int, int, int, str, str]]:
+    """Per MoE block under expert parallelism: (module, instances, experts, experts per rank,
+    forward and backward all-to-all bytes per micro-batch on one rank)."""
+    rows = []
+    for module, x in (plan.experts or {}).get("layers", {}).items():
+        a2a = x.get("all_to_all_bytes", {})
+        rows.append((module, x["instances"], x["n_experts"], x["experts_per_rank"],
+                     fmt_bytes(sum(a2a.get("forward", ()))), fmt_bytes(sum(a2a.get("backward", ())))))
+    return rows
 
 
 def expert_words(plan: Plan) -> list[str]:

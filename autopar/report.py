@@ -24,8 +24,9 @@ import io
 from typing import TYPE_CHECKING, Any
 
 from autopar.fmt import fmt_bytes, fmt_s, fmt_si
-from autopar.plan_summary import (MEMORY_PARTS, OVERLAP_TITLE, communication_rows, config_words, layer_strategies,
-                                  mesh_words, overlap_rows, solver_words, stage_rows, strategy_text)
+from autopar.plan_summary import (MEMORY_PARTS, OVERLAP_TITLE, communication_rows, config_words, expert_rows,
+                                  expert_words, layer_strategies, mesh_words, overlap_rows, solver_words, stage_rows,
+                                  strategy_text)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -208,6 +209,19 @@ def _memory_bar(memory: dict[str, float], cap: float) -> str:
     return f'<div class="bar">{spans}</div>'
 
 
+def _experts_table(plan: Plan) -> list[str]:
+    """Where the experts live (expert parallelism only): one row per MoE block."""
+    rows = expert_rows(plan)
+    if not rows:
+        return []
+    head = ("MoE block", "instances", "experts", "per rank", "all-to-all forward", "all-to-all backward")
+    return [f"<h2>Experts (ep={_e(plan.experts['ep'])}, {_e(plan.experts['replicas'])} replica(s))</h2><table><tr>"
+            + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>"
+            + "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows) + "</table>"
+            + '<p class="legend">all-to-all bytes one rank sends per micro-batch and block (counts, dispatch, '
+            'combine), balanced routing assumed</p>']
+
+
 def render_html(plan: Plan) -> str:
     """The whole report as one HTML document (inline CSS and SVG, no scripts)."""
     p = plan.predicted
@@ -225,7 +239,9 @@ def render_html(plan: Plan) -> str:
         f'{_e(plan.model.get("global_batch"))}, {_e(plan.model.get("precision", ""))} precision; '
         f'autopar {_e(plan.autopar_version)}</p>',
         '<div class="kpi">' + "".join(f"<div>{_e(k)}<b>{_e(v)}</b></div>" for k, v in kpis) + "</div>",
-        "<h2>Mesh</h2><ul>" + "".join(f"<li>{_e(w)}</li>" for w in mesh_words(plan)) + "</ul>",
+        "<h2>Mesh</h2><ul>" + "".join(f"<li>{_e(w)}</li>" for w in mesh_words(plan) + expert_words(plan))
+        + "</ul>",
+        *_experts_table(plan),
         "<h2>Pipeline timeline</h2>", f'<div class="timeline">{_timeline_svg(plan)}</div>',
         "<h2>Stages</h2>",
         '<p class="legend">memory of ' + _e(fmt_bytes(cap)) + " per device:" + "".join(

@@ -159,6 +159,14 @@ def test_ep_plan_divides_expert_memory_and_prices_the_all_to_alls():
     assert got["f_s"] == pytest.approx(want["f_s"] + 2 * f, rel=1e-5)
     assert got["b_s"] == pytest.approx(want["b_s"] + 2 * b, rel=1e-5)
     assert "experts: ep=2 folded over dp=4 (2 replica(s)" in plan.summary()
+    assert "replicated over dp except the experts' (cut over ep)" in plan.summary()
+    from autopar.report import render_html
+
+    page = render_html(plan)  # the report's experts table: a row per MoE block, 4 of 8 experts per rank
+    assert "<h2>Experts (ep=2, 2 replica(s))</h2>" in page
+    for block in ("layers.0.moe", "layers.1.moe"):
+        assert f"<tr><td>{block}</td><td>1</td><td>8</td><td>4</td>" in page
+    assert "Experts (" not in render_html(base)
     assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
     with pytest.raises(autopar.PlanError, match=r"experts ep=3 does not divide dp=4"):
         Plan.from_dict({**plan.to_dict(), "experts": {**plan.to_dict()["experts"], "ep": 3}})
@@ -172,3 +180,46 @@ def test_expert_flops_are_counted_in_closed_form():
     N, d, f, E, k, T, heads = 8 * 16, 32, 32, 8, 2, 16, 4
     attention = 2 * 2 * 8 * heads * T * T * (d // heads)  # q k^T and p v
     assert block.flops_fwd == 2 * N * d * 3 * d + 2 * N * d * d + 2 * N * d * E + 3 * 2 * N * k * d * f + attention
+
+
+@pytest.fixture(scope="module")
+def moe_pair():
+    from autopar.planner.frontend import trace_pair
+
+    model, inputs, loss_fn, target = moe.build(size="tiny", batch=8)
+    return trace_pair(model, inputs, cluster=autopar.cluster.parse_cluster("1x4xcpu"), loss_fn=loss_fn,
+                      example_target=target)
+
+
+def _plan_pair(pair, spec, fixed=None, **kw):
+    from autopar.planner.make import plan_graphs
+    from autopar.planner.search import Fixed
+
+    cluster = autopar.cluster.parse_cluster(spec)
+    if "hbm_bytes" in kw:
+        cluster = cluster.with_overrides(hbm_bytes=kw.pop("hbm_bytes"))
+    return plan_graphs(*pair, cluster=cluster, fixed=Fixed.from_dict(fixed), **kw)
+
+
+def test_the_search_weighs_ep_like_any_other_decision(moe_pair):
+    """Left free, ep is searched: the plan is as fast as the best of the plans pinned to each ep,
+    and when memory only fits with the experts cut (each rank holding 1/ep of them), the search
+    finds the ep that fits; for parallelize (ep_flat_only) an ep plan has pp = tp = 1."""
+    spec = "1x4xcpu"
+    free = _plan_pair(moe_pair, spec)
+    pinned = {ep: _plan_pair(moe_pair, spec, {"ep": ep}) for ep in (1, 2, 4)}
+    best = min(p.predicted["step_time_s"] for p in pinned.values())
+    assert free.predicted["step_time_s"] == pytest.approx(best, rel=1e-9)
+    # memory between what ep=4 needs and what ep=1 needs (pp = tp = 1, no recompute, one micro-batch)
+    tight = {"pp": 1, "tp": 1, "recompute": "none", "microbatches": 1, "zero": None}
+    need = {ep: _plan_pair(moe_pair, spec, {**{k: v for k, v in tight.items() if v is not None}, "ep": ep})
+            .predicted["peak_memory_bytes"] for ep in (1, 4)}
+    assert need[4] < need[1]
+    hbm = int((need[1] + need[4]) / 2 / (1 - 0.1))  # (the search keeps a 10% reserve)
+    fits = _plan_pair(moe_pair, spec, {k: v for k, v in tight.items() if v is not None and k != "zero"} | {"zero": 0},
+                      hbm_bytes=hbm)
+    assert fits.experts.get("ep", 1) > 1 and fits.predicted["peak_memory_bytes"] <= hbm
+    flat = _plan_pair(moe_pair, "1x8xcpu", ep_flat_only=True)
+    assert flat.experts.get("ep", 1) == 1 or flat.mesh["pp"] == flat.mesh["tp"] == 1
+    for c in flat.solver["candidates"]:
+        assert c["config"].get("ep", 1) == 1 or c["config"]["pp"] == c["config"]["tp"] == 1, c

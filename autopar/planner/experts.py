@@ -21,11 +21,14 @@ ZeRO would be sharded over the dp/ep replicas, which the per-parameter state mod
 search does not express yet. Approximations, stated: the data-parallel gradient reduction prices the reduced
 expert size over all dp ranks (the runtime sums expert gradients over the dp/ep
 replicas only), and ``communication`` lists the dp buckets at their full size.
-``ep`` is pinned (``fixed={"ep": k}``); the search does not choose it yet.
+``ep`` is pinned (``fixed={"ep": k}``) or chosen by the search among :func:`ep_options`
+(ep dividing dp and every block's expert count), weighed like any other decision by the
+simulated step time.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,7 +39,7 @@ from autopar.cost.comm import expert_all_to_all_bytes, expert_all_to_all_s
 from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
 
-__all__ = ["ExpertSite", "find_experts", "check_ep", "apply_ep", "experts_record"]
+__all__ = ["ExpertSite", "find_experts", "check_ep", "ep_options", "apply_ep", "experts_record"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +108,14 @@ def check_ep(ep: int | None, sites: list[ExpertSite], *, cluster: Cluster, dp: i
     if cluster.world_size % (ep * (tp or 1)):
         raise PlanError(f"ep={ep}{f' x tp={tp}' if tp else ''} does not divide the {cluster.world_size} devices "
                         f"of {cluster.spec}")
+
+
+def ep_options(sites: list[ExpertSite]) -> tuple[int, ...]:
+    """The ep degrees > 1 the search tries: those dividing every block's expert count."""
+    if not sites:
+        return ()
+    n = math.gcd(*(s.n_experts for s in sites))
+    return tuple(d for d in _divisors(n) if d > 1)
 
 
 def _by_layer(sites: list[ExpertSite]) -> dict[str, list[ExpertSite]]:

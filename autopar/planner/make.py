@@ -32,7 +32,7 @@ from autopar.passes.strategies import StrategyGraph, build_strategy_graph
 from autopar.plan import Plan
 from autopar.precision import Precision, plan_precision, resolve_precision
 from autopar.planner.cuts import CutTable
-from autopar.planner.experts import apply_ep, check_ep, experts_record, find_experts
+from autopar.planner.experts import apply_ep, check_ep, ep_options, experts_record, find_experts
 from autopar.planner.frontend import trace_pair
 from autopar.planner.ilp import Solution, build_problem, evaluate, solve
 from autopar.planner.search import Candidate, Fixed, Unit, search
@@ -48,8 +48,11 @@ RUNNERS_UP = 5
 
 def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, loss_fn: Callable | None = None,
               example_target: Any = None, fixed: dict | None = None, precision: str | None = None,
-              compiled_layers: Callable[[str], bool] | None = None) -> Plan:
+              compiled_layers: Callable[[str], bool] | None = None, runnable: bool = False) -> Plan:
     """Plan ``model`` for ``cluster``; see :func:`autopar.plan`.
+
+    ``runnable``: only plans :func:`autopar.parallelize` can run today (expert parallelism
+    only with pp = tp = 1); planning for a cluster (``autopar plan``) weighs everything priced.
 
     ``compiled_layers`` (a predicate on layer paths) prices those layers' memory-bound ops as
     ``torch.compile`` fuses them (:mod:`autopar.passes.fuse`): for predicting runs of programs
@@ -69,7 +72,8 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
             fuse_memory_bound(g, device=cluster.device, compiled=compiled_layers)
     t1 = time.perf_counter()
     with _frozen_heap():
-        plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_, precision=policy, precision_source=why)
+        plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_, precision=policy, precision_source=why,
+                           ep_flat_only=runnable)
     timings = {"trace_s": t1 - t0, **plan.timings}
     return Plan(**{k: getattr(plan, k) for k in plan.__dataclass_fields__ if k != "timings"}, timings=timings)
 
@@ -141,9 +145,11 @@ def _tp_options(cluster: Cluster, fixed: Fixed) -> list[int]:
 
 
 def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fixed: Fixed,
-                precision: Precision | None = None, precision_source: str = "") -> Plan:
+                precision: Precision | None = None, precision_source: str = "", ep_flat_only: bool = False) -> Plan:
     """Plan the traced pair. ``precision`` is the policy the graphs were traced under (None:
-    read off the parameters' dtype, as plans did before policies: "fp32", else "bf16-mixed")."""
+    read off the parameters' dtype, as plans did before policies: "fp32", else "bf16-mixed").
+    A model with experts is searched over the ep degrees they allow (:func:`ep_options`) unless
+    ``fixed.ep`` pins one; ``ep_flat_only`` as in :func:`search`."""
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
     layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
     batch = info.global_batch
@@ -171,10 +177,10 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     names = _expanded_names(layers, info)
     shared = _shared_params(gm)
     cut_table = CutTable(gm)
-    cache: dict[tuple[int, int, bool], list[Unit]] = {}
+    cache: dict[tuple[int, int, bool, int], list[Unit]] = {}
 
-    def units_for(tp: int, mbs: int, sp: bool = False) -> list[Unit]:
-        if (tp, mbs, sp) not in cache:
+    def units_for(tp: int, mbs: int, sp: bool = False, ep: int = 1) -> list[Unit]:
+        if (tp, mbs, sp, ep) not in cache:
             sg, sol = solved[tp, sp]
             ev = evaluate(build_problem(sg, batch=mbs, device=cluster.device,
                                         link=cluster.link_for_group(tp, stride=1)), sol)
@@ -203,11 +209,11 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                         n_params=lc.n_params_local if lc else 0.0,
                         shared_params=tuple((fqn, owner, local.get(fqn, 0.0))
                                             for fqn, owner in shared.get(layer.path, ()))))
-            if fixed.ep:
-                units = apply_ep(units, names=names, sites=experts, ep=fixed.ep, tp=tp, microbatch_size=mbs,
+            if ep > 1:
+                units = apply_ep(units, names=names, sites=experts, ep=ep, tp=tp, microbatch_size=mbs,
                                  global_batch=batch, cluster=cluster)
-            cache[tp, mbs, sp] = units
-        return cache[tp, mbs, sp]
+            cache[tp, mbs, sp, ep] = units
+        return cache[tp, mbs, sp, ep]
 
     with progress("searching meshes, cuts and schedules"):
         sp_options: dict[int, tuple[bool, ...]] = defaultdict(tuple)
@@ -215,7 +221,8 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
             sp_options[tp] += (sp,)
         ranked, stats = search(units_for=units_for, n_units=sum(x.count for x in layers), global_batch=batch,
                                cluster=cluster, fixed=fixed, precision=precision, tp_options=sorted(sp_options),
-                               sp_options=dict(sp_options), keep=RUNNERS_UP + 1)
+                               sp_options=dict(sp_options), keep=RUNNERS_UP + 1, ep_options=ep_options(experts),
+                               ep_flat_only=ep_flat_only)
     t2 = time.perf_counter()
     best = ranked[0]
     sg, sol = solved[best.config.tp, best.config.sp]
@@ -480,6 +487,8 @@ def _config_dict(c: Candidate) -> dict[str, Any]:
         out["virtual_stages"] = cfg.virtual_stages
     if cfg.sp:
         out["sp"] = True
+    if cfg.ep > 1:
+        out["ep"] = cfg.ep
     return out
 
 
@@ -592,8 +601,8 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
     if cfg.pp > 1:
         communication["p2p"]["pp"] = _p2p_record(best)
     experts = {}
-    if fixed.ep and fixed.ep > 1:
-        experts = experts_record(find_experts(gm), ep=fixed.ep, dp=cfg.dp, tp=cfg.tp,
+    if cfg.ep > 1:
+        experts = experts_record(find_experts(gm), ep=cfg.ep, dp=cfg.dp, tp=cfg.tp,
                                  microbatch_size=cfg.microbatch_size, microbatches=cfg.microbatches,
                                  global_batch=info.global_batch, counts={x.path: x.count for x in layers},
                                  cluster=cluster)

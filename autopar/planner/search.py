@@ -99,7 +99,7 @@ class Fixed:
     """Model chunks per rank under the interleaved schedule."""
     ep: int | None = None
     """Expert parallelism: experts cut in ep parts over groups of ep data-parallel ranks
-    (``autopar.planner.experts``); pinned only, the search does not choose it yet."""
+    (``autopar.planner.experts``); None: the search chooses it for a model with experts."""
 
     @classmethod
     def from_dict(cls, fixed: dict | None) -> Fixed:
@@ -172,6 +172,8 @@ class Config:
     """Stages per pipeline rank (> 1 only for the interleaved schedule)."""
     sp: bool = False
     """Sequence parallelism in the sharding MIP's solution this configuration uses."""
+    ep: int = 1
+    """Expert parallelism folded over the dp ranks (``autopar.planner.experts``; 1: none)."""
 
     @property
     def n_stages(self) -> int:
@@ -337,7 +339,7 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
                inflight: tuple[int, ...], memo: dict | None = None) -> list[tuple[int, int]] | None:
     """Contiguous cuts minimising the slowest stage under the memory cap (None if none fits).
 
-    With ``memo`` (one dict per search; units are keyed by tp, sp and micro-batch size) the
+    With ``memo`` (one dict per search; units are keyed by tp, sp, micro-batch size and ep) the
     cuts that ignore memory are made once per (units, recompute, stages) and reused by every
     ZeRO stage and schedule whose memory they fit: no cut under a memory cap can have a
     faster slowest stage (or, interleaved, better balanced ranks) than the best cut without
@@ -348,7 +350,7 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     if memo is None:
         return _cut(_Layers(units, cfg.recompute), cfg, cap=cap, state_per_param=state_per_param,
                     inflight=inflight)[0]
-    layers_key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute)
+    layers_key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep)
     layers = memo.get(layers_key)
     if layers is None:
         layers = memo[layers_key] = _Layers(units, cfg.recompute)
@@ -514,13 +516,18 @@ def _smooth(cuts: list[tuple[int, int]], pre_t: list[float], fits) -> list[tuple
 
 def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixed: Fixed,
            precision: str, tp_options: list[int], sp_options: dict[int, tuple[bool, ...]] | None = None,
-           keep: int = KEEP) -> tuple[list[Candidate], dict]:
+           keep: int = KEEP, ep_options: tuple[int, ...] = (), ep_flat_only: bool = False
+           ) -> tuple[list[Candidate], dict]:
     """The ``keep`` best configurations by simulated step time, best first (the first is the
     plan), and search statistics (counts, and seconds by part under keys ending in ``_s``).
 
     ``units_for(tp, microbatch_size, sp) -> list[Unit]`` gives per-layer costs under the
     sharding MIP's solution at ``tp`` with sequence parallelism ``sp`` (one of
-    ``sp_options[tp]``, default ``(False,)``). Branch and bound: mesh shapes (tp, sp, pp,
+    ``sp_options[tp]``, default ``(False,)``); with expert parallelism ``ep`` > 1 it is called
+    ``units_for(tp, microbatch_size, sp, ep)``. ``ep_options``: the ep degrees > 1 the model's
+    experts allow (none: no experts); each is tried where it divides dp, with ZeRO-0 (expert
+    state under ZeRO is not priced yet), and with ``ep_flat_only`` only where pp = tp = 1 (what
+    ``autopar.parallelize`` runs so far). A pinned ``fixed.ep`` is the only one tried. Branch and bound: mesh shapes (tp, sp, pp,
     dp, micro-batch size) are visited in order of a compute-only lower bound on their step
     time: the busiest rank computes at least the average,
     ``microbatches * work / pp`` (:func:`_work_s`); once ``keep`` configurations are simulated, a shape or a
@@ -539,29 +546,38 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     skipped_batch = 0
     recomputes = [fixed.recompute] if fixed.recompute else RECOMPUTE
 
-    def zeros(dp: int):
-        if fixed.ep and fixed.ep > 1:  # ZeRO of expert state (over the dp/ep replicas) is not priced yet
+    def zeros(dp: int, ep: int):
+        if ep > 1:  # ZeRO of expert state (over the dp/ep replicas) is not priced yet
             return (0,)
         return [fixed.zero] if fixed.zero is not None else range(4) if dp > 1 else (0,)
 
-    dp_prefixes: dict[tuple, list[float]] = {}  # (tp, sp, mbs, zero, dp, m) -> _dp_comm_prefix
+    def units_at(tp: int, mbs: int, sp: bool, ep: int) -> list[Unit]:
+        return units_for(tp, mbs, sp) if ep == 1 else units_for(tp, mbs, sp, ep)
 
-    def dp_prefix(tp: int, sp: bool, mbs: int, zero: int, dp: int, m: int) -> list[float]:
-        key = (tp, sp, mbs, zero, dp, m)
+    def eps(tp: int, pp: int, dp: int) -> list[int]:
+        """The ep degrees a (tp, pp, dp) shape is tried with."""
+        # (a pinned ZeRO stage > 0 leaves ep = 1: expert state under ZeRO is not priced yet)
+        tried = [fixed.ep] if fixed.ep else [1] if fixed.zero else [1, *ep_options]
+        return [e for e in tried if dp % e == 0 and (e == 1 or not ep_flat_only or pp == tp == 1)]
+
+    dp_prefixes: dict[tuple, list[float]] = {}  # (tp, sp, mbs, zero, dp, m, ep) -> _dp_comm_prefix
+
+    def dp_prefix(tp: int, sp: bool, mbs: int, zero: int, dp: int, m: int, ep: int) -> list[float]:
+        key = (tp, sp, mbs, zero, dp, m, ep)
         if key not in dp_prefixes:
-            dp_prefixes[key] = _dp_comm_prefix(units_for(tp, mbs, sp), zero=zero, dp=dp,
+            dp_prefixes[key] = _dp_comm_prefix(units_at(tp, mbs, sp, ep), zero=zero, dp=dp,
                                                link=cluster.link_for_group(dp, stride=tp), microbatches=m,
                                                precision=precision)
         return dp_prefixes[key]
 
-    shapes = []  # (bound, tp, sp, pp, dp, mbs, m, units)
-    work: dict[tuple, dict[str, float]] = {}  # (tp, sp, mbs) -> recompute -> compute of one micro-batch
-    params: dict[tuple, float] = {}  # (tp, sp, mbs) -> parameters per tp rank
+    shapes = []  # (bound, tp, sp, pp, dp, mbs, m, ep)
+    work: dict[tuple, dict[str, float]] = {}  # (tp, sp, mbs, ep) -> recompute -> compute of one micro-batch
+    params: dict[tuple, float] = {}  # (tp, sp, mbs, ep) -> parameters per tp rank
     for tp in tp_options:
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
             if (fixed.pp and pp != fixed.pp) or (fixed.dp and dp != fixed.dp) or pp > n_units \
-                    or (fixed.ep and dp % fixed.ep):  # ep folds over the dp ranks
+                    or not eps(tp, pp, dp):  # ep folds over the dp ranks
                 continue
             if global_batch % dp:
                 skipped_batch += 1
@@ -572,20 +588,20 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                 if (fixed.microbatch_size and mbs != fixed.microbatch_size) or \
                         (fixed.microbatches and m != fixed.microbatches):
                     continue
-                for sp in sp_options.get(tp, (False,)):
-                    if (tp, sp, mbs) not in work:
+                for sp, ep in ((sp, ep) for sp in sp_options.get(tp, (False,)) for ep in eps(tp, pp, dp)):
+                    if (tp, sp, mbs, ep) not in work:
                         t0 = time.perf_counter()
-                        units = units_for(tp, mbs, sp)
-                        work[tp, sp, mbs] = {r: _work_s(units, r) for r in RECOMPUTE}
-                        params[tp, sp, mbs] = sum(u.n_params for u in units)
+                        units = units_at(tp, mbs, sp, ep)
+                        work[tp, sp, mbs, ep] = {r: _work_s(units, r) for r in RECOMPUTE}
+                        params[tp, sp, mbs, ep] = sum(u.n_params for u in units)
                         clock["units_s"] += time.perf_counter() - t0
                     link = cluster.link_for_group(dp, stride=tp)
-                    bound = min(_config_bound_s(work[tp, sp, mbs][r], params[tp, sp, mbs], zero=z, m=m, pp=pp,
-                                                dp=dp, link=link, precision=precision, cluster=cluster,
-                                                dp_comm_s=dp_prefix(tp, sp, mbs, z, dp, m)[-1],
+                    bound = min(_config_bound_s(work[tp, sp, mbs, ep][r], params[tp, sp, mbs, ep], zero=z, m=m,
+                                                pp=pp, dp=dp, link=link, precision=precision, cluster=cluster,
+                                                dp_comm_s=dp_prefix(tp, sp, mbs, z, dp, m, ep)[-1],
                                                 virtual_stages=2 if pp > 1 else 1)
-                                for r in recomputes for z in zeros(dp))
-                    shapes.append((bound, tp, sp, pp, dp, mbs, m))
+                                for r in recomputes for z in zeros(dp, ep))
+                    shapes.append((bound, tp, sp, pp, dp, mbs, m, ep))
     shapes.sort(key=lambda x: (float(f"{x[0]:.6g}"), x[1:]))
     counts["shapes"] = len(shapes)
     top: list[Candidate] = []
@@ -652,33 +668,33 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                     infeasible.append((cfg, units, per_param, inflight))
                 continue
             counts["feasible"] += 1
-            key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute)
+            key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep)
             if key not in prefixes:
                 prefixes[key] = _prefix_sums(units, cfg.recompute)
             pending[k] = (units, cuts, cfg, inflight)
             cut_bound = _cuts_bound_s(prefixes[key], cuts, cfg, cluster=cluster, precision=precision,
                                       dp_prefix=dp_prefix(cfg.tp, cfg.sp, cfg.microbatch_size, cfg.zero, cfg.dp,
-                                                          cfg.microbatches))
+                                                          cfg.microbatches, cfg.ep))
             heapq.heappush(queue, (max(bound, cut_bound), CANDIDATE, k))
         else:
-            _, tp, sp, pp, dp, mbs, m = shapes[k]
-            units = units_for(tp, mbs, sp)
+            _, tp, sp, pp, dp, mbs, m, ep = shapes[k]
+            units = units_at(tp, mbs, sp, ep)
             dp_link = cluster.link_for_group(dp, stride=tp)
             for kind in _schedules(fixed, pp):
                 for v in _virtual_options(kind, fixed, pp, m, n_units):
-                    for zero in zeros(dp):
+                    for zero in zeros(dp, ep):
                         per_param = training_state_bytes(n_params=1, zero_stage=zero, dp=dp,
                                                          precision=precision).total
                         for recompute in recomputes:
                             cfg = Config(tp=tp, pp=pp, dp=dp, microbatch_size=mbs, microbatches=m, zero=zero,
-                                         recompute=recompute, schedule=kind, virtual_stages=v, sp=sp)
+                                         recompute=recompute, schedule=kind, virtual_stages=v, sp=sp, ep=ep)
                             counts["configurations"] += 1
                             key = len(shapes) + counts["configurations"]
                             pending[key] = (cfg, units, per_param)
                             heapq.heappush(queue, (max(bound, _config_bound_s(
-                                work[tp, sp, mbs][recompute], params[tp, sp, mbs], zero=zero, m=m, pp=pp, dp=dp,
-                                link=dp_link, precision=precision, cluster=cluster,
-                                dp_comm_s=dp_prefix(tp, sp, mbs, zero, dp, m)[-1], virtual_stages=v)), CONFIG, key))
+                                work[tp, sp, mbs, ep][recompute], params[tp, sp, mbs, ep], zero=zero, m=m, pp=pp,
+                                dp=dp, link=dp_link, precision=precision, cluster=cluster,
+                                dp_comm_s=dp_prefix(tp, sp, mbs, zero, dp, m, ep)[-1], virtual_stages=v)), CONFIG, key))
     if not top:
         least = min(((_min_memory(u, c, pp_, inf), c) for c, u, pp_, inf in infeasible),
                     key=lambda x: x[0], default=(math.inf, None))
@@ -691,7 +707,7 @@ def _rank_key(time_of):
     def key(c: Candidate):
         cfg = c.config
         return (float(f"{time_of(c):.6g}"), cfg.zero, RECOMPUTE.index(cfg.recompute), -cfg.dp, cfg.pp,
-                cfg.tp, float(f"{c.peak_memory_bytes:.6g}"),  # equal times: the schedule holding less (1F1B, not GPipe)
+                cfg.tp, cfg.ep, float(f"{c.peak_memory_bytes:.6g}"),  # equal times: the schedule holding less (1F1B, not GPipe)
                 SCHEDULES.index(cfg.schedule) if cfg.schedule in SCHEDULES else 0, cfg.microbatch_size)
     return key
 

@@ -39,6 +39,22 @@ def _optimizer(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-5)
 
 
+def _record_all_to_alls(log: list, step: list):
+    """Note (step, group ranks, bytes sent) of every ``all_to_all_single`` (the experts op's)."""
+    import torch.distributed as dist
+
+    import autopar.experts
+
+    original = dist.all_to_all_single
+
+    def recorded(output, input, *args, group=None, **kwargs):
+        log.append((step[0], tuple(dist.get_process_group_ranks(group)), input.numel() * input.element_size()))
+        return original(output, input, *args, group=group, **kwargs)
+
+    dist.all_to_all_single = recorded
+    assert autopar.experts.dist is dist  # (the experts op calls it through this module)
+
+
 def _train(rank, world, configs):
     """On every rank, for each (name, fixed): train 3 steps beside a local one-process reference."""
     sys.path.insert(0, EXAMPLES)
@@ -48,14 +64,22 @@ def _train(rank, world, configs):
     import moe
 
     report = {}
+    calls, step = [], [0]
+    _record_all_to_alls(calls, step)
     for name, fixed in configs:
+        calls.clear()
         torch.manual_seed(0)
         model, inputs, loss_fn, target = moe.build(size="tiny", batch=8, shared_expert=True, aux_loss=0.01)
         n_experts = model.config.n_experts
         reference = Reference(model, _optimizer)
         pm = autopar.parallelize(model, cluster=f"1x{world}xcpu", loss_fn=loss_fn, optimizer=_optimizer,
                                  fixed=fixed)
-        losses = train_alongside(pm, reference, steps=STEPS, run=lambda pm: pm.train_step(inputs, target),
+
+        def run(pm):
+            step[0] += 1
+            return pm.train_step(inputs, target)
+
+        losses = train_alongside(pm, reference, steps=STEPS, run=run,
                                  run_reference=lambda ref, like: loss_fn(ref(*like(inputs)), like(target)))
         grad_err, param_err = errors(pm, reference)
         code = pm.step_program.code
@@ -72,14 +96,17 @@ def _train(rank, world, configs):
             "experts_groups": re.findall(r"autopar\.moe_experts(?:_backward)?\.default\([^\n]*, '([^']*)'\)", code),
             "ep_group_name": pm.params.ep_group.group_name if ep > 1 else "",
             "n_tensors": len(grad_err),
+            "all_to_alls": [(s - step[0] + STEPS, g, b) for s, g, b in calls],  # steps 1..STEPS
+            "plan_experts": pm.plan.experts, "plan_all_to_all": pm.plan.communication.get("all_to_all", {}),
             "all_gathers": code.count("all_gather_into_tensor"),
             "measured": pm.memory_bytes(), "predicted": pm.plan.stages[0]["predicted"]["memory_bytes"],
         }
     return report
 
 
-TWO = [("dp_zero3", {"dp": 2, "zero": 3}), ("ep2", {"dp": 2, "ep": 2})]
-FOUR = [("ep2_replicas2", {"dp": 4, "ep": 2}), ("ep4", {"dp": 4, "ep": 4})]
+# (one micro-batch: the all-to-all test reads the calls of a step in order)
+TWO = [("dp_zero3", {"dp": 2, "zero": 3}), ("ep2", {"dp": 2, "ep": 2, "microbatches": 1})]
+FOUR = [("ep2_replicas2", {"dp": 4, "ep": 2, "microbatches": 1}), ("ep4", {"dp": 4, "ep": 4, "microbatches": 1})]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["two_ranks", "four_ranks"])
@@ -115,3 +142,37 @@ def test_moe_trains_like_one_process_with_each_rank_holding_its_experts(world):
             for kind in ("params", "grads"):
                 assert abs(getattr(r["measured"], kind) - r["predicted"][kind]) <= pad, (where, kind)
             assert abs(r["measured"].optimizer - r["predicted"]["optimizer"]) <= 2 * pad, where
+
+
+def test_each_rank_runs_the_all_to_alls_the_plan_priced(world):
+    """Per step and rank, each experts op (forward, then backward) runs three all-to-alls over
+    the rank's ep group: the token counts, the dispatch, the combine. The counts and dispatches
+    send exactly what the plan priced (``experts.layers[*].all_to_all_bytes``: the rank's
+    rows x width, twice the width in backward, whose dispatch carries input and output
+    gradient together); a combine sends back what the rank's experts received, which depends
+    on the routing, so per ep group the combines add up to ep times the plan's figure (it
+    assumes balanced routing: the group's mean is exact)."""
+    size, configs, results = world
+    for name, fixed in configs:
+        ep = fixed.get("ep", 1)
+        if ep == 1:
+            assert all(not r[name]["all_to_alls"] for r in results), name  # no ep: no all-to-all
+            continue
+        layers = results[0][name]["plan_experts"]["layers"]
+        count = results[0][name]["plan_all_to_all"]["ep"]["count"]  # per step
+        for step in range(1, STEPS + 1):
+            combines: dict[tuple, list[float]] = {}
+            for rank, by_name in enumerate(results):
+                calls = [c for c in by_name[name]["all_to_alls"] if c[0] == step]
+                assert len(calls) == count == 6 * len(layers), (name, rank, step, len(calls), count)
+                assert {g for _, g, _ in calls} == {tuple(by_name[name]["ep_ranks"])}, (name, rank)
+                sent = [b for _, _, b in calls]
+                fwd = [tuple(x["all_to_all_bytes"]["forward"]) for x in layers.values()]
+                bwd = [tuple(x["all_to_all_bytes"]["backward"]) for x in layers.values()]
+                # forward of each layer in order, then backward in reverse order
+                priced = fwd + bwd[::-1]
+                for k, (counts, dispatch, combine) in enumerate(priced):
+                    assert sent[3 * k] == counts and sent[3 * k + 1] == dispatch, (name, rank, step, k, sent)
+                    combines.setdefault((by_name[name]["ep_ranks"][0], k), []).append(sent[3 * k + 2] / combine)
+            for key, ratios in combines.items():  # each ep group's combines: ep x the balanced figure
+                assert len(ratios) == ep and sum(ratios) == pytest.approx(ep, rel=1e-12), (name, step, key, ratios)
