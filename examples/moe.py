@@ -15,8 +15,9 @@ References:
 
     autopar plan examples/moe.py:build --arg size=8x7b --cluster 8x8xH100 --fix ep=8
 
-build(size="tiny", device=..., batch=..., seq=..., n_layers=None, shared_expert=False,
-aux_loss=0.0, seed=0, dtype=None) returns (model, (tokens,), loss_fn, target).
+build(size="tiny", device=..., batch=..., seq=..., n_layers=None, shared_expert=None,
+aux_loss=0.0, seed=0, dtype=None) returns (model, (tokens,), loss_fn, target). Sizes: tiny,
+small, 8x7b (Mixtral shapes), dsv3 (DeepSeek-V3 shapes: 256 experts of width 2048, top-8).
 
 Expert form. The experts of a block are three stacked parameters, ``w_gate``,
 ``w_up`` (E, d, f) and ``w_down`` (E, f, d), run by one op,
@@ -68,6 +69,12 @@ SIZES: dict[str, MoEConfig] = {
     # Mixtral 8x7B shapes (learned positions instead of RoPE, full instead of grouped-query
     # attention): 32 x (4 * 4096^2 + 3 * 8 * 4096 * 14336) + 2 * 32000 * 4096 ~ 47.5B
     "8x7b": MoEConfig(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, n_experts=8, expert_hidden=14336),
+    # DeepSeek-V3 shapes (tech report sec. 4.2: 61 layers, hidden 7168, 128 heads, 256 routed experts of
+    # width 2048 with top-8, one shared expert, vocabulary 129280): many small experts. Simplified as
+    # for 8x7b (full attention instead of MLA, every block MoE instead of 3 dense ones first, no
+    # multi-token prediction): ~705B parameters, ~38B active per token (the report: 671B, 37B).
+    "dsv3": MoEConfig(dim=7168, n_layers=61, n_heads=128, vocab_size=129280, n_experts=256, top_k=8,
+                      expert_hidden=2048, shared_expert=True),
 }
 
 
@@ -236,12 +243,15 @@ def _flag(v) -> bool:
     return v if isinstance(v, bool) else str(v).strip().lower() in ("1", "true", "yes", "on")
 
 
-def build(size="tiny", device=None, batch=None, seq=None, n_layers=None, shared_expert=False, aux_loss=0.0,
+def build(size="tiny", device=None, batch=None, seq=None, n_layers=None, shared_expert=None, aux_loss=0.0,
           n_experts=None, seed=0, dtype=None):
-    """Return (model, (tokens,), loss_fn, target). All arguments may be strings."""
+    """Return (model, (tokens,), loss_fn, target). All arguments may be strings; ``shared_expert``
+    defaults to the size's (on for dsv3)."""
     if size not in SIZES:
         raise ValueError(f"unknown moe size {size!r}; choose one of {', '.join(SIZES)}")
-    config = replace(SIZES[size], shared_expert=_flag(shared_expert))
+    config = SIZES[size]
+    if shared_expert is not None:
+        config = replace(config, shared_expert=_flag(shared_expert))
     if n_layers is not None:
         config = replace(config, n_layers=int(n_layers))
     if n_experts is not None:

@@ -66,6 +66,14 @@ def test_moe_example_routes_top2_and_trains():
     big, _, _, _ = moe.build(size="8x7b")
     assert next(big.parameters()).device.type == "meta"
     assert moe.count_params(big.config) == pytest.approx(47.5e9, rel=0.01)
+    # DeepSeek-V3 shapes: 256 experts of width 2048, top-8, a shared expert; ~705B in all (the report's
+    # 671B has MLA attention and 3 dense blocks) and ~38B active per token (report: 37B)
+    ds, _, _, _ = moe.build(size="dsv3", batch=1, seq=16)
+    c = ds.config
+    assert (c.n_experts, c.top_k, c.expert_hidden, c.shared_expert) == (256, 8, 2048, True)
+    assert sum(p.numel() for p in ds.parameters()) == moe.count_params(c) == pytest.approx(705e9, rel=0.01)
+    active = moe.count_params(c) - moe.expert_params(c) * (1 - c.top_k / c.n_experts)
+    assert active == pytest.approx(38.6e9, rel=0.01)
 
 
 def test_balance_loss_is_linear_over_the_batch():
