@@ -444,11 +444,10 @@ class ParallelModule:
             from autopar.planner.search import Fixed
 
             fixed = Fixed.from_dict(self.fixed)
-            check_ep_runnable(fixed.ep, pp=fixed.pp, tp=fixed.tp, meta_start=self.from_meta)
+            check_ep_runnable(fixed.ep, pp=fixed.pp, meta_start=self.from_meta)
             check_batch_split(_batch_size(values), fixed)
         else:
-            mesh = self._given_plan.mesh
-            check_ep_runnable(self._given_plan.experts.get("ep"), pp=mesh.get("pp"), tp=mesh.get("tp"),
+            check_ep_runnable(self._given_plan.experts.get("ep"), pp=self._given_plan.mesh.get("pp"),
                               meta_start=self.from_meta)
         bind_local_device(self.device)  # before the first collective: NCCL binds to the current GPU
         _init_process_group(self.device, self.timeout_s)
@@ -462,7 +461,7 @@ class ParallelModule:
         self._adopt_plan(self._make_plan(names, values, has_target))
         dp, tp = self.plan.mesh["dp"], self.plan.mesh["tp"]
         # (every rank has the same plan: all raise alike)
-        check_ep_runnable(self.ep, pp=self.plan.mesh["pp"], tp=tp, meta_start=self.from_meta)
+        check_ep_runnable(self.ep, pp=self.plan.mesh["pp"], meta_start=self.from_meta)
         device = self.device
         pp = self.plan.mesh["pp"]
         mesh_text = " x ".join(f"{a}={self.plan.mesh[a]}" for a in ("pp", "dp", "tp"))

@@ -91,18 +91,23 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """Causal multi-head attention with separate q, k, v projections (as Mixtral's; a tp plan
+    shards them by heads)."""
+
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.n_heads = config.n_heads
-        self.wqkv = nn.Linear(config.dim, 3 * config.dim, bias=False)
+        self.wq = nn.Linear(config.dim, config.dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.wqkv(x).split(C, dim=2)  # 3 x (B, T, C)
-        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)  # 3 x (B, T, C)
+        q, k, v = (t.view(B, T, -1, C // self.n_heads).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-        return self.wo(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
 class SwiGLU(nn.Module):

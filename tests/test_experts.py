@@ -129,16 +129,15 @@ def test_ep_needs_expert_layers_and_an_integer():
         autopar.plan(model, inputs, cluster="1x2xcpu", loss_fn=loss_fn, example_target=target, fixed={"ep": "two"})
 
 
-def test_ep_beside_pp_tp_or_meta_start_is_refused_before_any_collective():
-    for kw, message in (({"pp": 2}, r"^ep=2 with pp=2: autopar.parallelize runs expert parallelism over "
-                                    r"data-parallel ranks only \(pp=1, tp=1\) so far; pin pp=1, or drop ep$"),
-                        ({"tp": 4}, r"^ep=2 with tp=4: .* pin tp=1, or drop ep$"),
+def test_ep_beside_pp_or_meta_start_is_refused_before_any_collective():
+    for kw, message in (({"pp": 2}, r"^ep=2 with pp=2: autopar.parallelize runs expert parallelism without "
+                                    r"pipelining \(pp=1\) so far; pin pp=1, or drop ep$"),
                         ({"meta_start": True}, r"^ep=2 with a model on meta: .*build the model on the CPU, or drop ep$")):
-        args = {"pp": None, "tp": None, "meta_start": False, **kw}
+        args = {"pp": None, "meta_start": False, **kw}
         with pytest.raises(autopar.PlanError, match=message):
             check_ep_runnable(2, **args)
-    check_ep_runnable(1, pp=2, tp=4, meta_start=True)  # no ep: nothing to refuse
-    check_ep_runnable(4, pp=1, tp=1, meta_start=False)
+    check_ep_runnable(1, pp=2, meta_start=True)  # no ep: nothing to refuse
+    check_ep_runnable(4, pp=1, meta_start=False)
 
 
 def test_ep_plan_divides_expert_memory_and_prices_the_all_to_alls():
@@ -212,7 +211,7 @@ def _plan_pair(pair, spec, fixed=None, **kw):
 def test_the_search_weighs_ep_like_any_other_decision(moe_pair):
     """Left free, ep is searched: the plan is as fast as the best of the plans pinned to each ep,
     and when memory only fits with the experts cut (each rank holding 1/ep of them), the search
-    finds the ep that fits; for parallelize (ep_flat_only) an ep plan has pp = tp = 1."""
+    finds the ep that fits; for parallelize (ep_flat_only) an ep plan has pp = 1."""
     spec = "1x4xcpu"
     free = _plan_pair(moe_pair, spec)
     pinned = {ep: _plan_pair(moe_pair, spec, {"ep": ep}) for ep in (1, 2, 4)}
@@ -228,6 +227,6 @@ def test_the_search_weighs_ep_like_any_other_decision(moe_pair):
                       hbm_bytes=hbm)
     assert fits.experts.get("ep", 1) > 1 and fits.predicted["peak_memory_bytes"] <= hbm
     flat = _plan_pair(moe_pair, "1x8xcpu", ep_flat_only=True)
-    assert flat.experts.get("ep", 1) == 1 or flat.mesh["pp"] == flat.mesh["tp"] == 1
+    assert flat.experts.get("ep", 1) == 1 or flat.mesh["pp"] == 1
     for c in flat.solver["candidates"]:
-        assert c["config"].get("ep", 1) == 1 or c["config"]["pp"] == c["config"]["tp"] == 1, c
+        assert c["config"].get("ep", 1) == 1 or c["config"]["pp"] == 1, c

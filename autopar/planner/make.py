@@ -52,7 +52,7 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
     """Plan ``model`` for ``cluster``; see :func:`autopar.plan`.
 
     ``runnable``: only plans :func:`autopar.parallelize` can run today (expert parallelism
-    only with pp = tp = 1); planning for a cluster (``autopar plan``) weighs everything priced.
+    only with pp = 1); planning for a cluster (``autopar plan``) weighs everything priced.
 
     ``compiled_layers`` (a predicate on layer paths) prices those layers' memory-bound ops as
     ``torch.compile`` fuses them (:mod:`autopar.passes.fuse`): for predicting runs of programs

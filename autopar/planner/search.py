@@ -526,7 +526,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     ``sp_options[tp]``, default ``(False,)``); with expert parallelism ``ep`` > 1 it is called
     ``units_for(tp, microbatch_size, sp, ep)``. ``ep_options``: the ep degrees > 1 the model's
     experts allow (none: no experts); each is tried where it divides dp, with ZeRO-0 (expert
-    state under ZeRO is not priced yet), and with ``ep_flat_only`` only where pp = tp = 1 (what
+    state under ZeRO is not priced yet), and with ``ep_flat_only`` only where pp = 1 (what
     ``autopar.parallelize`` runs so far). A pinned ``fixed.ep`` is the only one tried. Branch and bound: mesh shapes (tp, sp, pp,
     dp, micro-batch size) are visited in order of a compute-only lower bound on their step
     time: the busiest rank computes at least the average,
@@ -558,7 +558,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
         """The ep degrees a (tp, pp, dp) shape is tried with."""
         # (a pinned ZeRO stage > 0 leaves ep = 1: expert state under ZeRO is not priced yet)
         tried = [fixed.ep] if fixed.ep else [1] if fixed.zero else [1, *ep_options]
-        return [e for e in tried if dp % e == 0 and (e == 1 or not ep_flat_only or pp == tp == 1)]
+        return [e for e in tried if dp % e == 0 and (e == 1 or not ep_flat_only or pp == 1)]
 
     dp_prefixes: dict[tuple, list[float]] = {}  # (tp, sp, mbs, zero, dp, m, ep) -> _dp_comm_prefix
 

@@ -22,7 +22,7 @@ as ``examples/moe.py``'s ``MoE`` calls it); the plan's ``experts`` record names 
 parameters (dim 0 = expert). Recognising experts in other forms (Hugging Face Mixtral's
 grouped matmul) is not done yet.
 
-In the build (pp = tp = 1, ZeRO-0 so far; :func:`check_ep_runnable` refuses the rest before
+In the build (pp = 1, ZeRO-0 so far; :func:`check_ep_runnable` refuses the rest before
 any collective): :func:`ep_groups` creates the groups, :func:`cut_experts` keeps each rank's
 experts before the trace (so the traced program holds them), :func:`point_experts_at` sends
 the traced experts ops over the rank's ep group, the routing runs on each rank's own tokens
@@ -41,17 +41,18 @@ from torch import nn
 __all__ = ["check_ep_runnable", "ep_groups", "cut_experts", "point_experts_at", "EpLayout"]
 
 
-def check_ep_runnable(ep: int | None, *, pp: int | None, tp: int | None, meta_start: bool) -> None:
-    """:func:`autopar.parallelize` runs expert parallelism without pipelining or tensor
-    parallelism and from real weights: a clear error (before any collective) for the rest."""
+def check_ep_runnable(ep: int | None, *, pp: int | None, meta_start: bool) -> None:
+    """:func:`autopar.parallelize` runs expert parallelism without pipelining and from real
+    weights: a clear error (before any collective) for the rest. (Beside tensor parallelism the
+    experts are replicated over tp and each tp rank exchanges tokens with its ep peers in its tp
+    column: :func:`ep_groups`.)"""
     if not ep or ep == 1:
         return
     from autopar.errors import PlanError
 
-    for axis, size in (("pp", pp), ("tp", tp)):
-        if size and size > 1:
-            raise PlanError(f"ep={ep} with {axis}={size}: autopar.parallelize runs expert parallelism over "
-                            f"data-parallel ranks only (pp=1, tp=1) so far; pin {axis}=1, or drop ep")
+    if pp and pp > 1:
+        raise PlanError(f"ep={ep} with pp={pp}: autopar.parallelize runs expert parallelism without pipelining "
+                        f"(pp=1) so far; pin pp=1, or drop ep")
     if meta_start:
         raise PlanError(f"ep={ep} with a model on meta: expert parallelism starts from real weights so far; "
                         f"build the model on the CPU, or drop ep")

@@ -8,7 +8,9 @@ trains 3 AdamW steps under plans pinned to:
 - ep=2 on 2 ranks: each rank holds 4 of the 8 experts of a block, tokens dispatched and
   combined by all-to-all over the ep group;
 - on 4 ranks, ep=2 folded over dp=4 (two replicas of each expert half, expert gradients
-  summed over the replica group) and ep=4.
+  summed over the replica group), ep=4, and ep=2 x tp=2 (the "small" size, whose attention
+  the plan shards Megatron-style over tp, on a cluster where that pays; the experts are
+  replicated over tp and each tp rank exchanges tokens with its ep peers in its tp column).
 
 Every step's loss, the last gradients and the parameters must be as accurate as one fp32
 process (``parallel_compare``; the optimizer is ``test_parallel.py``'s, which explains
@@ -27,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.testing import spawn_world
+from autopar.testing import spawn_world, tp_only_cluster
 from parallel_compare import Reference, assert_matches, errors, train_alongside
 
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
@@ -69,11 +71,13 @@ def _train(rank, world, configs):
     for name, fixed in configs:
         calls.clear()
         torch.manual_seed(0)
-        model, inputs, loss_fn, target = moe.build(size="tiny", batch=8, shared_expert=True, aux_loss=0.01)
+        size = "small" if fixed.get("tp", 1) > 1 else "tiny"
+        model, inputs, loss_fn, target = moe.build(size=size, n_layers=2, batch=8, shared_expert=True,
+                                                   aux_loss=0.01)
         n_experts = model.config.n_experts
         reference = Reference(model, _optimizer)
-        pm = autopar.parallelize(model, cluster=f"1x{world}xcpu", loss_fn=loss_fn, optimizer=_optimizer,
-                                 fixed=fixed)
+        cluster = tp_only_cluster(f"1x{world}xcpu") if fixed.get("tp", 1) > 1 else f"1x{world}xcpu"
+        pm = autopar.parallelize(model, cluster=cluster, loss_fn=loss_fn, optimizer=_optimizer, fixed=fixed)
 
         def run(pm):
             step[0] += 1
@@ -98,7 +102,9 @@ def _train(rank, world, configs):
             "n_tensors": len(grad_err),
             "all_to_alls": [(s - step[0] + STEPS, g, b) for s, g, b in calls],  # steps 1..STEPS
             "plan_experts": pm.plan.experts, "plan_all_to_all": pm.plan.communication.get("all_to_all", {}),
-            "all_gathers": code.count("all_gather_into_tensor"),
+            "dp_all_gathers": [g for g in re.findall(r"all_gather_into_tensor\.default\([^,]+, \d+, '([^']*)'\)", code)
+                               if g == pm.mesh.get_group("dp").group_name],
+            "placements": {f: v for layer in pm.plan.layers.values() for f, v in layer["params"].items()},
             "measured": pm.memory_bytes(), "predicted": pm.plan.stages[0]["predicted"]["memory_bytes"],
         }
     return report
@@ -106,7 +112,8 @@ def _train(rank, world, configs):
 
 # (one micro-batch: the all-to-all test reads the calls of a step in order)
 TWO = [("dp_zero3", {"dp": 2, "zero": 3}), ("ep2", {"dp": 2, "ep": 2, "microbatches": 1})]
-FOUR = [("ep2_replicas2", {"dp": 4, "ep": 2, "microbatches": 1}), ("ep4", {"dp": 4, "ep": 4, "microbatches": 1})]
+FOUR = [("ep2_replicas2", {"dp": 4, "ep": 2, "microbatches": 1}), ("ep4", {"dp": 4, "ep": 4, "microbatches": 1}),
+        ("ep2_tp2", {"dp": 2, "tp": 2, "ep": 2, "microbatches": 1})]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["two_ranks", "four_ranks"])
@@ -122,23 +129,27 @@ def test_moe_trains_like_one_process_with_each_rank_holding_its_experts(world):
             r = by_name[name]
             where = f"{name} rank {rank}"
             assert_matches(r["losses"], r["grad_err"], r["param_err"], where)
-            ep = fixed.get("ep", 1)
-            assert r["ep"] == ep and r["mesh"] == {"pp": 1, "dp": size, "tp": 1}, where
+            ep, tp = fixed.get("ep", 1), fixed.get("tp", 1)
+            assert r["ep"] == ep and r["mesh"] == {"pp": 1, "dp": size // tp, "tp": tp}, where
+            if tp > 1:  # Megatron attention: q, k, v by heads, the output projection by its input
+                assert [r["placements"][f"layers.1.attention.{w}.weight"] for w in ("wq", "wk", "wv", "wo")] \
+                    == ["S0", "S0", "S0", "S1"], (where, r["placements"])
             # only this rank's experts: E/ep of each stacked weight, in the model and in the storage
             assert len(r["held"]) == 3 * 2, r["held"]
             for fqn, shape in r["held"].items():
                 assert shape[0] == r["n_experts"] // ep and r["stored"][fqn] == shape, (where, fqn, shape)
-            if ep > 1:
-                part = rank % ep
-                assert r["ep_ranks"] == list(range(rank - part, rank - part + ep)), where
-                assert r["replica_ranks"] == list(range(part, size, ep)), where
+            if ep > 1:  # along the rank's tp column (ranks tp apart): ep groups of consecutive dp ranks
+                dp_rank, t = divmod(rank, tp)
+                part = dp_rank % ep
+                assert r["ep_ranks"] == [(dp_rank - part + i) * tp + t for i in range(ep)], where
+                assert r["replica_ranks"] == [d * tp + t for d in range(part, size // tp, ep)], where
             # forward and backward of each block's experts, over this rank's ep group ("" = all local)
             assert r["experts_groups"] == [r["ep_group_name"]] * 4, (where, r["experts_groups"])
             # routing runs on the rank's own tokens: the program gathers nothing over dp
-            assert r["all_gathers"] == 0, where
+            assert not r["dp_all_gathers"], where
             # live bytes equal the plan's, up to the padding that makes ZeRO's dp chunks equal
             # (at most dp - 1 fp32 elements per tensor, twice for Adam's m and v)
-            pad = r["n_tensors"] * (size - 1) * 4
+            pad = r["n_tensors"] * (size // tp - 1) * 4
             for kind in ("params", "grads"):
                 assert abs(getattr(r["measured"], kind) - r["predicted"][kind]) <= pad, (where, kind)
             assert abs(r["measured"].optimizer - r["predicted"]["optimizer"]) <= 2 * pad, where
