@@ -301,25 +301,20 @@ def interpret(gm: fx.GraphModule, *, mesh: DeviceMesh, ops: dict[str, OpPlacemen
     done_after: dict[fx.Node, list[fx.Node]] = {}
     for a, reader in last_reader.items():
         done_after.setdefault(reader, []).append(a)
-    routing = token_local_nodes(gm)
-    token_sizes: set[int] = set()  # dim-0 sizes seen split over dp: the batch and its flattenings
+    routing = token_local_nodes(gm) if mesh.size(dp_dim) > 1 else set()
     for node in gm.graph.nodes:
         with fx_traceback.set_current_meta(node):
             if node.op == "output":
                 return fx.node.map_arg(node.args[0], lambda a: env[a])
             _run_node(node, env, info, mesh=mesh, ops=ops, params=params, inputs=inputs, loss_scale=loss_scale,
-                      tp_dim=tp_dim, dp_dim=dp_dim, reshards=reshards,
-                      token_sizes=token_sizes if node in routing else None)
-            if routing:
-                token_sizes.update(v.shape[0] for v in tree_leaves(env.get(node)) if isinstance(v, DTensor)
-                                   and v.placements[dp_dim].is_shard(0))
+                      tp_dim=tp_dim, dp_dim=dp_dim, reshards=reshards, token_local=node in routing)
         for a in done_after.get(node, ()):  # no consumer left: its resharded copies can go
             reshards.drop(env[a])
     raise ValueError("the joint graph has no output node")
 
 
 def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, mesh, ops, params, inputs,
-              loss_scale, tp_dim, dp_dim, reshards: _Reshards, token_sizes: set[int] | None = None) -> None:
+              loss_scale, tp_dim, dp_dim, reshards: _Reshards, token_local: bool = False) -> None:
     trace = node.meta[mk.TRACE]
     if node.op == "placeholder":
         if trace.role in (mk.Role.PARAM, mk.Role.BUFFER):
@@ -357,9 +352,9 @@ def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, me
     try:
         if node.target in _RANDOM_LIKE and isinstance(args[0], DTensor):
             env[node] = _random_like(node.target, args, kwargs, mesh)
-        elif token_sizes is not None and split_on_dp((args, kwargs), dp_dim):  # experts' routing: own tokens
+        elif token_local and split_on_dp(node, (args, kwargs), dp_dim):  # experts' routing: own tokens
             env[node] = run_token_local(node, args, kwargs, tuple(placement(o) for o in (rule.outs if rule else ())),
-                                        mesh, tp_dim, dp_dim, token_sizes)
+                                        mesh, tp_dim, dp_dim)
         elif has_dtensor and rule is not None and not dtensor_dispatches(node.target):
             env[node] = _run_local(node, args, kwargs, rule, mesh, tp_dim, dp_dim)
         else:

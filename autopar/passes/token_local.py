@@ -14,11 +14,20 @@ That is what the planner prices (every op of the block on the rank's share of th
 and what expert parallelism needs: the experts' all-to-all dispatches each rank's own
 tokens (:mod:`autopar.experts`).
 
-The block is recognised by :func:`autopar.experts.moe_experts`: every sort, index, scatter
-or expert op traced inside the module that calls it runs here, on local shards, when one
-of its tensor arguments is split over dp. Everything else in the block (the router,
+The block is recognised by its experts op: :func:`autopar.experts.moe_experts`, or the
+grouped matmul Hugging Face's MoE models run their experts with (``aten._grouped_mm``, or
+``transformers::grouped_mm_fallback`` where that kernel does not apply, e.g. fp32 on CPU,
+with offsets from ``histc``/``cumsum`` of the sorted expert ids). Every sort, index,
+scatter, count (``histc``, ``cumsum``), token-numbering ``arange`` or experts op traced
+inside the module that calls it runs here, on local shards, when one of its tensor
+arguments is split (or partial) over dp. Everything else in the block (the router,
 softmax, views, the balance loss's means) stays with DTensor, which keeps the batch split
 through them and reduces what must be reduced (a mean over the batch).
+
+Inside the block index values are local (a rank's row numbers), which is what each rank's
+routing computes; only token-ordered results leave it (the experts' output back in token
+order, split over dp like the tokens) and sums over the rank's tokens (token counts, expert
+weight gradients: partial over dp, summed where DTensor or the runtime sums them).
 """
 
 from __future__ import annotations
@@ -36,10 +45,21 @@ from autopar.passes import meta_keys as mk
 __all__ = ["expert_ops", "token_local_nodes", "run_token_local", "split_on_dp"]
 
 _aten = torch.ops.aten
-# ops whose rows are the block's tokens (or their k copies) and that DTensor would gather
+# ops whose rows are the block's tokens (or their k copies) and that DTensor would gather, and the
+# token counts and offsets routing derives from them
 _ROUTING_OPS = {_aten.sort.default, _aten.sort.stable, _aten.index.Tensor, _aten.index_put.default,
                 _aten._unsafe_index_put.default, _aten.scatter.src, _aten.scatter.value, _aten.gather.default,
-                _aten.scatter_add.default, _aten.index_add.default, _aten.index_select.default}
+                _aten.scatter_add.default, _aten.index_add.default, _aten.index_select.default,
+                _aten.histc.default, _aten.cumsum.default, _aten.arange.default}
+# experts ops by name: the rows they return follow their first argument (x, or the output
+# gradient), the weight gradients a backward returns are sums over the rank's tokens
+_EXPERT_OPS = {"autopar::moe_experts", "autopar::moe_experts_backward", "aten::_grouped_mm",
+               "transformers::grouped_mm_fallback", "transformers::grouped_mm_fallback_backward"}
+
+
+def _op_name(node: fx.Node) -> str:
+    name = getattr(node.target, "name", None)
+    return name() if callable(name) else ""
 
 
 def expert_ops() -> set:
@@ -51,73 +71,99 @@ def expert_ops() -> set:
 
 def token_local_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """The routing nodes of every experts block in ``gm`` (see the module docstring)."""
-    experts = expert_ops()
     blocks = {n.meta[mk.TRACE].module_path for n in gm.graph.nodes
-              if n.op == "call_function" and n.target in experts and mk.TRACE in n.meta}
+              if n.op == "call_function" and _op_name(n) in _EXPERT_OPS and mk.TRACE in n.meta}
     if not blocks:
         return set()
-    wanted = _ROUTING_OPS | experts
-    return {n for n in gm.graph.nodes if n.op == "call_function" and n.target in wanted
-            and mk.TRACE in n.meta and n.meta[mk.TRACE].module_path in blocks}
+    return {n for n in gm.graph.nodes if n.op == "call_function" and mk.TRACE in n.meta
+            and (n.target in _ROUTING_OPS or _op_name(n) in _EXPERT_OPS)
+            and n.meta[mk.TRACE].module_path in blocks and (n.target is not _aten.arange.default
+                                                            or _numbers_tokens(n))}
 
 
-def _weight_args(node: fx.Node) -> range:
-    """Positions of the expert weights among the op's arguments (whole on every dp rank)."""
-    if node.target == torch.ops.autopar.moe_experts.default:  # (x, counts, w_gate, w_up, w_down, group)
-        return range(2, 5)
-    if node.target == torch.ops.autopar.moe_experts_backward.default:  # (grad_y, x, counts, w..., group)
-        return range(3, 6)
-    return range(0)
+def _numbers_tokens(node: fx.Node) -> bool:
+    """An ``arange(end)`` written as the values of index_puts (an inverse permutation:
+    ``inv[perm] = arange(n)``): it numbers the tokens, so under dp it numbers the rank's own."""
+    return len(node.args) == 1 and not node.kwargs.get("step") and bool(node.users) and all(
+        u.target in (_aten.index_put.default, _aten._unsafe_index_put.default) and len(u.args) > 2
+        and u.args[2] is node for u in node.users)
 
 
-def split_on_dp(args: Any, dp_dim: int) -> bool:
-    """Whether any tensor argument is split (or partial) over dp: the node then runs token-local."""
+def split_on_dp(node: fx.Node, args: Any, dp_dim: int) -> bool:
+    """Whether a routing node runs token-local: a tensor argument is split (or partial) over dp,
+    or it numbers the tokens (an ``arange`` :func:`token_local_nodes` kept) and dp > 1."""
+    if node.target is _aten.arange.default:
+        return True
     return any(isinstance(a, DTensor) and not a.placements[dp_dim].is_replicate() for a in tree_leaves(args))
 
 
+def _follows(node: fx.Node, k: int) -> tuple[int, int | None] | None:
+    """Which argument output ``k`` is split over dp like: (position, index in a list argument or
+    None); None when the output is a sum over the rank's tokens instead (partial over dp)."""
+    name = _op_name(node)
+    if name in _EXPERT_OPS:  # the rows out (y, or grad_x), then weight gradients
+        return (0, None) if k == 0 else None
+    t = node.target
+    if t in (_aten.index.Tensor,):
+        return (1, 0)  # rows picked by the first index tensor
+    if t is _aten.gather.default:
+        return (2, None)
+    if t is _aten.index_select.default:
+        return (2, None) if node.args[1] == 0 else (0, None)
+    if t is _aten.histc.default:
+        return None
+    return (0, None)  # sort, cumsum, and index_put/scatter into their first argument
+
+
+def _destination(node: fx.Node) -> bool:
+    """Ops writing into their first argument by index: a replicated destination is token rows."""
+    return node.target in (_aten.index_put.default, _aten._unsafe_index_put.default, _aten.scatter.src,
+                           _aten.scatter.value, _aten.scatter_add.default, _aten.index_add.default)
+
+
 def run_token_local(node: fx.Node, args: tuple, kwargs: dict, tp_outs: tuple, mesh: DeviceMesh, tp_dim: int,
-                    dp_dim: int, token_sizes: set[int]):
-    """Run ``node``'s op on this rank's tokens; outputs split over dp like its token inputs.
+                    dp_dim: int):
+    """Run ``node``'s op on this rank's tokens; its outputs split over dp like the tokens they follow.
 
     Arguments split over dp on dim 0 give their local rows; an argument partial over dp
     (the batch's tokens per expert, a sum over the batch) gives this rank's addend, its own
-    counts; a replicated argument whose dim 0 is a token dim of the split ones (the zeros
-    an index_put of the backward fills) gives this rank's rows of it; the expert weights
-    stay whole. Outputs with the local token count on dim 0 are split over dp; the expert
-    weight gradients are partial over dp (each rank's tokens' share).
+    counts; a replicated destination of an index_put or scatter (the zeros a backward fills,
+    made for all the batch's tokens) gives this rank's rows of it; the expert weights and
+    anything else replicated stay whole. An output is split over dp like the argument whose
+    rows it follows (:func:`_follows`); a sum over the rank's tokens (token counts per expert,
+    their running sums, the expert weight gradients) is partial over dp. A token-numbering
+    ``arange`` (the positions an inverse permutation writes) numbers the rank's tokens.
 
-    ``tp_outs``: the outputs' placements on tp (from the plan). ``token_sizes``: the dim-0
-    sizes seen split over dp so far in the program (the batch, its tokens B*T, their k
-    copies B*T*k); a replicated argument whose dim 0 is one of them is token-indexed (the
-    zeros of a backward index_put, made for all B*T tokens)."""
+    ``tp_outs``: the outputs' placements on tp (from the plan)."""
     dp = mesh.size(dp_dim)
-    tokens = set(token_sizes)  # global sizes of the token dims
+    if node.target is _aten.arange.default:  # (end,): this rank's positions 0 .. end/dp - 1
+        local = torch.arange(args[0] // dp, **kwargs)
+        pls = [Replicate()] * mesh.ndim
+        pls[dp_dim] = Shard(0)
+        return DTensor.from_local(local, mesh, pls, run_check=False)
     for a in tree_leaves((args, kwargs)):
-        if isinstance(a, DTensor):
-            p = a.placements[dp_dim]
-            if p.is_shard():
-                if p.dim != 0:
-                    raise NotImplementedError(f"{node.format_node()}: an argument is split over dp on dim {p.dim}; "
-                                              f"routing runs token-local only on dim 0")
-                tokens.add(a.shape[0])
-    weights = _weight_args(node)
-
-    def local(a: Any, weight: bool) -> Any:
-        if not isinstance(a, DTensor):
-            return a
-        if a.placements[dp_dim].is_replicate() and not weight and a.dim() > 0 and a.shape[0] in tokens:
-            pls = list(a.placements)
-            pls[dp_dim] = Shard(0)
-            a = a.redistribute(mesh, pls)  # Replicate -> Shard: this rank's rows, no communication
-        return a.to_local()
-
-    # (index lists, [idx], hold tensors too: tree_map reaches them)
-    local_args = [tree_map(lambda v, w=i in weights: local(v, w), a) for i, a in enumerate(args)]
-    local_kwargs = tree_map(lambda v: local(v, False), kwargs)
+        if isinstance(a, DTensor) and a.placements[dp_dim].is_shard() and a.placements[dp_dim].dim != 0:
+            raise NotImplementedError(f"{node.format_node()}: an argument is split over dp on dim "
+                                      f"{a.placements[dp_dim].dim}; routing runs token-local only on dim 0")
+    placed = list(args)
+    if _destination(node) and isinstance(args[0], DTensor) and args[0].placements[dp_dim].is_replicate():
+        pls = list(args[0].placements)
+        pls[dp_dim] = Shard(0)
+        placed[0] = args[0].redistribute(mesh, pls)  # Replicate -> Shard: this rank's rows, no communication
+    local_args = tree_map(lambda v: v.to_local() if isinstance(v, DTensor) else v, placed)
+    local_kwargs = tree_map(lambda v: v.to_local() if isinstance(v, DTensor) else v, kwargs)
     result = node.target(*local_args, **local_kwargs)
-    local_tokens = {t // dp for t in tokens}
     outs = iter(tp_outs)
-    is_backward = node.target == torch.ops.autopar.moe_experts_backward.default
+
+    def dp_placement(k: int):
+        src = _follows(node, k)
+        if src is None:
+            return Partial()  # a sum over this rank's tokens
+        a = placed[src[0]]
+        if src[1] is not None:
+            a = a[src[1]]
+        p = a.placements[dp_dim] if isinstance(a, DTensor) else Replicate()
+        return Shard(0) if p.is_shard() else p
 
     def wrap(k: int, v: Any) -> Any:
         tp_out = next(outs, Replicate())
@@ -125,13 +171,7 @@ def run_token_local(node: fx.Node, args: tuple, kwargs: dict, tp_outs: tuple, me
             return v
         pls = [Replicate()] * mesh.ndim
         pls[tp_dim] = tp_out
-        if is_backward and k > 0:  # an expert weight gradient: this rank's tokens' addend
-            pls[dp_dim] = Partial()
-            return DTensor.from_local(v, mesh, pls, run_check=False)
-        if v.dim() == 0 or v.shape[0] not in local_tokens:
-            raise NotImplementedError(f"{node.format_node()}: output of shape {tuple(v.shape)} has no token dim "
-                                      f"(local token counts {sorted(local_tokens)}); cannot run it token-local")
-        pls[dp_dim] = Shard(0)  # (every rank holds as many tokens: the batch splits evenly over dp)
+        pls[dp_dim] = dp_placement(k)  # (a split: every rank holds as many tokens, the batch splits evenly)
         return DTensor.from_local(v, mesh, pls, run_check=False)
 
     if isinstance(result, (tuple, list)):

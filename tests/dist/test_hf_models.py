@@ -23,6 +23,7 @@ Two cases this handles that a fixed relative tolerance did not (issue 17):
   The parallel run's is judged against the fp32 process's own residue, not by relative error.
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -66,6 +67,9 @@ def _train(rank, world, models, configs):
                 "missing": sorted(set(dict(reference.fp32.named_parameters())) - set(grad_err)),
                 "mesh": pm.plan.mesh,
                 "params": {k: v for layer in pm.plan.layers.values() for k, v in layer["params"].items()},
+                # all-gathers over the dp group in the rank's program (the plan prices none)
+                "dp_gathers": sum(g == pm.mesh.get_group("dp").group_name for g in re.findall(
+                    r"all_gather_into_tensor\.default\([^,]+, \d+, '([^']*)'\)", pm.step_program.code)),
             }
     return report
 
@@ -92,6 +96,15 @@ def test_tp_shards_weights(results):
     for model_name in MODELS:
         sharded = {k: v for k, v in r[model_name, "tp"]["params"].items() if v != "R"}
         assert sharded, f"{model_name}: every parameter replicated under tp=2"
+
+
+def test_mixtral_routes_each_ranks_own_tokens(results):
+    """Under dp, Mixtral's routing (sort by expert, histc/cumsum offsets, the grouped matmuls,
+    the inverse permutation) runs on each rank's tokens (autopar/passes/token_local.py): its
+    program gathers nothing over dp, as the plan prices it (DTensor alone would gather the
+    batch to sort it and run every token's experts on both ranks)."""
+    for r in results:
+        assert r["mixtral", "dp"]["dp_gathers"] == 0
 
 
 def test_mixtral_experts_are_replicated_on_tp(results):
