@@ -103,9 +103,18 @@ def _qwen2(size):
 
 
 def _mixtral(size):
-    assert size == "tiny"
-    config = _decoder(transformers.MixtralConfig, size, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
-    return config, transformers.MixtralForCausalLM
+    cls = transformers.MixtralForCausalLM
+    if size == "tiny":
+        config = _decoder(transformers.MixtralConfig, size, num_local_experts=4, num_experts_per_tok=2,
+                          sliding_window=None)
+        return config, cls
+    if size == "8x7b":  # Mixtral 8x7B (Jiang et al. 2024, table 1): 46.7B parameters, top-2 of 8
+        return transformers.MixtralConfig(
+            num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+            intermediate_size=14336, vocab_size=32000, max_position_embeddings=32768, num_local_experts=8,
+            num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None,
+        ), cls
+    raise KeyError(size)
 
 
 def _bert(size):
@@ -224,7 +233,7 @@ MODELS = {
     "llama": (_llama, ("tiny", "7b", "8b", "70b"), "causal"),
     "mistral": (_mistral, ("tiny", "7b"), "causal"),
     "qwen2": (_qwen2, ("tiny",), "causal"),
-    "mixtral": (_mixtral, ("tiny",), "causal"),
+    "mixtral": (_mixtral, ("tiny", "8x7b"), "causal"),
     "bert": (_bert, ("tiny",), "masked"),
     "t5": (_t5, ("tiny",), "seq2seq"),
     "vit": (_vit, ("tiny",), "image"),

@@ -230,3 +230,34 @@ def test_the_search_weighs_ep_like_any_other_decision(moe_pair):
     assert flat.experts.get("ep", 1) == 1 or flat.mesh["pp"] == 1
     for c in flat.solver["candidates"]:
         assert c["config"].get("ep", 1) == 1 or c["config"]["pp"] == 1, c
+
+
+def test_hugging_face_grouped_matmul_experts_are_planned_under_ep():
+    """Mixtral's experts (two grouped matmuls per block on stacked gate_up_proj / down_proj) are
+    found in the traced graph: ep cuts them like autopar's own experts op and prices the same
+    all-to-alls; parallelize does not run them under ep yet, so a runnable plan refuses ep in one
+    line and the search leaves it out."""
+    pytest.importorskip("transformers")
+    import hf
+    from autopar.planner.frontend import trace_pair
+
+    model, inputs, _, _ = hf.build(model="mixtral", batch=8)
+    pair = trace_pair(model, inputs, cluster=autopar.cluster.parse_cluster("1x4xcpu"), loss_fn=None,
+                      example_target=None)
+    pinned = {"tp": 1, "pp": 1, "microbatches": 1}
+    plan = _plan_pair(pair, "1x4xcpu", {"ep": 2, **pinned})
+    base = _plan_pair(pair, "1x4xcpu", {"ep": 1, "zero": 0, **pinned})
+    layers = plan.experts["layers"]
+    assert sorted(layers) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for path, x in layers.items():
+        assert x["params"] == [f"{path}.gate_up_proj", f"{path}.down_proj"]
+        assert (x["op"], x["n_experts"], x["experts_per_rank"]) == ("transformers::grouped_mm_fallback", 4, 2)
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert plan.stages[0]["predicted"]["memory_bytes"]["params"] == \
+        base.stages[0]["predicted"]["memory_bytes"]["params"] - 4 * expert / 2
+    with pytest.raises(autopar.PlanError, match=r"^ep=2: the experts of model\.layers\.0\.mlp\.experts run as a "
+                                                r"grouped matmul \(transformers::grouped_mm_fallback\), which "
+                                                r"autopar\.parallelize does not run under expert parallelism yet"):
+        _plan_pair(pair, "1x4xcpu", {"ep": 2}, ep_flat_only=True)
+    free = _plan_pair(pair, "1x4xcpu", ep_flat_only=True)
+    assert not free.experts and all("ep" not in c["config"] for c in free.solver["candidates"])

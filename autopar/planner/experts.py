@@ -39,7 +39,7 @@ from autopar.cost.comm import expert_all_to_all_bytes, expert_all_to_all_s
 from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
 
-__all__ = ["ExpertSite", "find_experts", "check_ep", "ep_options", "apply_ep", "experts_record"]
+__all__ = ["ExpertSite", "find_experts", "runnable_sites", "check_ep", "ep_options", "apply_ep", "experts_record"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,14 +60,62 @@ class ExpertSite:
     """The stacked expert parameters (FQNs)."""
     n_params: int
     """Their elements, all experts."""
+    op: str = "autopar::moe_experts"
+    """The experts' op: ``autopar::moe_experts`` (what :func:`autopar.parallelize` runs under
+    ep), or a grouped matmul (Hugging Face's MoE models; planned and priced under ep only)."""
 
 
 def _is_experts(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "name", lambda: "")() == "autopar::moe_experts"
 
 
+# Hugging Face's experts: one grouped matmul per expert projection, tokens sorted by expert
+GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
+# ops between a stacked expert parameter and the grouped matmul that reads it
+_WEIGHT_VIEWS = ("aten::transpose", "aten::t", "aten::permute", "aten::view", "aten::_to_copy", "aten::clone",
+                 "aten::contiguous", "aten::_unsafe_view")
+
+
+def _op(node: fx.Node) -> str:
+    name = getattr(node.target, "name", None)
+    return name().split(".")[0] if callable(name) else ""
+
+
+def _param_behind(node: fx.Node) -> fx.Node | None:
+    """The parameter placeholder a grouped matmul's weight argument is a view or cast of."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and _op(node) in _WEIGHT_VIEWS:
+        node = node.args[0]
+    if isinstance(node, fx.Node) and node.op == "placeholder" and node.meta[mk.TRACE].role is mk.Role.PARAM:
+        return node
+    return None
+
+
+def _grouped_sites(gm: fx.GraphModule) -> list[ExpertSite]:
+    """One site per module whose forward runs grouped matmuls on stacked expert parameters
+    (Mixtral's ``gate_up_proj`` (E, 2f, d) and ``down_proj`` (E, d, f)): the rows are the first
+    matmul's input (tokens x top-k, sorted by expert)."""
+    by_module: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and _op(node) in GROUPED_MM and mk.TRACE in node.meta \
+                and node.meta[mk.TRACE].role is not mk.Role.BACKWARD:
+            by_module.setdefault(node.meta[mk.TRACE].module_path, []).append(node)
+    sites = []
+    for module, nodes in by_module.items():
+        weights = [_param_behind(n.args[1]) for n in nodes]
+        if any(w is None for w in weights) or len({w.meta["val"].shape[0] for w in weights}) != 1:
+            continue  # not stacked expert parameters (a grouped matmul of something else)
+        x = nodes[0].args[0].meta["val"]  # (rows, width)
+        sites.append(ExpertSite(
+            layer=nodes[0].meta.get(mk.LAYER, ""), module=module, n_experts=int(weights[0].meta["val"].shape[0]),
+            rows=int(x.shape[0]), width=int(x.shape[1]), elem_bytes=x.dtype.itemsize,
+            params=tuple(w.meta[mk.TRACE].fqn for w in weights),
+            n_params=sum(w.meta["val"].numel() for w in weights), op=_op(nodes[0])))
+    return sites
+
+
 def find_experts(gm: fx.GraphModule) -> list[ExpertSite]:
-    """The expert nodes of the traced joint graph, in graph order."""
+    """The expert sites of the traced joint graph: autopar's experts op (in graph order), then
+    grouped-matmul experts (Hugging Face's MoE models)."""
     sites = []
     for node in gm.graph.nodes:
         if not _is_experts(node):
@@ -80,7 +128,12 @@ def find_experts(gm: fx.GraphModule) -> list[ExpertSite]:
             n_experts=int(weights[0].meta["val"].shape[0]), rows=int(val.shape[0]), width=int(val.shape[1]),
             elem_bytes=val.dtype.itemsize, params=fqns,
             n_params=sum(w.meta["val"].numel() for w in weights)))
-    return sites
+    return sites + _grouped_sites(gm)
+
+
+def runnable_sites(sites: list[ExpertSite]) -> bool:
+    """Whether :func:`autopar.parallelize` runs these experts under ep (autopar's experts op)."""
+    return all(s.op == "autopar::moe_experts" for s in sites)
 
 
 def _divisors(n: int) -> list[int]:
@@ -94,7 +147,8 @@ def check_ep(ep: int | None, sites: list[ExpertSite], *, cluster: Cluster, dp: i
         return
     if not sites:
         raise PlanError(f"ep={ep} but the model has no expert layers (autopar.experts.moe_experts, as in "
-                        f"examples/moe.py); drop ep or route the experts through that op")
+                        f"examples/moe.py, or the grouped matmuls of Hugging Face's MoE models); drop ep or "
+                        f"route the experts through that op")
     for s in sites:
         if s.n_experts % ep:
             raise PlanError(f"ep={ep} does not divide the {s.n_experts} experts of {s.module}; "
@@ -164,7 +218,7 @@ def experts_record(sites: list[ExpertSite], *, ep: int, dp: int, tp: int, microb
         fs, bs = expert_all_to_all_s(rows=rows, width=s.width, elem_bytes=s.elem_bytes, n_experts=s.n_experts,
                                      ep=ep, link=link)
         n = counts.get(s.layer, 1) * microbatches
-        layers[s.module] = {"layer": s.layer, "instances": counts.get(s.layer, 1), "n_experts": s.n_experts,
+        layers[s.module] = {"layer": s.layer, "op": s.op, "instances": counts.get(s.layer, 1), "n_experts": s.n_experts,
                             "experts_per_rank": s.n_experts // ep, "params": list(s.params),
                             "rows_per_microbatch": rows,
                             "all_to_all_bytes": {"forward": list(f), "backward": list(b)}}

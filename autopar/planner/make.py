@@ -32,7 +32,7 @@ from autopar.passes.strategies import StrategyGraph, build_strategy_graph
 from autopar.plan import Plan
 from autopar.precision import Precision, plan_precision, resolve_precision
 from autopar.planner.cuts import CutTable
-from autopar.planner.experts import apply_ep, check_ep, ep_options, experts_record, find_experts
+from autopar.planner.experts import apply_ep, check_ep, ep_options, experts_record, find_experts, runnable_sites
 from autopar.planner.frontend import trace_pair
 from autopar.planner.ilp import Solution, build_problem, evaluate, solve
 from autopar.planner.search import Candidate, Fixed, Unit, search
@@ -158,6 +158,15 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     policy, precision = precision, precision.name
     experts = find_experts(gm)
     check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp, zero=fixed.zero)
+    eps = ep_options(experts)
+    if ep_flat_only and not runnable_sites(experts):  # grouped-matmul experts: planned, not run, under ep
+        if fixed.ep and fixed.ep > 1:
+            grouped = next(s for s in experts if s.op != "autopar::moe_experts")
+            raise autopar.PlanError(
+                f"ep={fixed.ep}: the experts of {grouped.module} run as a grouped matmul ({grouped.op}), which "
+                f"autopar.parallelize does not run under expert parallelism yet; plan it with autopar.plan or "
+                f"`autopar plan`, or drop ep")
+        eps = ()
     t0 = time.perf_counter()
     solved: dict[tuple[int, bool], tuple[StrategyGraph, Solution]] = {}
     with progress("solving the sharding MIP"):
@@ -221,7 +230,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
             sp_options[tp] += (sp,)
         ranked, stats = search(units_for=units_for, n_units=sum(x.count for x in layers), global_batch=batch,
                                cluster=cluster, fixed=fixed, precision=precision, tp_options=sorted(sp_options),
-                               sp_options=dict(sp_options), keep=RUNNERS_UP + 1, ep_options=ep_options(experts),
+                               sp_options=dict(sp_options), keep=RUNNERS_UP + 1, ep_options=eps,
                                ep_flat_only=ep_flat_only)
     t2 = time.perf_counter()
     best = ranked[0]
