@@ -499,12 +499,12 @@ class ParallelModule:
         from autopar.runtime.expert import cut_experts, ep_groups
 
         ep_group, replica_group = ep_groups(self.mesh.mesh, self.ep, dist.get_rank())
-        self.expert_names = [f for layer in self.plan.experts["layers"].values() for f in layer["params"]]
-        cut_experts(self.model, self.expert_names, ep=self.ep, part=self.mesh.get_local_rank(0) % self.ep,
+        names = [f for layer in self.plan.experts["layers"].values() for f in layer["params"]]
+        cut_experts(self.model, names, ep=self.ep, part=self.mesh.get_local_rank(0) % self.ep,
                     device=self.torch_device)
         log.info("rank %d: experts cut to part %d of %d (ep group %s)", dist.get_rank(),
                  self.mesh.get_local_rank(0) % self.ep, self.ep, dist.get_process_group_ranks(ep_group))
-        return {"experts": self.expert_names, "ep_group": ep_group, "replica_group": replica_group}
+        return {"experts": names, "ep_group": ep_group, "replica_group": replica_group}
 
     def _build(self, names, values, has_target) -> None:
         """Trace at the micro-batch size, map the plan, shard the parameters, generate the program."""

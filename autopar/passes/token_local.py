@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.passes import meta_keys as mk
 
-__all__ = ["expert_ops", "token_local_nodes", "run_token_local", "split_on_dp"]
+__all__ = ["op_name", "token_local_nodes", "run_token_local", "split_on_dp"]
 
 _aten = torch.ops.aten
 # ops whose rows are the block's tokens (or their k copies) and that DTensor would gather, and the
@@ -57,26 +57,20 @@ _EXPERT_OPS = {"autopar::moe_experts", "autopar::moe_experts_backward", "aten::_
                "transformers::grouped_mm_fallback", "transformers::grouped_mm_fallback_backward"}
 
 
-def _op_name(node: fx.Node) -> str:
+def op_name(node: fx.Node) -> str:
+    """``namespace::op`` of an ATen or custom op node, without its overload ("" for others)."""
     name = getattr(node.target, "name", None)
-    return name() if callable(name) else ""
-
-
-def expert_ops() -> set:
-    """The experts ops of :mod:`autopar.experts` (forward and backward)."""
-    import autopar.experts  # noqa: F401  (registers the ops)
-
-    return {torch.ops.autopar.moe_experts.default, torch.ops.autopar.moe_experts_backward.default}
+    return name().split(".")[0] if callable(name) else ""
 
 
 def token_local_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """The routing nodes of every experts block in ``gm`` (see the module docstring)."""
     blocks = {n.meta[mk.TRACE].module_path for n in gm.graph.nodes
-              if n.op == "call_function" and _op_name(n) in _EXPERT_OPS and mk.TRACE in n.meta}
+              if n.op == "call_function" and op_name(n) in _EXPERT_OPS and mk.TRACE in n.meta}
     if not blocks:
         return set()
     return {n for n in gm.graph.nodes if n.op == "call_function" and mk.TRACE in n.meta
-            and (n.target in _ROUTING_OPS or _op_name(n) in _EXPERT_OPS)
+            and (n.target in _ROUTING_OPS or op_name(n) in _EXPERT_OPS)
             and n.meta[mk.TRACE].module_path in blocks and (n.target is not _aten.arange.default
                                                             or _numbers_tokens(n))}
 
@@ -100,11 +94,10 @@ def split_on_dp(node: fx.Node, args: Any, dp_dim: int) -> bool:
 def _follows(node: fx.Node, k: int) -> tuple[int, int | None] | None:
     """Which argument output ``k`` is split over dp like: (position, index in a list argument or
     None); None when the output is a sum over the rank's tokens instead (partial over dp)."""
-    name = _op_name(node)
-    if name in _EXPERT_OPS:  # the rows out (y, or grad_x), then weight gradients
+    if op_name(node) in _EXPERT_OPS:  # the rows out (y, or grad_x), then weight gradients
         return (0, None) if k == 0 else None
     t = node.target
-    if t in (_aten.index.Tensor,):
+    if t is _aten.index.Tensor:
         return (1, 0)  # rows picked by the first index tensor
     if t is _aten.gather.default:
         return (2, None)

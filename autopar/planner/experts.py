@@ -38,6 +38,7 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import expert_all_to_all_bytes, expert_all_to_all_s
 from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
+from autopar.passes.token_local import op_name
 
 __all__ = ["ExpertSite", "find_experts", "runnable_sites", "check_ep", "ep_options", "apply_ep", "experts_record"]
 
@@ -66,7 +67,7 @@ class ExpertSite:
 
 
 def _is_experts(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "name", lambda: "")() == "autopar::moe_experts"
+    return node.op == "call_function" and op_name(node) == "autopar::moe_experts"
 
 
 # Hugging Face's experts: one grouped matmul per expert projection, tokens sorted by expert
@@ -76,14 +77,9 @@ _WEIGHT_VIEWS = ("aten::transpose", "aten::t", "aten::permute", "aten::view", "a
                  "aten::contiguous", "aten::_unsafe_view")
 
 
-def _op(node: fx.Node) -> str:
-    name = getattr(node.target, "name", None)
-    return name().split(".")[0] if callable(name) else ""
-
-
 def _param_behind(node: fx.Node) -> fx.Node | None:
     """The parameter placeholder a grouped matmul's weight argument is a view or cast of."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and _op(node) in _WEIGHT_VIEWS:
+    while isinstance(node, fx.Node) and node.op == "call_function" and op_name(node) in _WEIGHT_VIEWS:
         node = node.args[0]
     if isinstance(node, fx.Node) and node.op == "placeholder" and node.meta[mk.TRACE].role is mk.Role.PARAM:
         return node
@@ -96,7 +92,7 @@ def _grouped_sites(gm: fx.GraphModule) -> list[ExpertSite]:
     matmul's input (tokens x top-k, sorted by expert)."""
     by_module: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and _op(node) in GROUPED_MM and mk.TRACE in node.meta \
+        if node.op == "call_function" and op_name(node) in GROUPED_MM and mk.TRACE in node.meta \
                 and node.meta[mk.TRACE].role is not mk.Role.BACKWARD:
             by_module.setdefault(node.meta[mk.TRACE].module_path, []).append(node)
     sites = []
@@ -109,7 +105,7 @@ def _grouped_sites(gm: fx.GraphModule) -> list[ExpertSite]:
             layer=nodes[0].meta.get(mk.LAYER, ""), module=module, n_experts=int(weights[0].meta["val"].shape[0]),
             rows=int(x.shape[0]), width=int(x.shape[1]), elem_bytes=x.dtype.itemsize,
             params=tuple(w.meta[mk.TRACE].fqn for w in weights),
-            n_params=sum(w.meta["val"].numel() for w in weights), op=_op(nodes[0])))
+            n_params=sum(w.meta["val"].numel() for w in weights), op=op_name(nodes[0])))
     return sites
 
 

@@ -19,8 +19,9 @@ brought every token of their ep group to them.
 
 What is recognised: the experts ops of the traced graph (:func:`autopar.experts.moe_experts`,
 as ``examples/moe.py``'s ``MoE`` calls it); the plan's ``experts`` record names their stacked
-parameters (dim 0 = expert). Recognising experts in other forms (Hugging Face Mixtral's
-grouped matmul) is not done yet.
+parameters (dim 0 = expert). Hugging Face's grouped-matmul experts (Mixtral) are planned
+under ep (:mod:`autopar.planner.experts`) but not run under it yet: runnable plans leave them
+out of ep.
 
 In the build (pp = 1, ZeRO-0 so far; :func:`check_ep_runnable` refuses the rest before
 any collective): :func:`ep_groups` creates the groups, :func:`cut_experts` keeps each rank's
@@ -98,11 +99,11 @@ def cut_experts(model: nn.Module, fqns: list[str], *, ep: int, part: int, device
 def point_experts_at(gm: torch.fx.GraphModule, group_name: str) -> int:
     """Make every experts op of the traced graph (forward and backward) run over the process
     group ``group_name`` (its last argument); the number of nodes changed."""
-    from autopar.passes.token_local import expert_ops
+    from autopar.passes.token_local import op_name
 
     n = 0
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in expert_ops():
+        if node.op == "call_function" and op_name(node) in ("autopar::moe_experts", "autopar::moe_experts_backward"):
             node.args = (*node.args[:-1], group_name)
             n += 1
     return n
