@@ -46,7 +46,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["moe_experts", "route_top_k", "ep_group_of"]
+__all__ = ["moe_experts", "route_to_experts", "route_top_k", "ep_group_of", "hf_experts_supported",
+           "hf_experts_forward"]
 
 
 def ep_group_of(group: str):
@@ -182,16 +183,19 @@ moe_experts.register_autograd(_backward, setup_context=_setup)
 # FLOPs per token row (N rows, width d, expert width f; the sum over experts is N rows in
 # all): forward 3 matmuls of 2 d f; backward recomputes the two input matmuls (2 x 2 d f)
 # and takes grad_x and the three weight gradients (6 x 2 d f).
+FORWARD_GEMMS, BACKWARD_GEMMS = 3, 8  # (rows, d) x (d, f)-sized GEMMs per row block, as above
+
+
 @register_flop_formula(torch.ops.autopar.moe_experts)
 def _experts_flops(x_shape, counts_shape, w_gate_shape, w_up_shape, w_down_shape, *args, **kwargs) -> int:
     n, d = x_shape
-    return 3 * 2 * n * d * w_gate_shape[-1]
+    return FORWARD_GEMMS * 2 * n * d * w_gate_shape[-1]
 
 
 @register_flop_formula(torch.ops.autopar.moe_experts_backward)
 def _experts_backward_flops(grad_y_shape, x_shape, counts_shape, w_gate_shape, *args, **kwargs) -> int:
     n, d = x_shape
-    return 8 * 2 * n * d * w_gate_shape[-1]
+    return BACKWARD_GEMMS * 2 * n * d * w_gate_shape[-1]
 
 
 def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -201,3 +205,71 @@ def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     top_logits, experts = torch.topk(logits, k, dim=-1)  # (T, k)
     weights = torch.softmax(top_logits.float(), dim=-1).to(logits.dtype)  # (T, k)
     return weights, experts, probs
+
+
+def route_to_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, n_experts: int,
+                     w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, group: str = "") -> torch.Tensor:
+    """Dropless top-k mixture of experts on tokens ``x`` (N, C): ``sum_i weights[:, i] *
+    expert_{experts[:, i]}(x)``, (N, C). ``weights``/``experts``: (N, k) from the router; the
+    stacked weights as :func:`moe_experts` takes them.
+
+    Written in the ops :mod:`autopar.passes.token_local` recognises as one routing block (a
+    stable sort of the rows by expert, counts per expert, the experts op, the inverse
+    permutation), so that under data parallelism each rank routes its own tokens, and under
+    expert parallelism its rows are what the experts op dispatches."""
+    k = experts.shape[1]
+    ids = experts.reshape(-1)  # (N*k,): row j*k + i is token j's i-th choice
+    order = torch.argsort(ids, stable=True)  # (N*k,) rows sorted by expert
+    counts = (ids.unsqueeze(1) == torch.arange(n_experts, device=x.device)).sum(0)  # (E,) rows per expert
+    y = moe_experts(x[order // k], counts, w_gate, w_up, w_down, group)  # (N*k, C)
+    y = y[torch.argsort(order)].view(x.shape[0], k, x.shape[1])  # back to token order, (N, k, C)
+    return (y * weights.unsqueeze(-1)).sum(1)
+
+
+# -- Hugging Face experts ------------------------------------------------------
+#
+# transformers' MoE models (Mixtral, Qwen2-MoE, OLMoE, ...) keep their experts as stacked
+# ``gate_up_proj`` (E, 2f, d) and ``down_proj`` (E, d, f) and pick the kernel by
+# ``config._experts_implementation`` (a grouped matmul by default, or a Python loop over the
+# experts that received tokens). autopar traces the gated-SiLU ones through
+# :func:`route_to_experts` instead (``autopar.passes.trace``): the same function of the weights,
+# as one experts op that the planner recognises and that runs under expert parallelism (the
+# grouped matmul leaves the token counts as data in the graph, which an all-to-all dispatch
+# cannot size). The user's model is left as it was.
+
+
+def hf_experts_supported(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a transformers experts module autopar runs as :func:`moe_experts`:
+    gated SiLU (``silu(x W_gate) * x W_up``, then ``W_down``), [gate; up] stacked in
+    ``gate_up_proj`` (E, 2f, d), ``down_proj`` (E, d, f), no biases or post-expert norm."""
+    try:
+        from transformers.activations import SiLUActivation
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return False
+    flags = ("has_gate", "is_concatenated", "is_transposed", "has_bias", "has_post_expert_norm")
+    if not all(hasattr(module, f) for f in flags) or not isinstance(getattr(module, "num_experts", None), int):
+        return False
+    if not module.has_gate or not module.is_concatenated or module.is_transposed or module.has_bias \
+            or module.has_post_expert_norm or type(module)._apply_gate is not _default_apply_gate \
+            or not isinstance(getattr(module, "act_fn", None), (torch.nn.SiLU, SiLUActivation)):
+        return False
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gate_up, torch.nn.Parameter) or not isinstance(down, torch.nn.Parameter):
+        return False
+    E, two_f, d = gate_up.shape if gate_up.dim() == 3 else (0, 0, 0)
+    return gate_up.dim() == 3 and two_f % 2 == 0 and tuple(down.shape) == (E, d, two_f // 2)
+
+
+def hf_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+    """A transformers experts module's forward (tokens (N, d), the router's (N, k) choices and
+    weights) through :func:`route_to_experts`, for a module :func:`hf_experts_supported` accepts.
+    Under expert parallelism the module holds E/ep experts (``gate_up_proj``'s dim 0) while
+    ``num_experts`` stays E, the router's range."""
+    f = self.gate_up_proj.shape[1] // 2
+    w_gate = self.gate_up_proj[:, :f].transpose(1, 2)  # (E, d, f)
+    w_up = self.gate_up_proj[:, f:].transpose(1, 2)
+    w_down = self.down_proj.transpose(1, 2)  # (E, f, d)
+    out = route_to_experts(hidden_states, top_k_weights, top_k_index, self.num_experts, w_gate, w_up, w_down)
+    return out.to(hidden_states.dtype)

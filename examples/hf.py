@@ -5,11 +5,12 @@ init), for autopar to plan: the "unmodified user model" case.
 References:
 1) Hugging Face transformers, https://github.com/huggingface/transformers
    (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-   MixtralForCausalLM, BertForMaskedLM, T5ForConditionalGeneration,
+   MixtralForCausalLM, Qwen2MoeForCausalLM, BertForMaskedLM, T5ForConditionalGeneration,
    ViTForImageClassification)
 2) Shapes of the big sizes: Llama 2 (https://arxiv.org/abs/2307.09288),
    Llama 3 (https://arxiv.org/abs/2407.21783), Mistral 7B
-   (https://arxiv.org/abs/2310.06825)
+   (https://arxiv.org/abs/2310.06825), Mixtral 8x7B (https://arxiv.org/abs/2401.04088),
+   Qwen1.5-MoE-A2.7B (its config.json on the Hugging Face Hub, Qwen/Qwen1.5-MoE-A2.7B)
 
     autopar plan examples/hf.py:build --arg model=llama --arg size=70b --cluster 8x8xH100
 
@@ -113,6 +114,22 @@ def _mixtral(size):
             num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
             intermediate_size=14336, vocab_size=32000, max_position_embeddings=32768, num_local_experts=8,
             num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None,
+        ), cls
+    raise KeyError(size)
+
+
+def _qwen2_moe(size):
+    cls = transformers.Qwen2MoeForCausalLM
+    if size == "tiny":  # every layer sparse: 4 routed experts (top-2) and a gated shared expert
+        return _decoder(transformers.Qwen2MoeConfig, size, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=64, shared_expert_intermediate_size=128, decoder_sparse_step=1,
+                        mlp_only_layers=[]), cls
+    if size == "a2.7b":  # Qwen1.5-MoE-A2.7B (its Hub config): 14.3B parameters, top-4 of 60 experts
+        return transformers.Qwen2MoeConfig(
+            num_hidden_layers=24, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+            intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+            num_experts=60, num_experts_per_tok=4, vocab_size=151936, max_position_embeddings=8192,
+            rope_theta=1e6, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False,
         ), cls
     raise KeyError(size)
 
@@ -234,6 +251,7 @@ MODELS = {
     "mistral": (_mistral, ("tiny", "7b"), "causal"),
     "qwen2": (_qwen2, ("tiny",), "causal"),
     "mixtral": (_mixtral, ("tiny", "8x7b"), "causal"),
+    "qwen2_moe": (_qwen2_moe, ("tiny", "a2.7b"), "causal"),
     "bert": (_bert, ("tiny",), "masked"),
     "t5": (_t5, ("tiny",), "seq2seq"),
     "vit": (_vit, ("tiny",), "image"),

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.experts import moe_experts, route_top_k
+from autopar.experts import route_to_experts, route_top_k
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,16 +147,12 @@ class MoE(nn.Module):
         E, k = self.n_experts, self.top_k
         flat = x.reshape(B * T, C)  # (N, C), N = B*T tokens
         weights, experts, probs = route_top_k(self.router(flat), k)  # (N, k), (N, k), (N, E)
-        ids = experts.reshape(-1)  # (N*k,): row j*k + i is token j's i-th choice
-        order = torch.argsort(ids, stable=True)  # (N*k,) rows sorted by expert
-        counts = (ids.unsqueeze(1) == torch.arange(E, device=x.device)).sum(0)  # (E,) rows per expert
-        y = moe_experts(flat[order // k], counts, self.w_gate, self.w_up, self.w_down, self.ep_group)  # (N*k, C)
-        y = y[torch.argsort(order)].view(B * T, k, C)  # back to token order, (N, k, C)
-        out = (y * weights.unsqueeze(-1)).sum(1).view(B, T, C)  # (B, T, C)
+        out = route_to_experts(flat, weights, experts, E, self.w_gate, self.w_up, self.w_down,
+                               self.ep_group).view(B, T, C)  # (B, T, C)
         if self.shared is not None:
             out = out + self.shared(x)
         # per-sequence balance (Switch eq. 4, DeepSeek-V3's sequence-wise form): E * sum_e f_e P_e
-        hits = (ids.view(B, T * k).unsqueeze(2) == torch.arange(E, device=x.device)).to(x.dtype)  # (B, T*k, E)
+        hits = (experts.reshape(B, T * k).unsqueeze(2) == torch.arange(E, device=x.device)).to(x.dtype)  # (B, T*k, E)
         f = hits.mean(1)  # (B, E) fraction of the sequence's choices per expert
         p = probs.view(B, T, E).mean(1).to(x.dtype)  # (B, E) mean router probability
         balance = E * (f * p).sum(-1).mean()

@@ -5,6 +5,7 @@ The multi-process runs (ep=2, ep=4, ep=2 x dp=2 against one process) are in
 """
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,34 @@ def test_ep_plan_divides_expert_memory_and_prices_the_all_to_alls():
         Plan.from_dict({**plan.to_dict(), "experts": {**plan.to_dict()["experts"], "ep": 3}})
 
 
+def test_ep_prices_the_experts_as_taller_gemms():
+    """Under ep a rank runs the same rows over E/ep experts, ep times the rows each: on a GPU the
+    experts' GEMMs get faster by exactly the difference of the efficiency curve at rows/E and at
+    ep x rows/E, more for many small experts; the CPU roofline (no curve) is unchanged."""
+    from autopar.cost.compute import kernel_time_s
+    from autopar.planner.experts import ExpertSite, _larger_gemms_s
+
+    h100 = autopar.cluster.parse_cluster("1x8xH100")
+
+    def site(n_experts):  # DeepSeek-V3-like widths: 4096 tokens x top-8 rows of 7168, experts of 2048
+        return ExpertSite(layer="l", module="l.moe", n_experts=n_experts, rows=4096 * 8, width=7168,
+                          elem_bytes=2, params=("w",), n_params=1, expert_width=2048, dtype="bf16")
+
+    fwd, bwd = _larger_gemms_s(site(256), 4096 * 8, 8, h100)
+    flops = 2 * 4096 * 8 * 7168 * 2048
+
+    def t(gemms, m):
+        return kernel_time_s(kind="gemm", flops=gemms * flops, bytes_moved=0.0, device=h100.device, dtype="bf16",
+                             gemm=(m, 2048, 7168))
+
+    assert fwd == pytest.approx(t(3, 1024) - t(3, 128)) and bwd == pytest.approx(t(8, 1024) - t(8, 128))
+    assert fwd < 0 and bwd < 0 and bwd / fwd == pytest.approx(8 / 3, rel=1e-2)
+    few = _larger_gemms_s(site(8), 4096 * 8, 8, h100)  # 8 big experts: already near the curve's top
+    assert fwd < few[0] < 0
+    assert _larger_gemms_s(site(256), 4096 * 8, 8, autopar.cluster.parse_cluster("1x8xcpu")) == (0.0, 0.0)
+    assert _larger_gemms_s(replace(site(256), expert_width=0), 4096 * 8, 8, h100) == (0.0, 0.0)  # grouped sites
+
+
 def test_expert_flops_are_counted_in_closed_form():
     """Block forward = qkv + wo + router + the experts (3 matmuls of 2 d f per row, N x top-2 rows) + attention."""
     model, inputs, loss_fn, target = moe.build(size="tiny")
@@ -232,35 +261,89 @@ def test_the_search_weighs_ep_like_any_other_decision(moe_pair):
         assert c["config"].get("ep", 1) == 1 or c["config"]["pp"] == 1, c
 
 
-def test_hugging_face_grouped_matmul_experts_are_planned_under_ep():
-    """Mixtral's experts (two grouped matmuls per block on stacked gate_up_proj / down_proj) are
-    found in the traced graph: ep cuts them like autopar's own experts op and prices the same
-    all-to-alls; parallelize does not run them under ep yet, so a runnable plan refuses ep in one
-    line and the search leaves it out."""
-    pytest.importorskip("transformers")
+def _mixtral_pair(gelu: bool = False):
+    """Tiny HF Mixtral traced for planning; ``gelu``: its experts' activation swapped for GELU,
+    a variant autopar does not run as its experts op (it stays a grouped matmul)."""
     import hf
     from autopar.planner.frontend import trace_pair
 
     model, inputs, _, _ = hf.build(model="mixtral", batch=8)
-    pair = trace_pair(model, inputs, cluster=autopar.cluster.parse_cluster("1x4xcpu"), loss_fn=None,
-                      example_target=None)
+    if gelu:
+        for layer in model.model.layers:
+            layer.mlp.experts.act_fn = torch.nn.GELU()
+    return model, trace_pair(model, inputs, cluster=autopar.cluster.parse_cluster("1x4xcpu"), loss_fn=None,
+                             example_target=None)
+
+
+def test_hugging_face_mixtral_experts_are_planned_and_runnable_under_ep():
+    """Mixtral's experts (stacked gate_up_proj / down_proj, gated SiLU) are traced as autopar's
+    experts op: ep cuts both stacked parameters, a runnable plan (parallelize's) takes ep, and
+    the parameters per rank drop by the experts' (ep - 1)/ep."""
+    pytest.importorskip("transformers")
+    model, pair = _mixtral_pair()
     pinned = {"tp": 1, "pp": 1, "microbatches": 1}
-    plan = _plan_pair(pair, "1x4xcpu", {"ep": 2, **pinned})
+    plan = _plan_pair(pair, "1x4xcpu", {"ep": 2, **pinned}, ep_flat_only=True)
     base = _plan_pair(pair, "1x4xcpu", {"ep": 1, "zero": 0, **pinned})
     layers = plan.experts["layers"]
     assert sorted(layers) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     for path, x in layers.items():
         assert x["params"] == [f"{path}.gate_up_proj", f"{path}.down_proj"]
-        assert (x["op"], x["n_experts"], x["experts_per_rank"]) == ("transformers::grouped_mm_fallback", 4, 2)
+        assert (x["op"], x["n_experts"], x["experts_per_rank"]) == ("autopar::moe_experts", 4, 2)
     expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert plan.stages[0]["predicted"]["memory_bytes"]["params"] == \
         base.stages[0]["predicted"]["memory_bytes"]["params"] - 4 * expert / 2
+
+
+def test_hugging_face_grouped_matmul_experts_are_planned_under_ep():
+    """Experts autopar does not run as its op (here Mixtral's with GELU) stay grouped matmuls:
+    found in the traced graph, cut by ep and priced like autopar's own; parallelize does not
+    run them under ep, so a runnable plan refuses ep in one line and the search leaves it out."""
+    pytest.importorskip("transformers")
+    model, pair = _mixtral_pair(gelu=True)
+    pinned = {"tp": 1, "pp": 1, "microbatches": 1}
+    plan = _plan_pair(pair, "1x4xcpu", {"ep": 2, **pinned})
+    for path, x in plan.experts["layers"].items():
+        assert x["params"] == [f"{path}.gate_up_proj", f"{path}.down_proj"]
+        assert (x["op"], x["n_experts"], x["experts_per_rank"]) == ("transformers::grouped_mm_fallback", 4, 2)
     with pytest.raises(autopar.PlanError, match=r"^ep=2: the experts of model\.layers\.0\.mlp\.experts run as a "
                                                 r"grouped matmul \(transformers::grouped_mm_fallback\), which "
                                                 r"autopar\.parallelize does not run under expert parallelism yet"):
         _plan_pair(pair, "1x4xcpu", {"ep": 2}, ep_flat_only=True)
     free = _plan_pair(pair, "1x4xcpu", ep_flat_only=True)
     assert not free.experts and all("ep" not in c["config"] for c in free.solver["candidates"])
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_hugging_face_experts_through_autopar_compute_what_transformers_computes(implementation):
+    """autopar's forward for a transformers experts module (autopar.experts.hf_experts_forward,
+    what the trace runs) against the module's own, grouped-matmul or eager loop: outputs and
+    every gradient agree to fp32 rounding (both sum each expert's rows in another order)."""
+    transformers = pytest.importorskip("transformers")
+    from autopar.experts import hf_experts_forward, hf_experts_supported
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=4,
+                                        num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=1, vocab_size=16)
+    config._experts_implementation = implementation
+    block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    experts = block.experts
+    assert hf_experts_supported(experts) and not hf_experts_supported(block)
+    x = torch.randn(24, 32)
+    _, weights, index = block.gate(x)
+    results = []
+    for forward in (experts.forward, lambda *a: hf_experts_forward(experts, *a)):
+        experts.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = forward(xi, index, weights.detach())
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        results.append([y, xi.grad, experts.gate_up_proj.grad, experts.down_proj.grad])
+    for theirs, ours in zip(*results):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    experts.act_fn = torch.nn.GELU()  # another activation: not autopar's experts op
+    assert not hf_experts_supported(experts)
 
 
 def test_checkpoints_under_ep_are_refused_in_one_line(tmp_path):

@@ -8,8 +8,9 @@ the registry's own SDPA formulas applied to their shapes. Nor does it know
 grouped matmuls (mixture-of-experts layers): ``aten._grouped_mm`` and the
 ``transformers::grouped_mm_fallback`` custom op (+ backward) that Hugging Face
 experts run on CPU or fp32 get 2 x tokens x in x out FLOPs (x2 for backward:
-input and weight gradients), each token going through one expert's matrix.
-Every other op is
+input and weight gradients), each token going through one expert's matrix;
+autopar's own experts op registers its formula (:mod:`autopar.experts`) and is timed as
+GEMMs of one expert's rows. Every other op is
 memory bound (pointwise, reductions, norms, softmax, embedding): it is costed
 by the bytes it moves and counts 0 FLOPs, as the flop counter does, so "model
 FLOPs" mean the matmul/attention FLOPs that MFU conventionally counts.
@@ -39,6 +40,11 @@ aten = torch.ops.aten
 
 # Matmul ops and the positions of their two operands among the node's args.
 _GEMM_OPERANDS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1)}
+# autopar's experts op (autopar.experts.moe_experts) and its backward: positions of the token rows
+# and of the first stacked weight. Each expert runs GEMMs over its rows (rows/E of them under
+# balanced routing, more per expert under ep, which this does not credit) with the hidden and
+# expert widths as the other two dims, in forward and backward alike.
+_EXPERTS_OPERANDS = {"autopar::moe_experts": (0, 2), "autopar::moe_experts_backward": (1, 3)}
 _ATTENTION_WORDS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 
 
@@ -62,6 +68,14 @@ def kernel_of(node: fx.Node) -> tuple[str, GemmShape | None]:
             offset = 1 if target is aten.addmm.default and isinstance(node.args[0], fx.Node) else 0
             return "gemm", GemmShape((m, n, k, offset, offset + 1, a.dim(), b.dim()))
         return "gemm", None
+    experts = _EXPERTS_OPERANDS.get(target.name().split(".")[0]) if isinstance(target, torch._ops.OpOverload) \
+        else None
+    if experts is not None:  # autopar's experts op: one (rows/E, d) x (d, f) GEMM shape per expert
+        ix, iw = experts
+        x, w = node.args[ix].meta.get("val"), node.args[iw].meta.get("val")  # (rows, d), (E, d, f)
+        if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor):
+            return "gemm", GemmShape((max(1, int(x.shape[0]) // int(w.shape[0])), int(w.shape[2]),
+                                      int(x.shape[1]), ix, iw, 2, 3))
     name = str(getattr(target, "__name__", target))
     if any(word in name for word in _ATTENTION_WORDS):
         return ("causal_attention" if _is_causal(node) else "attention"), None

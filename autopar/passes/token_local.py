@@ -14,8 +14,9 @@ That is what the planner prices (every op of the block on the rank's share of th
 and what expert parallelism needs: the experts' all-to-all dispatches each rank's own
 tokens (:mod:`autopar.experts`).
 
-The block is recognised by its experts op: :func:`autopar.experts.moe_experts`, or the
-grouped matmul Hugging Face's MoE models run their experts with (``aten._grouped_mm``, or
+The block is recognised by its experts op: :func:`autopar.experts.moe_experts` (as
+Hugging Face's gated-SiLU experts are traced too), or the grouped matmul other Hugging Face
+experts run with (``aten._grouped_mm``, or
 ``transformers::grouped_mm_fallback`` where that kernel does not apply, e.g. fp32 on CPU,
 with offsets from ``histc``/``cumsum`` of the sorted expert ids). Every sort, index,
 scatter, count (``histc``, ``cumsum``), token-numbering ``arange`` or experts op traced

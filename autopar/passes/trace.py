@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -88,7 +89,7 @@ def trace_joint(
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     n_model_inputs = len(flat) - (example_target is not None)
-    with _collapsed(model, repeats), _caches_off(model), _fake_state(model, fake_mode, param_dtype, fake_device), \
+    with _collapsed(model, repeats), _caches_off(model), _hf_experts_as_autopar(model), _fake_state(model, fake_mode, param_dtype, fake_device), \
             warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fake_inputs = [_to_fake(x, fake_mode, param_dtype if i < n_model_inputs else None, fake_device)
@@ -256,6 +257,35 @@ def _caches_off(model: nn.Module) -> Iterator[None]:
     finally:
         for c in configs.values():
             c.use_cache = True
+
+
+_EXPERTS_NOTED: set[str] = set()
+
+
+@contextlib.contextmanager
+def _hf_experts_as_autopar(model: nn.Module) -> Iterator[None]:
+    """Trace Hugging Face's gated-SiLU experts modules through autopar's experts op
+    (:func:`autopar.experts.hf_experts_forward`), then restore their forward.
+
+    Same function of the same weights, but one op the planner recognises and the runtime runs
+    under expert parallelism; whichever ``experts_implementation`` the user picked (the grouped
+    matmul, or the "eager" loop over the experts that received tokens, which cannot be traced
+    at all) only decides the kernel of their own eager runs. Said once per model class."""
+    from autopar.experts import hf_experts_forward, hf_experts_supported
+
+    mods = [m for m in model.modules() if hf_experts_supported(m)]
+    if mods and type(model).__name__ not in _EXPERTS_NOTED:
+        _EXPERTS_NOTED.add(type(model).__name__)
+        log.info("%s: autopar traces the %d experts modules (%s) through autopar.experts.moe_experts "
+                 "(the same gated-SiLU experts, runnable under expert parallelism); your model is left as it was",
+                 type(model).__name__, len(mods), type(mods[0]).__name__)
+    try:
+        for m in mods:
+            m.forward = types.MethodType(hf_experts_forward, m)
+        yield
+    finally:
+        for m in mods:
+            m.__dict__.pop("forward", None)
 
 
 # -- fake state --------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Expert parallelism in the planner: find the expert layers, check ``ep``, price it, record it.
 
 The experts are the forward nodes of :func:`autopar.experts.moe_experts` in the joint
-graph (one per MoE block); their weight arguments are the stacked expert parameters
-(dim 0 = expert). ``ep`` folds over the data-parallel ranks (``dp = replicas x ep``,
+graph (one per MoE block; Hugging Face's gated-SiLU experts are traced as that op too);
+their weight arguments are the stacked expert parameters (dim 0 = expert), or views of
+them. Grouped matmuls on stacked parameters (other Hugging Face experts) are expert sites
+as well, planned and priced but not run under ep. ``ep`` folds over the data-parallel ranks (``dp = replicas x ep``,
 ep groups of consecutive dp ranks, stride tp in the world): the experts are cut in
 ``ep`` parts, everything else stays data parallel.
 
@@ -14,7 +16,9 @@ What a plan with ``ep`` > 1 changes, per unit (layer instance) holding experts:
   with compute, under balanced routing (every rank sends and receives its own
   tokens x top-k rows; imbalance is not modelled yet);
 - expert FLOPs per rank are unchanged under balanced routing (each rank runs its
-  tokens' share of rows, spread over its experts).
+  tokens' share of rows, spread over its experts), but they run as ep times taller GEMMs
+  (E/ep experts per rank, each with ep times the rows), which the GEMM efficiency curve
+  credits (many small experts, DeepSeek-V3's 256 of width 2048, gain the most).
 
 Plans with ``ep`` > 1 use ZeRO stage 0 (what the runtime runs with ep): expert state under
 ZeRO would be sharded over the dp/ep replicas, which the per-parameter state model of the
@@ -61,9 +65,17 @@ class ExpertSite:
     """The stacked expert parameters (FQNs)."""
     n_params: int
     """Their elements, all experts."""
+    expert_width: int = 0
+    """The experts' hidden size f (autopar's experts op; 0 for grouped-matmul sites)."""
+    dtype: str = "fp32"
+    """The rows' dtype, which picks the device's peak."""
     op: str = "autopar::moe_experts"
     """The experts' op: ``autopar::moe_experts`` (what :func:`autopar.parallelize` runs under
-    ep), or a grouped matmul (Hugging Face's MoE models; planned and priced under ep only)."""
+    ep), or a grouped matmul (Hugging Face experts autopar does not trace as its op, e.g. with
+    biases or another activation; planned and priced under ep only)."""
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _is_experts(node: fx.Node) -> bool:
@@ -74,11 +86,11 @@ def _is_experts(node: fx.Node) -> bool:
 GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
 # ops between a stacked expert parameter and the grouped matmul that reads it
 _WEIGHT_VIEWS = ("aten::transpose", "aten::t", "aten::permute", "aten::view", "aten::_to_copy", "aten::clone",
-                 "aten::contiguous", "aten::_unsafe_view")
+                 "aten::contiguous", "aten::_unsafe_view", "aten::slice")
 
 
 def _param_behind(node: fx.Node) -> fx.Node | None:
-    """The parameter placeholder a grouped matmul's weight argument is a view or cast of."""
+    """The parameter placeholder an experts op's weight argument is a view or cast of."""
     while isinstance(node, fx.Node) and node.op == "call_function" and op_name(node) in _WEIGHT_VIEWS:
         node = node.args[0]
     if isinstance(node, fx.Node) and node.op == "placeholder" and node.meta[mk.TRACE].role is mk.Role.PARAM:
@@ -88,8 +100,9 @@ def _param_behind(node: fx.Node) -> fx.Node | None:
 
 def _grouped_sites(gm: fx.GraphModule) -> list[ExpertSite]:
     """One site per module whose forward runs grouped matmuls on stacked expert parameters
-    (Mixtral's ``gate_up_proj`` (E, 2f, d) and ``down_proj`` (E, d, f)): the rows are the first
-    matmul's input (tokens x top-k, sorted by expert)."""
+    (``gate_up_proj`` (E, 2f, d) and ``down_proj`` (E, d, f), as in Hugging Face's experts that
+    autopar does not trace as its op): the rows are the first matmul's input (tokens x top-k,
+    sorted by expert)."""
     by_module: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and op_name(node) in GROUPED_MM and mk.TRACE in node.meta \
@@ -118,12 +131,18 @@ def find_experts(gm: fx.GraphModule) -> list[ExpertSite]:
             continue
         x, _counts, *weights = node.args[:5]
         val = x.meta["val"]  # (rows, width)
-        fqns = tuple(w.meta[mk.TRACE].fqn for w in weights)
+        # the stacked parameters, each once (Hugging Face's experts pass views: gate and up are
+        # the two halves of one gate_up_proj)
+        behind = [_param_behind(w) for w in weights]
+        if any(p is None for p in behind):
+            continue  # weights that are not parameters: not expert layers the planner can cut
+        params = list(dict.fromkeys(behind))
         sites.append(ExpertSite(
             layer=node.meta.get(mk.LAYER, ""), module=node.meta[mk.TRACE].module_path,
-            n_experts=int(weights[0].meta["val"].shape[0]), rows=int(val.shape[0]), width=int(val.shape[1]),
-            elem_bytes=val.dtype.itemsize, params=fqns,
-            n_params=sum(w.meta["val"].numel() for w in weights)))
+            n_experts=int(params[0].meta["val"].shape[0]), rows=int(val.shape[0]), width=int(val.shape[1]),
+            elem_bytes=val.dtype.itemsize, params=tuple(p.meta[mk.TRACE].fqn for p in params),
+            n_params=sum(p.meta["val"].numel() for p in params), expert_width=int(weights[0].meta["val"].shape[2]),
+            dtype=_DTYPE_NAMES.get(val.dtype, "fp32")))
     return sites + _grouped_sites(gm)
 
 
@@ -178,29 +197,49 @@ def _by_layer(sites: list[ExpertSite]) -> dict[str, list[ExpertSite]]:
 def apply_ep(units: list, *, names: dict[str, list[str]], sites: list[ExpertSite], ep: int, tp: int,
              microbatch_size: int, global_batch: int, cluster: Cluster) -> list:
     """``units`` (``search.Unit``, at ``microbatch_size`` per dp rank) with expert parameters
-    divided by ``ep`` and the all-to-all time added to forward and backward."""
+    divided by ``ep``, the all-to-all time added to forward and backward, and the experts' GEMMs
+    priced at their size under ep (:func:`_larger_gemms_s`)."""
     if ep <= 1 or not sites:
         return units
     link = cluster.link_for_group(ep, stride=tp)
-    extra: dict[str, tuple[float, float, float]] = {}  # unit path -> (fwd_s, bwd_s, params removed)
+    extra: dict[str, tuple[float, float, float, float]] = {}  # unit path -> (fwd_s, bwd_s, comm_s, params removed)
     for layer, here in _by_layer(sites).items():
-        f = b = removed = 0.0
+        f = b = comm = removed = 0.0
         for s in here:
             rows = s.rows * microbatch_size / global_batch
             fs, bs = expert_all_to_all_s(rows=rows, width=s.width, elem_bytes=s.elem_bytes, n_experts=s.n_experts,
                                          ep=ep, link=link)
-            f, b, removed = f + fs, b + bs, removed + s.n_params * (1 - 1 / ep)
+            gf, gb = _larger_gemms_s(s, rows, ep, cluster)
+            f, b, comm, removed = f + fs + gf, b + bs + gb, comm + fs + bs, removed + s.n_params * (1 - 1 / ep)
         for path in names.get(layer, [layer]):
-            extra[path] = (f, b, removed)
+            extra[path] = (f, b, comm, removed)
     out = []
     for u in units:
         if u.path not in extra:
             out.append(u)
             continue
-        f, b, removed = extra[u.path]
-        out.append(replace(u, f_s=u.f_s + f, b_s=u.b_s + b, comm_s=u.comm_s + f + b,
+        f, b, comm, removed = extra[u.path]
+        out.append(replace(u, f_s=u.f_s + f, b_s=u.b_s + b, comm_s=u.comm_s + comm,
                            n_params=max(0.0, u.n_params - removed)))
     return out
+
+
+def _larger_gemms_s(site: ExpertSite, rows: float, ep: int, cluster: Cluster) -> tuple[float, float]:
+    """What ep changes in the experts op's forward and backward time (<= 0): a rank runs the same
+    rows (balanced routing), but over E/ep experts, each with ep times the rows of ep = 1, so
+    its GEMMs are larger and more efficient (:func:`autopar.cost.compute.gemm_efficiency`; the
+    annotated graph priced them at rows/E per expert). Grouped-matmul sites: no change."""
+    if not site.expert_width:
+        return 0.0, 0.0
+    from autopar.cost.compute import kernel_time_s
+    from autopar.experts import BACKWARD_GEMMS, FORWARD_GEMMS
+
+    def time_s(gemms: int, m: float) -> float:
+        return kernel_time_s(kind="gemm", flops=gemms * 2 * rows * site.width * site.expert_width, bytes_moved=0.0,
+                             device=cluster.device, dtype=site.dtype, gemm=(m, site.expert_width, site.width))
+
+    m = rows / site.n_experts
+    return tuple(time_s(g, m * ep) - time_s(g, m) for g in (FORWARD_GEMMS, BACKWARD_GEMMS))
 
 
 def experts_record(sites: list[ExpertSite], *, ep: int, dp: int, tp: int, microbatch_size: int, microbatches: int,

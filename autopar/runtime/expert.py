@@ -18,10 +18,11 @@ over all dp ranks, expert ones over the replica group, whose members' all-to-all
 brought every token of their ep group to them.
 
 What is recognised: the experts ops of the traced graph (:func:`autopar.experts.moe_experts`,
-as ``examples/moe.py``'s ``MoE`` calls it); the plan's ``experts`` record names their stacked
-parameters (dim 0 = expert). Hugging Face's grouped-matmul experts (Mixtral) are planned
-under ep (:mod:`autopar.planner.experts`) but not run under it yet: runnable plans leave them
-out of ep.
+as ``examples/moe.py``'s ``MoE`` calls it, and as Hugging Face's gated-SiLU experts modules
+(Mixtral, Qwen2-MoE, ...) are traced: :func:`autopar.experts.hf_experts_forward`); the plan's
+``experts`` record names their stacked parameters (dim 0 = expert: Mixtral's ``gate_up_proj``
+and ``down_proj``). Other grouped-matmul experts are planned under ep
+(:mod:`autopar.planner.experts`) but not run under it: runnable plans leave them out of ep.
 
 In the build (pp = 1, ZeRO-0 so far; :func:`check_ep_runnable` refuses the rest before
 any collective): :func:`ep_groups` creates the groups, :func:`cut_experts` keeps each rank's

@@ -1,16 +1,18 @@
 """Expert parallelism in ``autopar.parallelize`` on spawned gloo worlds, against one process.
 
 The MoE example (top-2 of 8 SwiGLU experts, shared expert, per-sequence balance loss)
-trains 3 AdamW steps under plans pinned to:
+and Hugging Face Mixtral (tiny: top-2 of 4 experts, default grouped-matmul experts, which
+autopar traces through its experts op) train 3 AdamW steps under plans pinned to (and Qwen2-MoE,
+whose blocks add a gated shared expert, under ep=2 on 2 ranks):
 
 - dp=2, ZeRO-3, no ep: the experts replicated, each rank routing its own tokens
   (``autopar.passes.token_local``: no dp all-gather in the program, as the plan prices);
-- ep=2 on 2 ranks: each rank holds 4 of the 8 experts of a block, tokens dispatched and
-  combined by all-to-all over the ep group;
-- on 4 ranks, ep=2 folded over dp=4 (two replicas of each expert half, expert gradients
-  summed over the replica group), ep=4, and ep=2 x tp=2 (the "small" size, whose attention
-  the plan shards Megatron-style over tp, on a cluster where that pays; the experts are
-  replicated over tp and each tp rank exchanges tokens with its ep peers in its tp column).
+- ep=2 on 2 ranks (both models): each rank holds half the experts of a block, tokens
+  dispatched and combined by all-to-all over the ep group;
+- on 4 ranks (both models), ep=2 folded over dp=4 (two replicas of each expert half, expert
+  gradients summed over the replica group), ep=4, and ep=2 x tp=2 (the example's "small"
+  size; attention sharded Megatron-style over tp, on a cluster where that pays; the experts
+  are replicated over tp and each tp rank exchanges tokens with its ep peers in its tp column).
 
 Every step's loss, the last gradients and the parameters must be as accurate as one fp32
 process (``parallel_compare``; the optimizer is ``test_parallel.py``'s, which explains
@@ -34,7 +36,9 @@ from parallel_compare import Reference, assert_matches, errors, train_alongside
 
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 STEPS = 3
-EXPERT_PARAMS = ("w_gate", "w_up", "w_down")
+# the stacked expert parameters of each model: the MoE example's, Hugging Face Mixtral's
+EXPERT_PARAMS = {"moe": ("w_gate", "w_up", "w_down"), "mixtral": ("gate_up_proj", "down_proj"),
+                 "qwen2_moe": ("gate_up_proj", "down_proj")}
 
 
 def _optimizer(params):
@@ -57,34 +61,45 @@ def _record_all_to_alls(log: list, step: list):
     assert autopar.experts.dist is dist  # (the experts op calls it through this module)
 
 
+def _build(model_name: str, tp: int):
+    """(model, inputs, loss_fn, target, experts per block, forward of the one-process reference)."""
+    if model_name in ("mixtral", "qwen2_moe"):  # Hugging Face, tiny: 2 layers, top-2 of 4 experts; labels in the inputs
+        import hf
+
+        model, inputs, _, _ = hf.build(model=model_name, batch=8)
+        n_experts = getattr(model.config, "num_local_experts", None) or model.config.num_experts
+        return model, inputs, None, None, n_experts, lambda ref, like: ref(**like(inputs)).loss
+    import moe
+
+    size = "small" if tp > 1 else "tiny"
+    model, inputs, loss_fn, target = moe.build(size=size, n_layers=2, batch=8, shared_expert=True, aux_loss=0.01)
+    return model, inputs, loss_fn, target, model.config.n_experts, \
+        lambda ref, like: loss_fn(ref(*like(inputs)), like(target))
+
+
 def _train(rank, world, configs):
-    """On every rank, for each (name, fixed): train 3 steps beside a local one-process reference."""
+    """On every rank, for each (name, model, fixed): train 3 steps beside a local one-process reference."""
     sys.path.insert(0, EXAMPLES)
     import torch.distributed as dist
 
     import autopar
-    import moe
 
     report = {}
     calls, step = [], [0]
     _record_all_to_alls(calls, step)
-    for name, fixed in configs:
+    for name, model_name, fixed in configs:
         calls.clear()
         torch.manual_seed(0)
-        size = "small" if fixed.get("tp", 1) > 1 else "tiny"
-        model, inputs, loss_fn, target = moe.build(size=size, n_layers=2, batch=8, shared_expert=True,
-                                                   aux_loss=0.01)
-        n_experts = model.config.n_experts
+        model, inputs, loss_fn, target, n_experts, reference_loss = _build(model_name, fixed.get("tp", 1))
         reference = Reference(model, _optimizer)
         cluster = tp_only_cluster(f"1x{world}xcpu") if fixed.get("tp", 1) > 1 else f"1x{world}xcpu"
         pm = autopar.parallelize(model, cluster=cluster, loss_fn=loss_fn, optimizer=_optimizer, fixed=fixed)
 
         def run(pm):
             step[0] += 1
-            return pm.train_step(inputs, target)
+            return pm.train_step(inputs, target) if target is not None else pm.train_step(inputs)
 
-        losses = train_alongside(pm, reference, steps=STEPS, run=run,
-                                 run_reference=lambda ref, like: loss_fn(ref(*like(inputs)), like(target)))
+        losses = train_alongside(pm, reference, steps=STEPS, run=run, run_reference=reference_loss)
         grad_err, param_err = errors(pm, reference)
         code = pm.step_program.code
         ep = pm.plan.experts.get("ep", 1) if pm.plan.experts else 1
@@ -93,9 +108,10 @@ def _train(rank, world, configs):
             "mesh": pm.plan.mesh, "ep": ep, "n_experts": n_experts,
             "ep_ranks": dist.get_process_group_ranks(pm.params.ep_group) if ep > 1 else None,
             "replica_ranks": dist.get_process_group_ranks(pm.params.replica_group) if ep > 1 else None,
-            "held": {f: tuple(p.shape) for f, p in model.named_parameters() if f.rsplit(".", 1)[-1] in EXPERT_PARAMS},
+            "held": {f: tuple(p.shape) for f, p in model.named_parameters()
+                     if f.rsplit(".", 1)[-1] in EXPERT_PARAMS[model_name]},
             "stored": {f: tuple(e.local_shape) for f, e in pm.params.entries.items()
-                       if f.rsplit(".", 1)[-1] in EXPERT_PARAMS},
+                       if f.rsplit(".", 1)[-1] in EXPERT_PARAMS[model_name]},
             # the process group each experts op (forward and backward) of the program runs over
             "experts_groups": re.findall(r"autopar\.moe_experts(?:_backward)?\.default\([^\n]*, '([^']*)'\)", code),
             "ep_group_name": pm.params.ep_group.group_name if ep > 1 else "",
@@ -111,9 +127,15 @@ def _train(rank, world, configs):
 
 
 # (one micro-batch: the all-to-all test reads the calls of a step in order)
-TWO = [("dp_zero3", {"dp": 2, "zero": 3}), ("ep2", {"dp": 2, "ep": 2, "microbatches": 1})]
-FOUR = [("ep2_replicas2", {"dp": 4, "ep": 2, "microbatches": 1}), ("ep4", {"dp": 4, "ep": 4, "microbatches": 1}),
-        ("ep2_tp2", {"dp": 2, "tp": 2, "ep": 2, "microbatches": 1})]
+TWO = [("dp_zero3", "moe", {"dp": 2, "zero": 3}), ("ep2", "moe", {"dp": 2, "ep": 2, "microbatches": 1}),
+       ("mixtral_ep2", "mixtral", {"dp": 2, "ep": 2, "microbatches": 1}),
+       ("qwen2_moe_ep2", "qwen2_moe", {"dp": 2, "ep": 2, "microbatches": 1})]
+FOUR = [("ep2_replicas2", "moe", {"dp": 4, "ep": 2, "microbatches": 1}),
+        ("ep4", "moe", {"dp": 4, "ep": 4, "microbatches": 1}),
+        ("ep2_tp2", "moe", {"dp": 2, "tp": 2, "ep": 2, "microbatches": 1}),
+        ("mixtral_ep2_replicas2", "mixtral", {"dp": 4, "ep": 2, "microbatches": 1}),
+        ("mixtral_ep4", "mixtral", {"dp": 4, "ep": 4, "microbatches": 1}),
+        ("mixtral_ep2_tp2", "mixtral", {"dp": 2, "tp": 2, "ep": 2, "microbatches": 1})]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["two_ranks", "four_ranks"])
@@ -124,7 +146,7 @@ def world(request):
 
 def test_moe_trains_like_one_process_with_each_rank_holding_its_experts(world):
     size, configs, results = world
-    for name, fixed in configs:
+    for name, model_name, fixed in configs:
         for rank, by_name in enumerate(results):
             r = by_name[name]
             where = f"{name} rank {rank}"
@@ -132,10 +154,11 @@ def test_moe_trains_like_one_process_with_each_rank_holding_its_experts(world):
             ep, tp = fixed.get("ep", 1), fixed.get("tp", 1)
             assert r["ep"] == ep and r["mesh"] == {"pp": 1, "dp": size // tp, "tp": tp}, where
             if tp > 1:  # Megatron attention: q, k, v by heads, the output projection by its input
-                assert [r["placements"][f"layers.1.attention.{w}.weight"] for w in ("wq", "wk", "wv", "wo")] \
-                    == ["S0", "S0", "S0", "S1"], (where, r["placements"])
+                attention = {"moe": [f"layers.1.attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")],
+                             "mixtral": [f"model.layers.1.self_attn.{w}_proj.weight" for w in "qkvo"]}[model_name]
+                assert [r["placements"][f] for f in attention] == ["S0", "S0", "S0", "S1"], (where, r["placements"])
             # only this rank's experts: E/ep of each stacked weight, in the model and in the storage
-            assert len(r["held"]) == 3 * 2, r["held"]
+            assert len(r["held"]) == len(EXPERT_PARAMS[model_name]) * 2, r["held"]
             for fqn, shape in r["held"].items():
                 assert shape[0] == r["n_experts"] // ep and r["stored"][fqn] == shape, (where, fqn, shape)
             if ep > 1:  # along the rank's tp column (ranks tp apart): ep groups of consecutive dp ranks
@@ -164,7 +187,7 @@ def test_each_rank_runs_the_all_to_alls_the_plan_priced(world):
     on the routing, so per ep group the combines add up to ep times the plan's figure (it
     assumes balanced routing: the group's mean is exact)."""
     size, configs, results = world
-    for name, fixed in configs:
+    for name, _, fixed in configs:
         ep = fixed.get("ep", 1)
         if ep == 1:
             assert all(not r[name]["all_to_alls"] for r in results), name  # no ep: no all-to-all

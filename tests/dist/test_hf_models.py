@@ -99,8 +99,8 @@ def test_tp_shards_weights(results):
 
 
 def test_mixtral_routes_each_ranks_own_tokens(results):
-    """Under dp, Mixtral's routing (sort by expert, histc/cumsum offsets, the grouped matmuls,
-    the inverse permutation) runs on each rank's tokens (autopar/passes/token_local.py): its
+    """Under dp, Mixtral's routing (sort by expert, counts, the experts op, the inverse
+    permutation) runs on each rank's tokens (autopar/passes/token_local.py): its
     program gathers nothing over dp, as the plan prices it (DTensor alone would gather the
     batch to sort it and run every token's experts on both ranks)."""
     for r in results:
@@ -108,8 +108,8 @@ def test_mixtral_routes_each_ranks_own_tokens(results):
 
 
 def test_mixtral_experts_are_replicated_on_tp(results):
-    """As the README says: transformers' grouped-matmul experts have no sharding rule, so they
-    stay whole on tp while attention is Megatron-sharded (column q/k/v, row o)."""
+    """As the README says: the experts op (Mixtral's experts are traced as autopar's) has no
+    sharding rule on tp, so they stay whole on tp while attention is Megatron-sharded (column q/k/v, row o)."""
     p = results[0]["mixtral", "tp"]["params"]
     for layer in (0, 1):
         prefix = f"model.layers.{layer}"
