@@ -219,7 +219,7 @@ def _experts_table(plan: Plan) -> list[str]:
             + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>"
             + "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows) + "</table>"
             + '<p class="legend">all-to-all bytes one rank sends per micro-batch and block (counts, dispatch, '
-            'combine), balanced routing assumed</p>']
+            f'combine) under balanced routing; times priced with: {_e(plan.experts.get("routing", ""))}</p>']
 
 
 def render_html(plan: Plan) -> str:

@@ -185,7 +185,7 @@ def test_ep_prices_the_experts_as_taller_gemms():
     experts' GEMMs get faster by exactly the difference of the efficiency curve at rows/E and at
     ep x rows/E, more for many small experts; the CPU roofline (no curve) is unchanged."""
     from autopar.cost.compute import kernel_time_s
-    from autopar.planner.experts import ExpertSite, _larger_gemms_s
+    from autopar.planner.experts import ExpertSite, _experts_gemms_s
 
     h100 = autopar.cluster.parse_cluster("1x8xH100")
 
@@ -193,7 +193,7 @@ def test_ep_prices_the_experts_as_taller_gemms():
         return ExpertSite(layer="l", module="l.moe", n_experts=n_experts, rows=4096 * 8, width=7168,
                           elem_bytes=2, params=("w",), n_params=1, expert_width=2048, dtype="bf16")
 
-    fwd, bwd = _larger_gemms_s(site(256), 4096 * 8, 8, h100)
+    fwd, bwd = _experts_gemms_s(site(256), 4096 * 8, 8, h100)
     flops = 2 * 4096 * 8 * 7168 * 2048
 
     def t(gemms, m):
@@ -202,10 +202,41 @@ def test_ep_prices_the_experts_as_taller_gemms():
 
     assert fwd == pytest.approx(t(3, 1024) - t(3, 128)) and bwd == pytest.approx(t(8, 1024) - t(8, 128))
     assert fwd < 0 and bwd < 0 and bwd / fwd == pytest.approx(8 / 3, rel=1e-2)
-    few = _larger_gemms_s(site(8), 4096 * 8, 8, h100)  # 8 big experts: already near the curve's top
+    few = _experts_gemms_s(site(8), 4096 * 8, 8, h100)  # 8 big experts: already near the curve's top
     assert fwd < few[0] < 0
-    assert _larger_gemms_s(site(256), 4096 * 8, 8, autopar.cluster.parse_cluster("1x8xcpu")) == (0.0, 0.0)
-    assert _larger_gemms_s(replace(site(256), expert_width=0), 4096 * 8, 8, h100) == (0.0, 0.0)  # grouped sites
+    assert _experts_gemms_s(site(256), 4096 * 8, 8, autopar.cluster.parse_cluster("1x8xcpu")) == (0.0, 0.0)
+    assert _experts_gemms_s(replace(site(256), expert_width=0), 4096 * 8, 8, h100) == (0.0, 0.0)  # grouped sites
+
+
+def test_moe_imbalance_prices_the_busiest_rank(moe_pair):
+    """``fixed={"moe_imbalance": k}`` (an assumption, default balanced): the busiest rank of an ep
+    group receives k times its rows, so each MoE block's forward grows by (k - 1) times the
+    experts' GEMM time and its all-to-alls carry k times the rows; the record and summary say
+    so, the bytes the contract test checks stay the balanced ones, and a bad k is one line."""
+    from autopar.cost.compute import kernel_time_s
+    from autopar.experts import FORWARD_GEMMS
+
+    pinned = {"tp": 1, "pp": 1, "dp": 4, "ep": 2, "microbatches": 1, "recompute": "none"}
+    base = _plan_pair(moe_pair, "1x4xcpu", pinned)
+    busy = _plan_pair(moe_pair, "1x4xcpu", {**pinned, "moe_imbalance": 1.5})
+    cluster = autopar.cluster.parse_cluster("1x4xcpu")
+    rows, d, f = 2 * 16 * 2, 32, 32  # per rank: 2 sequences x 16 tokens x top-2
+    link = cluster.link_for_group(2, stride=1)
+    gemms = kernel_time_s(kind="gemm", flops=FORWARD_GEMMS * 2 * rows * d * f, bytes_moved=0.0, device=cluster.device,
+                          dtype="fp32", gemm=(rows / 8, f, d))
+    a2a = [expert_all_to_all_s(rows=r, width=d, elem_bytes=4, n_experts=8, ep=2, link=link)[0] for r in (rows, 1.5 * rows)]
+    grown = busy.stages[0]["predicted"]["f_s"] - base.stages[0]["predicted"]["f_s"]
+    assert grown == pytest.approx(2 * (0.5 * gemms + a2a[1] - a2a[0]), rel=1e-6)  # two MoE blocks
+    assert busy.experts["imbalance"] == 1.5 and base.experts["imbalance"] == 1.0
+    assert busy.experts["all_to_all"]["bytes"] == base.experts["all_to_all"]["bytes"]
+    assert busy.experts["all_to_all"]["time_s"] > base.experts["all_to_all"]["time_s"]
+    assert "the busiest rank receives 1.5x its balanced rows (assumed)" in busy.summary()
+    assert "balanced load assumed" in base.summary()
+    assert busy.fixed["moe_imbalance"] == 1.5
+    with pytest.raises(autopar.PlanError, match=r"moe_imbalance='x' must be a number >= 1: the busiest ep rank"):
+        autopar.planner.search.Fixed.from_dict({"moe_imbalance": "x"})
+    with pytest.raises(autopar.PlanError, match=r"moe_imbalance=0.5 must be a number >= 1"):
+        autopar.planner.search.Fixed.from_dict({"moe_imbalance": 0.5})
 
 
 def test_expert_flops_are_counted_in_closed_form():

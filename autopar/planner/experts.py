@@ -195,10 +195,11 @@ def _by_layer(sites: list[ExpertSite]) -> dict[str, list[ExpertSite]]:
 
 
 def apply_ep(units: list, *, names: dict[str, list[str]], sites: list[ExpertSite], ep: int, tp: int,
-             microbatch_size: int, global_batch: int, cluster: Cluster) -> list:
+             microbatch_size: int, global_batch: int, cluster: Cluster, imbalance: float = 1.0) -> list:
     """``units`` (``search.Unit``, at ``microbatch_size`` per dp rank) with expert parameters
     divided by ``ep``, the all-to-all time added to forward and backward, and the experts' GEMMs
-    priced at their size under ep (:func:`_larger_gemms_s`)."""
+    priced at their size under ep (:func:`_experts_gemms_s`), all for the busiest rank of an ep
+    group, which receives ``imbalance`` times its balanced share of rows."""
     if ep <= 1 or not sites:
         return units
     link = cluster.link_for_group(ep, stride=tp)
@@ -207,9 +208,9 @@ def apply_ep(units: list, *, names: dict[str, list[str]], sites: list[ExpertSite
         f = b = comm = removed = 0.0
         for s in here:
             rows = s.rows * microbatch_size / global_batch
-            fs, bs = expert_all_to_all_s(rows=rows, width=s.width, elem_bytes=s.elem_bytes, n_experts=s.n_experts,
-                                         ep=ep, link=link)
-            gf, gb = _larger_gemms_s(s, rows, ep, cluster)
+            fs, bs = expert_all_to_all_s(rows=rows * imbalance, width=s.width, elem_bytes=s.elem_bytes,
+                                         n_experts=s.n_experts, ep=ep, link=link)
+            gf, gb = _experts_gemms_s(s, rows, ep, cluster, imbalance)
             f, b, comm, removed = f + fs + gf, b + bs + gb, comm + fs + bs, removed + s.n_params * (1 - 1 / ep)
         for path in names.get(layer, [layer]):
             extra[path] = (f, b, comm, removed)
@@ -224,34 +225,38 @@ def apply_ep(units: list, *, names: dict[str, list[str]], sites: list[ExpertSite
     return out
 
 
-def _larger_gemms_s(site: ExpertSite, rows: float, ep: int, cluster: Cluster) -> tuple[float, float]:
-    """What ep changes in the experts op's forward and backward time (<= 0): a rank runs the same
-    rows (balanced routing), but over E/ep experts, each with ep times the rows of ep = 1, so
-    its GEMMs are larger and more efficient (:func:`autopar.cost.compute.gemm_efficiency`; the
-    annotated graph priced them at rows/E per expert). Grouped-matmul sites: no change."""
+def _experts_gemms_s(site: ExpertSite, rows: float, ep: int, cluster: Cluster,
+                     imbalance: float = 1.0) -> tuple[float, float]:
+    """What ep changes in the experts op's forward and backward time on the busiest rank of an
+    ep group. Balanced, a rank runs the same rows as without ep, but over E/ep experts with ep
+    times the rows each: taller GEMMs, more efficient on the curve of
+    :func:`autopar.cost.compute.gemm_efficiency` (the annotated graph priced rows/E per expert),
+    so the change is <= 0. The busiest rank receives ``imbalance`` times its share: that many
+    times the FLOPs, in GEMMs that much taller. Grouped-matmul sites: no change."""
     if not site.expert_width:
         return 0.0, 0.0
     from autopar.cost.compute import kernel_time_s
     from autopar.experts import BACKWARD_GEMMS, FORWARD_GEMMS
 
-    def time_s(gemms: int, m: float) -> float:
-        return kernel_time_s(kind="gemm", flops=gemms * 2 * rows * site.width * site.expert_width, bytes_moved=0.0,
+    def time_s(gemms: int, n: float, m: float) -> float:
+        return kernel_time_s(kind="gemm", flops=gemms * 2 * n * site.width * site.expert_width, bytes_moved=0.0,
                              device=cluster.device, dtype=site.dtype, gemm=(m, site.expert_width, site.width))
 
     m = rows / site.n_experts
-    return tuple(time_s(g, m * ep) - time_s(g, m) for g in (FORWARD_GEMMS, BACKWARD_GEMMS))
+    return tuple(time_s(g, rows * imbalance, m * ep * imbalance) - time_s(g, rows, m)
+                 for g in (FORWARD_GEMMS, BACKWARD_GEMMS))
 
 
 def experts_record(sites: list[ExpertSite], *, ep: int, dp: int, tp: int, microbatch_size: int, microbatches: int,
-                   global_batch: int, counts: dict[str, int], cluster: Cluster) -> dict:
+                   global_batch: int, counts: dict[str, int], cluster: Cluster, imbalance: float = 1.0) -> dict:
     """The plan's ``experts`` entry: where the experts live and what their all-to-alls cost."""
     link = cluster.link_for_group(ep, stride=tp)
     layers, fwd_bytes, bwd_bytes, time_s, messages = {}, 0.0, 0.0, 0.0, 0
     for s in sites:
         rows = s.rows * microbatch_size / global_batch
         f, b = expert_all_to_all_bytes(rows=rows, width=s.width, elem_bytes=s.elem_bytes, n_experts=s.n_experts)
-        fs, bs = expert_all_to_all_s(rows=rows, width=s.width, elem_bytes=s.elem_bytes, n_experts=s.n_experts,
-                                     ep=ep, link=link)
+        fs, bs = expert_all_to_all_s(rows=rows * imbalance, width=s.width, elem_bytes=s.elem_bytes,
+                                     n_experts=s.n_experts, ep=ep, link=link)
         n = counts.get(s.layer, 1) * microbatches
         layers[s.module] = {"layer": s.layer, "op": s.op, "instances": counts.get(s.layer, 1), "n_experts": s.n_experts,
                             "experts_per_rank": s.n_experts // ep, "params": list(s.params),
@@ -270,5 +275,7 @@ def experts_record(sites: list[ExpertSite], *, ep: int, dp: int, tp: int, microb
                        "backward_bytes": bwd_bytes, "time_s": time_s,
                        "link": "intra-node" if ep * tp <= cluster.devices_per_node or cluster.nodes == 1
                        else "inter-node", "link_bytes_per_s": link.bytes_per_s},
-        "routing": "dropless top-k; balanced load assumed",
+        "routing": "dropless top-k; " + ("balanced load assumed" if imbalance == 1 else
+                                         f"the busiest rank receives {imbalance:g}x its balanced rows (assumed)"),
+        "imbalance": imbalance,
     }

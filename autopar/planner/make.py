@@ -220,7 +220,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                                             for fqn, owner in shared.get(layer.path, ()))))
             if ep > 1:
                 units = apply_ep(units, names=names, sites=experts, ep=ep, tp=tp, microbatch_size=mbs,
-                                 global_batch=batch, cluster=cluster)
+                                 global_batch=batch, cluster=cluster, imbalance=fixed.moe_imbalance or 1.0)
             cache[tp, mbs, sp, ep] = units
         return cache[tp, mbs, sp, ep]
 
@@ -614,7 +614,7 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         experts = experts_record(find_experts(gm), ep=cfg.ep, dp=cfg.dp, tp=cfg.tp,
                                  microbatch_size=cfg.microbatch_size, microbatches=cfg.microbatches,
                                  global_batch=info.global_batch, counts={x.path: x.count for x in layers},
-                                 cluster=cluster)
+                                 cluster=cluster, imbalance=fixed.moe_imbalance or 1.0)
         a2a = experts["all_to_all"]
         communication["all_to_all"]["ep"] = {"count": a2a["count"], "bytes": a2a["bytes"], "time_s": a2a["time_s"]}
     model_flops = sum((x.flops_fwd + x.flops_bwd) * x.count for x in layers)

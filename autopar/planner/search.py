@@ -77,7 +77,7 @@ KEEP = 6
 only what cannot enter this list."""
 RECOMPUTE = ("none", "selective", "full")
 FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
-              "virtual_stages", "ep")
+              "virtual_stages", "ep", "moe_imbalance")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -100,6 +100,10 @@ class Fixed:
     ep: int | None = None
     """Expert parallelism: experts cut in ep parts over groups of ep data-parallel ranks
     (``autopar.planner.experts``); None: the search chooses it for a model with experts."""
+    moe_imbalance: float | None = None
+    """An assumption, not a decision: under ep, the busiest rank of an ep group receives this
+    many times its balanced share of token rows (>= 1; None or 1: balanced routing). It prices
+    that rank's expert GEMMs and received all-to-all rows, which set the group's pace."""
 
     @classmethod
     def from_dict(cls, fixed: dict | None) -> Fixed:
@@ -117,6 +121,16 @@ class Fixed:
                 if flag is None:
                     problems.append(f"sp={value!r} is not a boolean (use True/False, or 1/0 on the command line)")
                 values[key] = flag
+                continue
+            if key == "moe_imbalance":
+                try:
+                    factor = float(value)
+                except (TypeError, ValueError):
+                    factor = math.nan
+                if not 1.0 <= factor <= 1024.0:  # (nan fails too)
+                    problems.append(f"moe_imbalance={value!r} must be a number >= 1: the busiest ep rank's token "
+                                    f"rows over its balanced share (1 = balanced routing, 1.2 = 20% more)")
+                values[key] = factor
                 continue
             if key in ("schedule", "recompute"):
                 allowed = SCHEDULES if key == "schedule" else RECOMPUTE
