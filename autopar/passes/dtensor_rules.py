@@ -32,7 +32,9 @@ Where the answers come from, in order (checked on torch 2.13):
    attention pair ``_scaled_dot_product_flash_attention_for_cpu`` (+ backward)
    shards batch (dim 0) or heads (dim 1) like DTensor's GPU SDPA rule; the
    constant-fill factories (full, zeros, ones, empty) and the functional
-   ``fill.Scalar`` may produce any sharding.
+   ``fill.Scalar`` may produce any sharding; autopar's experts op
+   (:func:`autopar.experts.moe_experts`, + backward) splits each expert's hidden
+   width (Megatron's MLP split, per expert), its rows a partial sum.
 4. The fallback (``fallback=True``, autopar's own, source ``"fallback"``): the
    all-Replicate candidate, plus for ops tagged ``torch.Tag.pointwise`` Shard(d)
    on every output dim, with each input sharded on its broadcast-aligned dim
@@ -86,6 +88,8 @@ from torch.distributed.tensor.placement_types import (
     Replicate,
     Shard,
 )
+
+import autopar.experts  # noqa: F401  (registers torch.ops.autopar.moe_experts, which has a rule here)
 
 logger = logging.getLogger(__name__)
 
@@ -506,6 +510,18 @@ def _fill_rule(args, kwargs, ins, outs):
     return [[Shard(d), Shard(d)] for d in range(len(outs[0].shape))]
 
 
+def _experts_rule(args, kwargs, ins, outs):
+    # autopar.experts.moe_experts(x, counts, w_gate (E, d, f), w_up (E, d, f), w_down (E, f, d)):
+    # each expert's SwiGLU split over its hidden width f, Megatron's MLP split per expert: the
+    # tokens and counts whole, w_gate/w_up by f (dim 2), w_down by f (dim 1); each rank's rows
+    # are a partial sum. Backward (grad_y, x, counts, weights) -> (grad_x partial, the weight
+    # gradients split like their weights).
+    split = [Replicate(), Replicate(), Shard(2), Shard(2), Shard(1)]
+    if len(outs) == 1:
+        return [[Partial()] + split]
+    return [[Partial(), Shard(2), Shard(2), Shard(1), Replicate()] + split]
+
+
 _OWN_RULES = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_cpu_rule,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_cpu_rule,
@@ -514,6 +530,8 @@ _OWN_RULES = {
     aten.ones.default: _fill_factory_rule,
     aten.empty.memory_format: _fill_factory_rule,
     aten.fill.Scalar: _fill_rule,
+    torch.ops.autopar.moe_experts.default: _experts_rule,
+    torch.ops.autopar.moe_experts_backward.default: _experts_rule,
 }
 
 

@@ -195,9 +195,10 @@ def _by_layer(sites: list[ExpertSite]) -> dict[str, list[ExpertSite]]:
 
 
 def apply_ep(units: list, *, names: dict[str, list[str]], sites: list[ExpertSite], ep: int, tp: int,
-             microbatch_size: int, global_batch: int, cluster: Cluster, imbalance: float = 1.0) -> list:
+             microbatch_size: int, global_batch: int, cluster: Cluster, imbalance: float = 1.0,
+             local_params: dict[str, float] | None = None) -> list:
     """``units`` (``search.Unit``, at ``microbatch_size`` per dp rank) with expert parameters
-    divided by ``ep``, the all-to-all time added to forward and backward, and the experts' GEMMs
+    (``local_params``: elements per tp rank, by FQN; default whole) divided by ``ep``, the all-to-all time added to forward and backward, and the experts' GEMMs
     priced at their size under ep (:func:`_experts_gemms_s`), all for the busiest rank of an ep
     group, which receives ``imbalance`` times its balanced share of rows."""
     if ep <= 1 or not sites:
@@ -211,7 +212,8 @@ def apply_ep(units: list, *, names: dict[str, list[str]], sites: list[ExpertSite
             fs, bs = expert_all_to_all_s(rows=rows * imbalance, width=s.width, elem_bytes=s.elem_bytes,
                                          n_experts=s.n_experts, ep=ep, link=link)
             gf, gb = _experts_gemms_s(s, rows, ep, cluster, imbalance)
-            f, b, comm, removed = f + fs + gf, b + bs + gb, comm + fs + bs, removed + s.n_params * (1 - 1 / ep)
+            held = sum(local_params.get(p, 0.0) for p in s.params) if local_params is not None else s.n_params
+            f, b, comm, removed = f + fs + gf, b + bs + gb, comm + fs + bs, removed + held * (1 - 1 / ep)
         for path in names.get(layer, [layer]):
             extra[path] = (f, b, comm, removed)
     out = []

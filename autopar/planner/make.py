@@ -220,7 +220,8 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                                             for fqn, owner in shared.get(layer.path, ()))))
             if ep > 1:
                 units = apply_ep(units, names=names, sites=experts, ep=ep, tp=tp, microbatch_size=mbs,
-                                 global_batch=batch, cluster=cluster, imbalance=fixed.moe_imbalance or 1.0)
+                                 global_batch=batch, cluster=cluster, imbalance=fixed.moe_imbalance or 1.0,
+                                 local_params=local)
             cache[tp, mbs, sp, ep] = units
         return cache[tp, mbs, sp, ep]
 

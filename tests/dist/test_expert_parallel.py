@@ -11,8 +11,9 @@ whose blocks add a gated shared expert, under ep=2 on 2 ranks):
   dispatched and combined by all-to-all over the ep group;
 - on 4 ranks (both models), ep=2 folded over dp=4 (two replicas of each expert half, expert
   gradients summed over the replica group), ep=4, and ep=2 x tp=2 (the example's "small"
-  size; attention sharded Megatron-style over tp, on a cluster where that pays; the experts
-  are replicated over tp and each tp rank exchanges tokens with its ep peers in its tp column).
+  size; attention sharded Megatron-style over tp, on a cluster where that pays; each expert's
+  hidden width split over tp (Mixtral: down_proj only, its gate and up halves are stacked in
+  one tensor), and each tp rank exchanges tokens with its ep peers in its tp column).
 
 Every step's loss, the last gradients and the parameters must be as accurate as one fp32
 process (``parallel_compare``; the optimizer is ``test_parallel.py``'s, which explains
@@ -158,9 +159,19 @@ def test_moe_trains_like_one_process_with_each_rank_holding_its_experts(world):
                              "mixtral": [f"model.layers.1.self_attn.{w}_proj.weight" for w in "qkvo"]}[model_name]
                 assert [r["placements"][f] for f in attention] == ["S0", "S0", "S0", "S1"], (where, r["placements"])
             # only this rank's experts: E/ep of each stacked weight, in the model and in the storage
+            # (and of those, the part of each expert's hidden width the plan gives this tp rank)
             assert len(r["held"]) == len(EXPERT_PARAMS[model_name]) * 2, r["held"]
             for fqn, shape in r["held"].items():
-                assert shape[0] == r["n_experts"] // ep and r["stored"][fqn] == shape, (where, fqn, shape)
+                split = r["placements"][fqn]
+                local = list(shape)
+                if split != "R":
+                    local[int(split[1:])] //= tp
+                assert shape[0] == r["n_experts"] // ep and r["stored"][fqn] == tuple(local), (where, fqn, shape)
+            if tp > 1 and model_name == "moe":  # each expert's SwiGLU split over tp like Megatron's MLP
+                assert [r["placements"][f"layers.1.moe.{w}"] for w in EXPERT_PARAMS["moe"]] == ["S2", "S2", "S1"]
+            if tp > 1 and model_name == "mixtral":  # [gate; up] stacked in one tensor: only down_proj splits
+                assert [r["placements"][f"model.layers.1.mlp.experts.{w}"] for w in EXPERT_PARAMS["mixtral"]] \
+                    == ["R", "S2"]
             if ep > 1:  # along the rank's tp column (ranks tp apart): ep groups of consecutive dp ranks
                 dp_rank, t = divmod(rank, tp)
                 part = dp_rank % ep

@@ -107,11 +107,13 @@ def test_mixtral_routes_each_ranks_own_tokens(results):
         assert r["mixtral", "dp"]["dp_gathers"] == 0
 
 
-def test_mixtral_experts_are_replicated_on_tp(results):
-    """As the README says: the experts op (Mixtral's experts are traced as autopar's) has no
-    sharding rule on tp, so they stay whole on tp while attention is Megatron-sharded (column q/k/v, row o)."""
+def test_mixtral_experts_split_their_hidden_width_on_tp(results):
+    """As the README says: Mixtral's experts (traced as autopar's experts op) split each expert's
+    hidden width over tp, Megatron's MLP split: down_proj (E, d, f) by f; gate_up_proj stays whole,
+    its gate and up halves being stacked on the dim a split would cut (each rank slices its part
+    of both halves locally). Attention is Megatron-sharded (column q/k/v, row o)."""
     p = results[0]["mixtral", "tp"]["params"]
     for layer in (0, 1):
         prefix = f"model.layers.{layer}"
-        assert p[f"{prefix}.mlp.experts.gate_up_proj"] == p[f"{prefix}.mlp.experts.down_proj"] == "R"
+        assert (p[f"{prefix}.mlp.experts.gate_up_proj"], p[f"{prefix}.mlp.experts.down_proj"]) == ("R", "S2")
         assert [p[f"{prefix}.self_attn.{w}_proj.weight"] for w in "qkvo"] == ["S0", "S0", "S0", "S1"]
