@@ -172,7 +172,8 @@ def config_words(config: dict[str, Any]) -> str:
             f"recompute={config['recompute']} {config['schedule']} "
             f"{config['microbatches']}x{config['microbatch_size']}"
             + (f" v={config['virtual_stages']}" if config.get("virtual_stages", 1) > 1 else "")
-            + (" sp" if config.get("sp") else ""))
+            + (" sp" if config.get("sp") else "")
+            + (f" ep={config['ep']}" if config.get("ep", 1) > 1 else ""))
 
 
 def solver_words(solver: dict[str, Any]) -> str:

@@ -377,16 +377,10 @@ def test_hugging_face_experts_through_autopar_compute_what_transformers_computes
     assert not hf_experts_supported(experts)
 
 
-def test_checkpoints_under_ep_are_refused_in_one_line(tmp_path):
-    """The shard layout has no ep yet (a rank's experts would be saved as if whole): saving, or
-    loading into, a module that runs expert parallelism is one CheckpointError before any I/O."""
-    from types import SimpleNamespace
+def test_runners_up_name_their_ep():
+    from autopar.plan_summary import config_words
 
-    from autopar.runtime.checkpoint import load_shards, save
-
-    message = r"^checkpoints under expert parallelism \(ep=2\) are not supported yet; train without ep"
-    with pytest.raises(autopar.CheckpointError, match=message):
-        save(SimpleNamespace(ep=2), tmp_path)
-    with pytest.raises(autopar.CheckpointError, match=message):
-        load_shards(SimpleNamespace(ep=2, _pending_checkpoint=object()))
-    assert not any(tmp_path.iterdir())
+    config = {"tp": 1, "pp": 4, "dp": 16, "zero": 0, "recompute": "selective", "schedule": "1f1b",
+              "microbatches": 8, "microbatch_size": 2}
+    assert config_words({**config, "ep": 8}) == "tp=1 pp=4 dp=16 zero=0 recompute=selective 1f1b 8x2 ep=8"
+    assert "ep=" not in config_words(config) and "ep=" not in config_words({**config, "ep": 1})

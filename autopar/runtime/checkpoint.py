@@ -27,6 +27,12 @@ tensor, with DCP's own chunk metadata (``ChunkStorageMetadata``). Each box is co
 in the chunk, so saving writes views and loading copies into views: no gather, every
 rank writes and reads only what it holds, and the files are the same whatever the plan.
 
+Experts under expert parallelism. A rank holds E/ep of a stacked expert parameter's rows
+(dim 0; :mod:`autopar.runtime.expert`), the same rows as its replicas: the rank's tp shard
+of its part is one box of the whole (E, ...) tensor, described to DCP like a ZeRO chunk
+(:class:`FlatShard`), so the files hold the whole experts (replicas write their box once,
+DCP dropping the duplicates) and load under any plan, with or without ep.
+
 Nothing lost: a save writes into ``step-N.tmp``; when DCP has finished on every rank
 (its ``.metadata`` is written after all data), rank 0 writes ``autopar.json`` with every
 file's size, fsyncs and renames the directory to ``step-N``. Loading checks the sizes, the
@@ -169,19 +175,52 @@ def _placements(shard, mesh) -> list:
     return [Replicate(), tp]
 
 
-def _layout(shard, tensor: torch.Tensor, mesh) -> DTensor | FlatShard:
-    """``tensor`` (the optimizer's parameter or one of its state tensors) as DCP sees it."""
+def _expert_parts(pm) -> dict[str, tuple[int, torch.Size]]:
+    """Per expert parameter this rank holds a part of (expert parallelism, once the model is cut):
+    (the dim-0 offset of its rows in the whole parameter, the whole shape)."""
+    ep, params = getattr(pm, "ep", 1), getattr(pm, "params", None)
+    if ep <= 1 or params is None or not pm._compiled:
+        return {}
+    part = pm.mesh.get_local_rank(0) % ep  # (the part autopar.parallel cut this rank's experts to)
+    out = {}
+    for fqn in params.experts:
+        rows = params.entries[fqn].shape
+        out[fqn] = (part * rows[0], torch.Size((rows[0] * ep, *rows[1:])))
+    return out
+
+
+def _whole_shapes(pm) -> dict[str, list[int]]:
+    """Whole shapes of the parameters ``pm``'s model holds a part of (its experts under ep)."""
+    return {fqn: list(whole) for fqn, (_, whole) in _expert_parts(pm).items()}
+
+
+def _boxes(shard, mesh, shift: int = 0) -> list[tuple[tuple, tuple, int]]:
+    """The boxes of the whole parameter this rank's optimizer tensor holds: (offsets, sizes, start
+    in the flattened tensor); ``shift`` moves them along dim 0 (an expert part's rows)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     pls = _placements(shard, mesh)
-    if shard.flat_range is None:
-        stride = torch.empty(shard.shape, device="meta").stride()
-        return DTensor.from_local(tensor, mesh, pls, run_check=False, shape=shard.shape, stride=stride)
     _, offset = compute_local_shape_and_global_offset(shard.shape, mesh, pls)  # the tp shard's corner
+    offset = (offset[0] + shift, *offset[1:]) if offset else offset
+    if shard.flat_range is None:
+        return [(tuple(offset), tuple(shard.local_shape), 0)]
     start, stop = shard.flat_range
-    boxes = [(tuple(a + b for a, b in zip(o, offset)), s, f - start)
-             for o, s, f in flat_boxes(tuple(shard.local_shape), start, stop)]
-    return FlatShard(tensor.reshape(-1), shard.shape, boxes)
+    return [(tuple(a + b for a, b in zip(o, offset)), s, f - start)
+            for o, s, f in flat_boxes(tuple(shard.local_shape), start, stop)]
+
+
+def _layout(shard, tensor: torch.Tensor, mesh, expert: tuple[int, torch.Size] | None = None) -> DTensor | FlatShard:
+    """``tensor`` (the optimizer's parameter or one of its state tensors) as DCP sees it;
+    ``expert``: (dim-0 offset, whole shape) of an expert part (:func:`_expert_parts`)."""
+    if shard.flat_range is None and expert is None:
+        stride = torch.empty(shard.shape, device="meta").stride()
+        return DTensor.from_local(tensor, mesh, _placements(shard, mesh), run_check=False, shape=shard.shape,
+                                  stride=stride)
+    shift, whole = expert or (0, shard.shape)
+    if not tensor.is_contiguous():  # (loading writes into views of it)
+        raise CheckpointError(f"a parameter part of shape {tuple(tensor.shape)} is not contiguous; autopar "
+                              f"cannot describe it to DCP")
+    return FlatShard(tensor.reshape(-1), whole, _boxes(shard, mesh, shift))
 
 
 def _state_dict(pm, *, metadata=None, copy: bool = False) -> tuple[dict[str, Any], dict]:
@@ -191,9 +230,10 @@ def _state_dict(pm, *, metadata=None, copy: bool = False) -> tuple[dict[str, Any
     out: dict[str, Any] = {}
     install: dict = {}
     clone = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
+    experts = _expert_parts(pm)
     for fqn in pm.params.entries:
         shard = pm.params.optimizer_shard(fqn)
-        out[f"model/{fqn}"] = _layout(shard, clone(shard.param), pm.mesh)
+        out[f"model/{fqn}"] = _layout(shard, clone(shard.param), pm.mesh, experts.get(fqn))
         state = dict(pm.optimizer.state.get(shard.param, {}))
         if metadata is not None and not state:  # a fresh optimizer: create the state to load into
             prefix = f"optim/{fqn}/"
@@ -201,6 +241,8 @@ def _state_dict(pm, *, metadata=None, copy: bool = False) -> tuple[dict[str, Any
                 if not key.startswith(prefix):
                     continue
                 if isinstance(md, TensorStorageMetadata) and md.size == shard.shape:
+                    state[key[len(prefix):]] = torch.zeros_like(shard.param, dtype=md.properties.dtype)
+                elif isinstance(md, TensorStorageMetadata) and fqn in experts and md.size == experts[fqn][1]:
                     state[key[len(prefix):]] = torch.zeros_like(shard.param, dtype=md.properties.dtype)
                 elif isinstance(md, TensorStorageMetadata):
                     state[key[len(prefix):]] = torch.zeros(md.size, dtype=md.properties.dtype)
@@ -210,7 +252,7 @@ def _state_dict(pm, *, metadata=None, copy: bool = False) -> tuple[dict[str, Any
         for name, value in state.items():
             key = f"optim/{fqn}/{name}"
             if isinstance(value, torch.Tensor) and value.shape == shard.param.shape and value.dim() > 0:
-                out[key] = _layout(shard, clone(value), pm.mesh)
+                out[key] = _layout(shard, clone(value), pm.mesh, experts.get(fqn))
             else:
                 out[key] = clone(value) if isinstance(value, torch.Tensor) else value
     for name, buf in pm.model.named_buffers():
@@ -270,7 +312,6 @@ def save(pm, root: str | os.PathLike, *, state: dict | None = None, async_save: 
     written in a thread while training goes on; otherwise this returns when it is published."""
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive number of checkpoints to keep, got {keep!r}")
-    _refuse_ep(pm)
     for name, obj in (state or {}).items():
         if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
             raise TypeError(f"state[{name!r}] is a {type(obj).__name__}, which has no state_dict/load_state_dict; "
@@ -291,7 +332,7 @@ def save(pm, root: str | os.PathLike, *, state: dict | None = None, async_save: 
     sd, _ = _state_dict(pm, copy=async_save)
     meta = {"format": FORMAT, "step": pm.steps, "world": dist.get_world_size(), "plan": pm.plan.to_json(),
             "model": type(pm.model).__name__, "optimizer": type(pm.optimizer).__name__,
-            "params": {f: list(p.shape) for f, p in pm.model.named_parameters()},
+            "params": {f: list(p.shape) for f, p in pm.model.named_parameters()} | _whole_shapes(pm),
             "aliases": _aliases(pm.model)}
 
     def write() -> None:
@@ -370,7 +411,7 @@ def load(pm, path: str | os.PathLike, *, state: dict | None = None) -> None:
     if src.kind == "checkpoint":
         meta = read_meta(src.path)
         check_files(src.path, meta)
-        check_model(src.path, meta, pm.model, optimizer=None)
+        check_model(src.path, meta, pm.model, optimizer=None, whole=_whole_shapes(pm))
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         own = src.path / f"rank-{rank:05d}.pt"
         extra = torch.load(own if own.exists() else src.path / "rank-00000.pt", weights_only=False)
@@ -388,25 +429,16 @@ def load(pm, path: str | os.PathLike, *, state: dict | None = None) -> None:
         load_shards(pm)
 
 
-def _refuse_ep(pm) -> None:
-    """Shards are laid out by tp placement and ZeRO slice; an expert parallel rank's experts are
-    neither, so saving them as such would write the wrong rows: refused until the layout has ep."""
-    if getattr(pm, "ep", 1) > 1:
-        raise CheckpointError(f"checkpoints under expert parallelism (ep={pm.ep}) are not supported yet; "
-                              f"train without ep to save or load checkpoints")
-
-
 def load_shards(pm) -> None:
     """Load the pending checkpoint's shards into the compiled ``pm`` (a collective)."""
     src, pm._pending_checkpoint = pm._pending_checkpoint, None
     if src is None:
         return
-    _refuse_ep(pm)
     _wait_for_saves()
     with torch.no_grad():
         if src.kind == "checkpoint":
             meta = read_meta(src.path)
-            check_model(src.path, meta, pm.model, optimizer=type(pm.optimizer).__name__)
+            check_model(src.path, meta, pm.model, optimizer=type(pm.optimizer).__name__, whole=_whole_shapes(pm))
             reader = FileSystemReader(src.path)
             sd, install = _state_dict(pm, metadata=reader.read_metadata())
             sd = {k: v for k, v in sd.items() if not k.startswith("buffer/")}
@@ -431,20 +463,12 @@ def load_shards(pm) -> None:
 
 def _load_full(pm, src) -> None:
     """Whole tensors (torch.save, safetensors): each rank copies only the boxes it holds."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    tensors = full_source(src, pm.model)
+    experts = _expert_parts(pm)
+    tensors = full_source(src, pm.model, _whole_shapes(pm))
     for fqn in pm.params.entries:
         shard = pm.params.optimizer_shard(fqn)
         get = tensors[fqn]
-        pls = _placements(shard, pm.mesh)
-        size, offset = compute_local_shape_and_global_offset(shard.shape, pm.mesh, pls)
-        if shard.flat_range is None:
-            boxes = [(tuple(offset), tuple(size), 0)]
-        else:
-            start, stop = shard.flat_range
-            boxes = [(tuple(a + b for a, b in zip(o, offset)), s, f - start)
-                     for o, s, f in flat_boxes(tuple(shard.local_shape), start, stop)]
+        boxes = _boxes(shard, pm.mesh, experts.get(fqn, (0, None))[0])
         flat = shard.param.data.reshape(-1)
         for o, s, start in boxes:
             n = 1

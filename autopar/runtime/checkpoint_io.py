@@ -95,9 +95,11 @@ def _shape(shape) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ")"
 
 
-def check_names_and_shapes(path: Path, saved: dict[str, list[int]], model: torch.nn.Module, what: str) -> None:
-    """The saved parameters are this model's, with this model's shapes."""
-    mine = {f: list(p.shape) for f, p in model.named_parameters()}
+def check_names_and_shapes(path: Path, saved: dict[str, list[int]], model: torch.nn.Module, what: str,
+                           whole: dict[str, list[int]] | None = None) -> None:
+    """The saved parameters are this model's, with this model's shapes (``whole``: the whole
+    shapes of parameters the model holds a part of, e.g. its experts under expert parallelism)."""
+    mine = {f: list(p.shape) for f, p in model.named_parameters()} | (whole or {})
     absent = [f for f in mine if f not in saved]
     if absent:
         extra = [f for f in saved if f not in mine]
@@ -114,16 +116,19 @@ def check_names_and_shapes(path: Path, saved: dict[str, list[int]], model: torch
                               f"checkpoint's sizes")
 
 
-def check_model(path: Path, meta: dict, model: torch.nn.Module, *, optimizer: str | None) -> None:
-    check_names_and_shapes(path, meta["params"], model, "checkpoint")
+def check_model(path: Path, meta: dict, model: torch.nn.Module, *, optimizer: str | None,
+                whole: dict[str, list[int]] | None = None) -> None:
+    check_names_and_shapes(path, meta["params"], model, "checkpoint", whole)
     if optimizer is not None and meta["optimizer"] != optimizer:
         raise CheckpointError(f"checkpoint {path} holds {meta['optimizer']} state, this run's optimizer is a "
                               f"{optimizer}; use the same optimizer, or export the weights and load them alone")
 
 
-def full_source(src: Source, model: torch.nn.Module) -> dict[str, Callable[[tuple[slice, ...]], torch.Tensor]]:
+def full_source(src: Source, model: torch.nn.Module, whole: dict[str, list[int]] | None = None
+                ) -> dict[str, Callable[[tuple[slice, ...]], torch.Tensor]]:
     """Per parameter name of ``model``, a function reading a box of the whole tensor from ``src``
-    (safetensors and mmap'ed torch.save files read only the bytes asked for)."""
+    (safetensors and mmap'ed torch.save files read only the bytes asked for); ``whole`` as in
+    :func:`check_names_and_shapes`."""
     if src.kind == "torch":
         try:
             sd = torch.load(src.path, mmap=True, weights_only=True, map_location="cpu")
@@ -153,5 +158,5 @@ def full_source(src: Source, model: torch.nn.Module) -> dict[str, Callable[[tupl
         f = canonical[id(p)]
         if f not in shapes and name in shapes:
             shapes[f], getters[f] = shapes[name], getters[name]
-    check_names_and_shapes(src.path, shapes, model, "weights")
+    check_names_and_shapes(src.path, shapes, model, "weights", whole)
     return getters

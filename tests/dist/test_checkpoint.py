@@ -6,8 +6,9 @@ last gradients and the final parameters must be as accurate as 5 uninterrupted s
 one process (the ``parallel_compare`` rule; the reference trains alongside across both
 plans). AdamW's state must come along: restarted moments would move every parameter by
 about lr on the 4th step, thousands of times the tolerance. Pairs: DP4 -> TP2xDP2,
-ZeRO-3 DP4 -> PP2xDP2 (ZeRO-1), TP2xDP2 -> ZeRO-1 DP4 in one 4-rank world, and PP4 -> one
-process (a 1-rank world). The 1-rank world also checks keep=, async_save (the checkpoint
+ZeRO-3 DP4 -> PP2xDP2 (ZeRO-1), TP2xDP2 -> ZeRO-1 DP4 and, for the MoE example, ep=2 over
+dp=4 -> ep=4 (each rank loads other experts' rows than it saved) in one 4-rank world, and
+PP4 -> one process (a 1-rank world). The 1-rank world also checks keep=, async_save (the checkpoint
 holds the step it was taken at while training goes on) and export to one torch.save file
 and back. Bad checkpoints are checked in this process: one CheckpointError line each.
 """
@@ -31,8 +32,13 @@ def _optimizer(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-5)  # eps: see test_parallel.py
 
 
-def _build(seed=0):
+def _build(seed=0, name=""):
+    """The GPT example; for pairs named moe_*, the MoE example (2 blocks of 8 experts, shared expert)."""
     sys.path.insert(0, EXAMPLES)
+    if name.startswith("moe"):
+        import moe
+
+        return moe.build(size="tiny", batch=8, n_layers=2, shared_expert=True, aux_loss=0.01, seed=seed)
     import gpt
 
     return gpt.build(size="tiny", batch=8, n_layer=4, seed=seed)
@@ -46,7 +52,7 @@ def _resume(rank, world, root, pairs):
     out = {}
     for name, a, b in pairs:
         torch.manual_seed(0)
-        model, inputs, loss_fn, target = _build()
+        model, inputs, loss_fn, target = _build(name=name)
         reference = Reference(model, _optimizer)
         run = lambda pm: pm.train_step(inputs, target)  # noqa: E731
         run_ref = lambda ref, like: loss_fn(ref(*like(inputs)), like(target))  # noqa: E731
@@ -58,19 +64,19 @@ def _resume(rank, world, root, pairs):
             saved = pm.state_dict()  # (a file: tensors returned across processes need the sender alive)
             if rank == 0:
                 torch.save(saved, f"{root}/{name}-saved.pt")
-            r["mesh_a"] = pm.plan.mesh
+            r["mesh_a"], r["ep_a"] = pm.plan.mesh, pm.ep
         else:
             for _ in range(BEFORE):
                 reference.step(run_ref)
         if b is None:
             continue
-        other, *_ = _build(seed=1)
+        other, *_ = _build(seed=1, name=name)
         pm = autopar.parallelize(other, cluster=b[0], loss_fn=loss_fn, optimizer=_optimizer, fixed=b[1],
                                  resume_from=f"{root}/{name}")
         r["losses_b"] = train_alongside(pm, reference, steps=AFTER, run=run, run_reference=run_ref)
         r["grad_err"], r["param_err"] = errors(pm, reference)
         r["adam_steps"] = sorted({float(s["step"]) for s in pm.optimizer.state.values()})
-        r["steps"], r["mesh_b"], r["zero_b"] = pm.steps, pm.plan.mesh, pm.plan.zero
+        r["steps"], r["mesh_b"], r["zero_b"], r["ep_b"] = pm.steps, pm.plan.mesh, pm.plan.zero, pm.ep
         if world == 1:
             r.update(_single_process_extras(pm, root, run))
     return out
@@ -105,6 +111,9 @@ FOUR = [
      ("1x4xcpu", {"pp": 2, "dp": 2, "tp": 1, "zero": 1, "microbatches": 2})),
     ("tp2xdp2_to_zero1", (tp_friendly_cluster("1x4xcpu"), {"dp": 2, "tp": 2}), ("1x4xcpu", {"dp": 4, "zero": 1})),
     ("pp4_to_one", ("1x4xcpu", {"pp": 4, "dp": 1, "tp": 1, "microbatches": 4}), None),
+    # experts cut in 2 parts (2 replicas each) -> in 4 parts: every rank loads other experts' rows
+    ("moe_ep2_to_ep4", ("1x4xcpu", {"dp": 4, "ep": 2, "microbatches": 1}),
+     ("1x4xcpu", {"dp": 4, "ep": 4, "microbatches": 1})),
 ]
 
 
@@ -137,6 +146,7 @@ def test_plans_are_the_pinned_ones(worlds):
     assert (r["zero3_to_pp2xdp2"]["mesh_b"]["pp"], r["zero3_to_pp2xdp2"]["zero_b"]) == (2, 1)
     assert (r["tp2xdp2_to_zero1"]["mesh_b"]["dp"], r["tp2xdp2_to_zero1"]["zero_b"]) == (4, 1)
     assert r["pp4_to_one"]["mesh_a"]["pp"] == 4
+    assert (r["moe_ep2_to_ep4"]["ep_a"], r["moe_ep2_to_ep4"]["ep_b"]) == (2, 4)
 
 
 def test_keep_async_and_export_round_trip(worlds):
@@ -148,12 +158,15 @@ def test_keep_async_and_export_round_trip(worlds):
     assert r["import_diff"] == 0.0
 
 
-def test_export_holds_the_saved_parameters(worlds, tmp_path):
+@pytest.mark.parametrize("name", ["pp4_to_one", "moe_ep2_to_ep4"])
+def test_export_holds_the_saved_parameters(worlds, tmp_path, name):
+    """The files hold whole parameters, experts included (saved under ep, each rank holding a
+    part): exported to one torch.save file they equal ``state_dict()`` at the save."""
     from autopar.runtime.checkpoint import export_state_dict
 
     root, four, one = worlds
-    saved = torch.load(root / "pp4_to_one-saved.pt", weights_only=True)
-    plain = torch.load(export_state_dict(root / "pp4_to_one", tmp_path / "m.pt"), weights_only=True)
+    saved = torch.load(root / f"{name}-saved.pt", weights_only=True)
+    plain = torch.load(export_state_dict(root / name, tmp_path / "m.pt"), weights_only=True)
     assert sorted(plain) == sorted(saved)
     for k in saved:
         assert torch.equal(plain[k], saved[k]), k
