@@ -111,9 +111,15 @@ _RETRY_S = 0.1
 raised while Python runs a weakref or garbage-collector callback is printed and dropped (seen
 in CI: gpt_neo went on to plan), so one alarm is not enough."""
 _fired = [False]
+_armed = [False]
+"""Whether the alarm may raise: cleared first thing when planning ends, so a repeat alarm that
+lands while the row is being finished (seen: inside the ``finally`` that stops the timer,
+killing the worker) is ignored."""
 
 
 def _alarm(signum, frame):
+    if not _armed[0]:
+        return
     _fired[0] = True
     raise _OverTime
 
@@ -139,7 +145,7 @@ def plan_one(kind: str, model_type: str, class_name: str, timeout_s: float = 0) 
         return timed(outcome="not tiny", error=f"{type(e).__name__}: {_error_line(e)}")
     if timeout_s > 0:
         handler = signal.signal(signal.SIGPROF, _alarm)
-        _fired[0] = False
+        _fired[0], _armed[0] = False, True
         signal.setitimer(signal.ITIMER_PROF, timeout_s, _RETRY_S)
     try:
         plan = autopar.plan(model, inputs, cluster="1x8xH100")
@@ -155,6 +161,7 @@ def plan_one(kind: str, model_type: str, class_name: str, timeout_s: float = 0) 
         inner = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(tb) if "/autopar/" in f.filename), "")
         fields = dict(outcome="crashed", error=f"{type(e).__name__} at {inner}: {_error_line(e)}")
     finally:
+        _armed[0] = False
         if timeout_s > 0:
             signal.setitimer(signal.ITIMER_PROF, 0)
             signal.signal(signal.SIGPROF, handler)
@@ -169,7 +176,14 @@ def _quiet() -> None:
 
 
 def _plan_job(job: tuple[str, str, str, float]) -> dict:
-    return plan_one(*job)
+    try:
+        return plan_one(*job)
+    except _OverTime:  # the alarm landed between the end of planning and the disarm: over time all the same
+        _armed[0] = False
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        kind, model_type, class_name, timeout_s = job
+        return {"kind": kind, "model_type": model_type, "class": class_name, "outcome": "over time",
+                "error": f"still planning after {timeout_s:g} CPU seconds"}
 
 
 def plan_all(rows: list[tuple[str, str, str]], *, jobs: int, timeout_s: float) -> Iterator[dict]:
@@ -179,9 +193,12 @@ def plan_all(rows: list[tuple[str, str, str]], *, jobs: int, timeout_s: float) -
         yield from map(_plan_job, work)
         return
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
 
-    with mp.get_context("spawn").Pool(jobs, initializer=_quiet) as pool:
-        yield from pool.imap(_plan_job, work)
+    # (not multiprocessing.Pool: a worker that dies leaves Pool.imap waiting for ever; the
+    # executor raises BrokenProcessPool instead)
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_quiet) as pool:
+        yield from pool.map(_plan_job, work)
 
 
 def _optimizer(params):

@@ -91,3 +91,23 @@ def test_a_swallowed_alarm_still_counts_as_over_time(coverage, monkeypatch):
     (row,) = [coverage.plan_one(k, t, c, timeout_s=0.1) for k, t, c in coverage.architectures(["causal"], {"gpt2"}, 1)]
     assert row["outcome"] == "over time", row
     assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
+
+
+def test_a_late_alarm_neither_kills_the_worker_nor_hangs_the_bench(coverage, monkeypatch):
+    """The budget's alarm repeats every 0.1 CPU s until disarmed; once planning has ended it is
+    ignored (a run once died with the alarm raised inside the finally that stops the timer, and
+    multiprocessing.Pool then waited for ever). If one lands before the disarm all the same, the
+    job still returns an "over time" row."""
+    coverage._armed[0] = False
+    assert coverage._alarm(signal.SIGPROF, None) is None  # disarmed: ignored
+    coverage._armed[0] = True
+    with pytest.raises(coverage._OverTime):
+        coverage._alarm(signal.SIGPROF, None)
+
+    def late(*job):
+        raise coverage._OverTime
+
+    monkeypatch.setattr(coverage, "plan_one", late)
+    row = coverage._plan_job(("causal", "gpt2", "GPT2LMHeadModel", 60.0))
+    assert row["outcome"] == "over time" and row["model_type"] == "gpt2", row
+    assert not coverage._armed[0] and signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
