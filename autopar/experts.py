@@ -242,14 +242,18 @@ def hf_experts_supported(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a transformers experts module autopar runs as :func:`moe_experts`:
     gated SiLU (``silu(x W_gate) * x W_up``, then ``W_down``), [gate; up] stacked in
     ``gate_up_proj`` (E, 2f, d), ``down_proj`` (E, d, f), no biases or post-expert norm."""
-    try:
-        from transformers.activations import SiLUActivation
-        from transformers.integrations.moe import _default_apply_gate
-    except ImportError:
+    import sys
+
+    # An experts module of transformers was built by a class its moe integration decorated, so that
+    # module is loaded already; when it is not, nothing here is one (and transformers, seconds to
+    # import, is not imported for the models that are not Hugging Face's).
+    moe, activations = sys.modules.get("transformers.integrations.moe"), sys.modules.get("transformers.activations")
+    if moe is None or activations is None:
         return False
     flags = ("has_gate", "is_concatenated", "is_transposed", "has_bias", "has_post_expert_norm")
     if not all(hasattr(module, f) for f in flags) or not isinstance(getattr(module, "num_experts", None), int):
         return False
+    _default_apply_gate, SiLUActivation = moe._default_apply_gate, activations.SiLUActivation
     if not module.has_gate or not module.is_concatenated or module.is_transposed or module.has_bias \
             or module.has_post_expert_norm or type(module)._apply_gate is not _default_apply_gate \
             or not isinstance(getattr(module, "act_fn", None), (torch.nn.SiLU, SiLUActivation)):

@@ -384,3 +384,15 @@ def test_runners_up_name_their_ep():
               "microbatches": 8, "microbatch_size": 2}
     assert config_words({**config, "ep": 8}) == "tp=1 pp=4 dp=16 zero=0 recompute=selective 1f1b 8x2 ep=8"
     assert "ep=" not in config_words(config) and "ep=" not in config_words({**config, "ep": 1})
+
+
+def test_looking_for_hf_experts_does_not_import_transformers():
+    """Every trace asks each module whether it is a Hugging Face experts module; for models that
+    are not Hugging Face's that must not import transformers (seconds per process: it once
+    made every spawned rank of the suite import it)."""
+    import subprocess
+
+    code = ("import sys, torch; from autopar.experts import hf_experts_supported; "
+            "assert not hf_experts_supported(torch.nn.Linear(2, 2)); print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
