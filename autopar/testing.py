@@ -91,7 +91,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
+# What a rank imports anyway (torch, the distributed runtime, the planner, dynamo and AOTAutograd
+# for the trace): about 5 CPU-seconds a process. spawn_world's ranks are forked from a server
+# process that imported them once (multiprocessing's forkserver), instead of each importing them
+# again in a fresh interpreter: the multi-process tests start a few hundred ranks.
+_PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+            "torch._functorch.aot_autograd", "autopar.parallel", "autopar.planner.make")
+
+
+def _context(start_method: str):
+    import torch.multiprocessing as mp  # here, not at the top: golden-plan tests need no torch import
+
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(_PRELOAD))  # (takes effect when the server starts: first call)
+    return ctx
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, environ: dict,
+           forked: bool) -> None:
+    # A forked rank inherits the server's environment of when it started; give it the caller's,
+    # as a spawned one would have.
+    os.environ.clear()
+    os.environ.update(environ)
     # TORCHELASTIC_USE_AGENT_STORE: every rank is a client of the store the parent hosts, as under
     # torchrun, so the store outlives any rank (a killed rank 0 included).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -100,9 +122,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -
 
     try:
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        queue.put((rank, "ok", (result, _own_cpu_s() if forked else 0.0)))
     except BaseException as e:  # report every failure to the parent
-        queue.put((rank, "error", (f"{type(e).__name__}: {e}", traceback.format_exc())))
+        queue.put((rank, "error", (f"{type(e).__name__}: {e}", traceback.format_exc(), _own_cpu_s() if forked else 0.0)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -124,7 +146,7 @@ class RankOutcome:
 
 
 def spawn_world(fn: Callable, world: int, *args: Any, timeout_s: float = 900.0,
-                allow_failures: bool = False) -> list[Any]:
+                allow_failures: bool = False, start_method: str = "forkserver") -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; their results in rank order.
 
     The parent hosts the c10d store (as torchrun's agent does), so it outlives every rank.
@@ -138,14 +160,21 @@ def spawn_world(fn: Callable, world: int, *args: Any, timeout_s: float = 900.0,
     its traceback or exit code; with ``allow_failures=True`` every rank runs to its end and
     the call returns one :class:`RankOutcome` per rank instead (a rank still running after
     ``timeout_s`` without progress is killed and reported as hung).
+
+    Ranks start as multiprocessing's ``start_method`` says: by default forked from a server
+    that has torch and autopar imported (each rank then skips seconds of imports; the server's
+    imports happen once per calling process), with the caller's environment variables; pass
+    ``"spawn"`` for fresh interpreters (what a start-up benchmark should time).
     """
     import torch.distributed as dist
-    import torch.multiprocessing as mp  # here, not at the top: golden-plan tests need no torch import
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = _context(start_method)
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(r, world, store.port, fn, args, queue)) for r in range(world)]
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(r, world, store.port, fn, args, queue, environ,
+                                                   start_method == "forkserver"))
+             for r in range(world)]
     for p in procs:
         p.start()
     outcomes: dict[int, RankOutcome] = {}
@@ -193,6 +222,24 @@ def spawn_world(fn: Callable, world: int, *args: Any, timeout_s: float = 900.0,
     return [outcomes[r].value for r in range(world)]
 
 
+_RANKS_CPU_S = 0.0
+
+
+def ranks_cpu_seconds() -> float:
+    """CPU seconds used so far by the ranks of this process's :func:`spawn_world` calls (as each
+    rank reported when its ``fn`` ended) under the forkserver start method: such a rank is not
+    this process's child, so ``RUSAGE_CHILDREN`` misses it; the suite's CPU log
+    (tests/conftest.py) adds this. (Spawned ranks are children, reaped and counted there.)"""
+    return _RANKS_CPU_S
+
+
+def _own_cpu_s() -> float:
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return own.ru_utime + own.ru_stime
+
+
 def _cpu_seconds(procs) -> float | None:
     """User + system CPU seconds the live rank processes have used so far; None without /proc."""
     total = 0.0
@@ -209,8 +256,11 @@ def _cpu_seconds(procs) -> float | None:
 
 
 def _outcome(rank: int, status: str, value: Any, procs) -> RankOutcome:
+    global _RANKS_CPU_S
+    *value, cpu = value
+    _RANKS_CPU_S += cpu
     if status == "ok":
-        return RankOutcome(rank, ok=True, value=value)
+        return RankOutcome(rank, ok=True, value=value[0])
     error, tb = value
     return RankOutcome(rank, ok=False, error=error, traceback=tb, exitcode=procs[rank].exitcode)
 

@@ -4,18 +4,27 @@ pytest_plugins = ["autopar.pytest_plugin"]
 
 import os
 import resource
+import sys
 
 import pytest
 
+# Reuse traces within a process (autopar.passes.trace_cache): the multi-process tests train one
+# example under many layouts per world, and the golden plans plan one model for several clusters;
+# about half of those tests' CPU was tracing the same graph again. Inherited by spawned ranks.
+# tests/test_trace_cache.py checks what may and may not hit.
+os.environ.setdefault("AUTOPAR_TRACE_CACHE", "1")
+
 _CPU_LOG = os.environ.get("AUTOPAR_TEST_CPU")
-"""A file to append each test phase's CPU seconds to (this process and its reaped children):
+"""A file to append each test phase's CPU seconds to (this process, its reaped children and the
+ranks autopar.testing.spawn_world forked):
 the suite's cost on a 2-core CI machine is its CPU time, which wall-clock durations on a
 loaded machine do not show."""
 
 
 def _cpu_s() -> float:
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    ranks = sys.modules.get("autopar.testing")  # (imported by the tests that spawn ranks)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + (ranks.ranks_cpu_seconds() if ranks else 0.0)
 
 
 def _timed(phase: str, item):

@@ -36,6 +36,7 @@ from torch import fx, nn
 
 from autopar.errors import InputError, LossError
 from autopar.passes import meta_keys as mk
+from autopar.passes import trace_cache
 from autopar.passes.train_checks import check_trainable, checked_loss
 from autopar.passes.trace_errors import CACHE_OBJECT, trace_error
 
@@ -81,6 +82,15 @@ def trace_joint(
     check_trainable(model, names, flat, example_target)
     if example_target is not None:
         names, flat = names + ("target",), flat + [example_target]
+    key = None
+    if trace_cache.enabled():
+        key = trace_cache.trace_key(model, names, flat, loss_fn, (
+            collapse_repeats, param_dtype, fake_device and torch.device(fake_device), len(kw_names),
+            example_target is not None))
+        if (gm := trace_cache.lookup(key)) is not None:
+            log.info("traced %s: reused the trace of an identical model, inputs and loss (%s)",
+                     type(model).__name__, trace_cache.ENV)
+            return gm
     repeats = _find_repeats(model) if collapse_repeats else ()
     n_params = sum(p.numel() for p in model.parameters())
     wrapper = _TrainStep(model, loss_fn, n_pos=len(flat) - len(kw_names) - (example_target is not None),
@@ -115,6 +125,7 @@ def trace_joint(
         module_classes={name: type(m).__name__ for name, m in model.named_modules()})
     log.info("traced %s: %d nodes, %d params, repeats=%s", type(model).__name__,
              len(gm.graph.nodes), n_params, [(r.container, r.count) for r in repeats])
+    trace_cache.store(key, gm)
     return gm
 
 
