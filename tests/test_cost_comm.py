@@ -159,3 +159,45 @@ def test_bucketed_link_has_no_latency():
     from dataclasses import replace
     link = replace(group_link(group_size=8, stride=1, devices_per_node=8, device=H100), latency_s=0.0)
     assert all_reduce_s(0, 8, link) == 0.0
+
+
+def test_context_attention_ring_hides_hops_behind_block_compute():
+    from autopar.cost.comm import context_attention_cost, context_kv_bytes, p2p_s
+
+    link = Link(bytes_per_s=100e9, latency_s=5e-6)
+    kv, dkv = context_kv_bytes(batch=1, kv_heads=8, seq_local=8192, head_dim=128, elem_bytes=2)
+    assert (kv, dkv) == (2 * 8 * 8192 * 128 * 2, 2 * 8 * 8192 * 128 * 4)
+    hop_f, hop_b, last = p2p_s(kv, link), p2p_s(kv + dkv, link), p2p_s(dkv, link)
+    cp = 4
+    # compute-bound: every hop hidden, only the gradients' last hop home is exposed
+    slow = context_attention_cost(variant="ring", cp=cp, kv_bytes=kv, dkv_bytes=dkv, forward_s=1.0,
+                                  backward_s=2.0, link=link)
+    assert slow.forward_exposed_s == 0 and slow.backward_exposed_s == pytest.approx(last)
+    assert slow.forward_comm_s == pytest.approx(3 * hop_f) and slow.backward_comm_s == pytest.approx(3 * hop_b + last)
+    # communication-bound: each hop exposed by what it takes beyond one step's compute
+    fast = context_attention_cost(variant="ring", cp=cp, kv_bytes=kv, dkv_bytes=dkv, forward_s=4e-5,
+                                  backward_s=8e-5, link=link)
+    assert fast.forward_exposed_s == pytest.approx(3 * (hop_f - 1e-5))
+    assert fast.backward_exposed_s == pytest.approx(3 * (hop_b - 2e-5) + last)
+    # compute slowed under overlap: a hidden hop still costs hop x (1 - 1/slowdown)
+    shared = context_attention_cost(variant="ring", cp=cp, kv_bytes=kv, dkv_bytes=dkv, forward_s=1.0,
+                                    backward_s=2.0, link=link, overlap_slowdown=1.25)
+    assert shared.forward_exposed_s == pytest.approx(3 * hop_f * 0.2)
+
+
+def test_context_attention_allgather_hides_nothing_and_cp1_costs_nothing():
+    from autopar.cost.comm import all_gather_s, context_attention_cost, reduce_scatter_s
+
+    link = Link(bytes_per_s=100e9, latency_s=5e-6)
+    kv, dkv = 1e6, 2e6
+    ag = context_attention_cost(variant="allgather", cp=4, kv_bytes=kv, dkv_bytes=dkv, forward_s=1.0,
+                                backward_s=2.0, link=link)
+    assert ag.forward_exposed_s == pytest.approx(all_gather_s(4 * kv, 4, link))
+    assert ag.backward_exposed_s == pytest.approx(all_gather_s(4 * kv, 4, link) + reduce_scatter_s(4 * dkv, 4, link))
+    assert ag.exposed_s == ag.forward_comm_s + ag.backward_comm_s
+    none = context_attention_cost(variant="ring", cp=1, kv_bytes=kv, dkv_bytes=dkv, forward_s=1.0, backward_s=2.0,
+                                  link=link)
+    assert none.exposed_s == 0 and none.forward_comm_s == 0
+    with pytest.raises(ValueError, match="variant 'ulysses'"):
+        context_attention_cost(variant="ulysses", cp=2, kv_bytes=kv, dkv_bytes=dkv, forward_s=1.0, backward_s=1.0,
+                               link=link)

@@ -63,6 +63,9 @@ __all__ = [
     "all_reduce_s",
     "all_to_all_s",
     "broadcast_s",
+    "ContextAttentionCost",
+    "context_attention_cost",
+    "context_kv_bytes",
     "expert_all_to_all_bytes",
     "expert_all_to_all_s",
     "group_link",
@@ -204,6 +207,73 @@ def expert_all_to_all_s(*, rows: float, width: int, elem_bytes: int, n_experts: 
     ``ep`` ranks on ``link`` (each message an :func:`all_to_all_s`)."""
     fwd, bwd = expert_all_to_all_bytes(rows=rows, width=width, elem_bytes=elem_bytes, n_experts=n_experts)
     return (sum(all_to_all_s(m, ep, link) for m in fwd), sum(all_to_all_s(m, ep, link) for m in bwd))
+
+
+def context_kv_bytes(*, batch: int, kv_heads: int, seq_local: int, head_dim: int, elem_bytes: int,
+                     grad_bytes: int = 4) -> tuple[float, float]:
+    """(K/V block, K/V gradient block) bytes one rank holds of one attention layer under cp:
+    K and V of its ``seq_local`` tokens, and their gradient accumulators, which
+    :mod:`autopar.context` keeps in fp32 (``grad_bytes``) while they travel."""
+    elems = 2 * batch * kv_heads * seq_local * head_dim
+    return elems * elem_bytes, elems * grad_bytes
+
+
+@dataclass(frozen=True)
+class ContextAttentionCost:
+    """What exchanging K/V costs one attention layer on the busiest cp rank (seconds)."""
+
+    variant: str
+    """"ring" or "allgather" (:mod:`autopar.context`)."""
+    forward_comm_s: float
+    backward_comm_s: float
+    """Time on the link, whether or not compute hides it."""
+    forward_exposed_s: float
+    backward_exposed_s: float
+    """What compute does not hide: the ring hides each hop behind the block computed meanwhile;
+    the all-gather variant hides nothing (it gathers before computing)."""
+
+    @property
+    def exposed_s(self) -> float:
+        return self.forward_exposed_s + self.backward_exposed_s
+
+
+def context_attention_cost(*, variant: str, cp: int, kv_bytes: float, dkv_bytes: float, forward_s: float,
+                           backward_s: float, link: Link, overlap_slowdown: float = 1.0) -> ContextAttentionCost:
+    """K/V exchange of one attention layer over a cp group of ``cp`` ranks on ``link``.
+
+    ``kv_bytes``, ``dkv_bytes``: one rank's block (:func:`context_kv_bytes`); ``forward_s``,
+    ``backward_s``: the busiest rank's attention compute of the layer (all its blocks), of which
+    each ring step computes ``1/cp`` (exact for the balanced causal layout: every step is two
+    chunk pairs' work, the own block's two diagonals counting one; the contiguous layout's steps
+    differ, and this spreads them evenly).
+
+    Ring (as :mod:`autopar.context` runs it): forward ``cp - 1`` hops of one block, each sent
+    while the previous block computes, so a hop is exposed by what it takes beyond one step's
+    compute (slowed by ``overlap_slowdown`` while it overlaps); backward ``cp - 1`` hops of a
+    K/V block together with a gradient block, then one last hop of the gradient block that
+    nothing hides. All-gather: K/V gathered (``cp x kv_bytes``) before the forward and again
+    before the backward (it keeps no gathered copy), the gradients reduce-scattered after.
+    """
+    if variant not in ("ring", "allgather"):
+        raise ValueError(f"context attention variant {variant!r} is not 'ring' or 'allgather'")
+    if cp == 1:
+        return ContextAttentionCost(variant, 0.0, 0.0, 0.0, 0.0)
+    if variant == "allgather":
+        gather = all_gather_s(cp * kv_bytes, cp, link)
+        fwd, bwd = gather, gather + reduce_scatter_s(cp * dkv_bytes, cp, link)
+        return ContextAttentionCost(variant, fwd, bwd, fwd, bwd)
+    step_f, step_b = forward_s / cp, backward_s / cp
+    hop_f, hop_b, last = p2p_s(kv_bytes, link), p2p_s(kv_bytes + dkv_bytes, link), p2p_s(dkv_bytes, link)
+    if not overlap_slowdown >= 1:
+        raise ValueError(f"overlap_slowdown must be >= 1, got {overlap_slowdown!r}")
+
+    def exposed(hop: float, step: float) -> float:
+        # compute runs at 1/slowdown while the hop is on the link: it ends inside the hop
+        # (exposed: hop - step), or the hop cost it hop x (1 - 1/slowdown) of progress
+        return hop - step if step * overlap_slowdown <= hop else hop * (1 - 1 / overlap_slowdown)
+
+    return ContextAttentionCost(variant, (cp - 1) * hop_f, (cp - 1) * hop_b + last,
+                                (cp - 1) * exposed(hop_f, step_f), (cp - 1) * exposed(hop_b, step_b) + last)
 
 
 def broadcast_s(nbytes: float, group_size: int, link: Link) -> float:
