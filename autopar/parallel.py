@@ -171,6 +171,15 @@ def _resolve_device(cluster: Cluster, device: str | None) -> str:
     return device
 
 
+def _check_cp_runnable(cp: int | None) -> None:
+    """Context parallelism is planned and priced (``autopar.planner.context``) and its attention
+    op runs (``autopar.context``), but ``parallelize`` does not split sequences yet: say so
+    before any collective."""
+    if cp and cp > 1:
+        raise PlanError(f"cp={cp}: context parallelism is planned and priced (autopar.plan, `autopar plan --fix "
+                        f"cp={cp}`) but autopar.parallelize does not run it yet; drop cp to train")
+
+
 def _init_process_group(device: str, timeout_s: float) -> None:
     if dist.is_initialized():  # the caller's group keeps its own timeout; pipeline receives still use timeout_s
         return
@@ -444,9 +453,11 @@ class ParallelModule:
             from autopar.planner.search import Fixed
 
             fixed = Fixed.from_dict(self.fixed)
+            _check_cp_runnable(fixed.cp)
             check_ep_runnable(fixed.ep, pp=fixed.pp, meta_start=self.from_meta)
             check_batch_split(_batch_size(values), fixed)
         else:
+            _check_cp_runnable((self._given_plan.context or {}).get("cp"))
             check_ep_runnable(self._given_plan.experts.get("ep"), pp=self._given_plan.mesh.get("pp"),
                               meta_start=self.from_meta)
         bind_local_device(self.device)  # before the first collective: NCCL binds to the current GPU

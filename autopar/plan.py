@@ -12,8 +12,10 @@ Plan file keys (``"schema": 1``): ``mesh``, ``schedule``, ``zero``,
 ``recompute``, ``stages``, ``layers``, ``ops``, ``predicted``, ``solver``,
 ``communication``, ``cluster``, ``model``, ``fixed``, ``autopar_version``; ``experts``
 only under expert parallelism (``ep``, where the experts live, the all-to-all bytes:
-``autopar.planner.experts.experts_record``). ``ep`` is not a ``mesh`` key: it folds over
-``dp`` and does not multiply the world size.
+``autopar.planner.experts.experts_record``); ``context`` only under context parallelism
+(``cp``, the sequence layout and the key/value exchange: ``autopar.planner.context``). Neither
+``ep`` nor ``cp`` is a ``mesh`` key: each folds over ``dp`` and does not multiply the world size
+(under cp the batch is split over ``dp / cp`` groups).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ SCHEMA_VERSION = 1
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 
 _DICT_KEYS = ("mesh", "schedule", "layers", "ops", "predicted", "solver", "communication", "cluster", "model", "fixed",
-              "experts")
+              "experts", "context")
 """Top-level keys whose value is a JSON object."""
 
 
@@ -124,6 +126,8 @@ class Plan:
     fixed: dict[str, Any] = field(default_factory=dict)
     experts: dict[str, Any] = field(default_factory=dict)
     """Expert parallelism (empty without): ep, replicas, per-layer expert placement, all-to-all cost."""
+    context: dict[str, Any] = field(default_factory=dict)
+    """Context parallelism (empty without): cp, layout, sequence, tokens per rank, K/V exchange."""
     autopar_version: str = ""
     schema: int = SCHEMA_VERSION
     timings: dict[str, float] = field(default_factory=dict, compare=False)
@@ -137,6 +141,8 @@ class Plan:
             del out["sequence_parallel"]
         if not self.experts:  # absent means no expert parallelism, as above
             del out["experts"]
+        if not self.context:  # absent means no context parallelism
+            del out["context"]
         return out
 
     def to_json(self) -> str:
@@ -154,7 +160,7 @@ class Plan:
         if schema != SCHEMA_VERSION:
             raise PlanError(f"plan schema {schema!r} is not supported (this autopar reads schema {SCHEMA_VERSION})")
         names = {f.name for f in fields(cls)} - {"timings"}
-        optional = ("fixed", "autopar_version", "sequence_parallel", "experts")
+        optional = ("fixed", "autopar_version", "sequence_parallel", "experts", "context")
         missing = sorted(n for n in names if n not in data and n not in optional)
         if missing:
             raise PlanError(f"plan is missing keys: {', '.join(missing)}")
@@ -212,9 +218,17 @@ class Plan:
                                 f"{'exactly once' if v <= 1 else f'{v} times each'}")
         m, b = self.schedule.get("microbatches"), self.schedule.get("microbatch_size")
         batch = self.model.get("global_batch")
+        cp = self.context.get("cp", 1) if self.context else 1
+        if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+            problems.append(f"context cp={cp!r} must be an integer >= 1")
+            cp = 1
+        elif isinstance(self.mesh.get("dp"), int) and self.mesh["dp"] % cp:
+            problems.append(f"context cp={cp} does not divide dp={self.mesh['dp']} (cp folds over the dp ranks)")
+            cp = 1
         if isinstance(m, int) and isinstance(b, int) and isinstance(batch, int) and isinstance(self.mesh.get("dp"), int):
-            if m * b * self.mesh["dp"] != batch:
-                problems.append(f"microbatches {m} x microbatch_size {b} x dp {self.mesh['dp']} != global batch {batch}")
+            if m * b * (self.mesh["dp"] // cp) != batch:
+                groups = f"dp {self.mesh['dp']}" if cp == 1 else f"(dp {self.mesh['dp']} / cp {cp})"
+                problems.append(f"microbatches {m} x microbatch_size {b} x {groups} != global batch {batch}")
         if self.zero not in (0, 1, 2, 3):
             problems.append(f"zero={self.zero!r} is not 0-3")
         if self.schedule.get("kind") not in SCHEDULE_KINDS:

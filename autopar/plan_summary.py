@@ -58,7 +58,9 @@ def mesh_words(plan: Plan) -> list[str]:
         f"pipeline: {sched['kind']} over {len(plan.stages)} stage(s) on pp={m['pp']} rank(s)"
         + (f" ({len(plan.stages) // m['pp']} per rank, stage s on rank s mod {m['pp']})"
            if len(plan.stages) > m["pp"] else "")
-        + f", {sched['microbatches']} micro-batch(es) of {sched['microbatch_size']} per dp rank",
+        + f", {sched['microbatches']} micro-batch(es) of {sched['microbatch_size']} per dp rank"
+        + (f" (sequences; under cp each of a group's {plan.context['cp']} ranks holds 1/{plan.context['cp']} of them)"
+           if plan.context else ""),
     ]
 
 
@@ -173,7 +175,8 @@ def config_words(config: dict[str, Any]) -> str:
             f"{config['microbatches']}x{config['microbatch_size']}"
             + (f" v={config['virtual_stages']}" if config.get("virtual_stages", 1) > 1 else "")
             + (" sp" if config.get("sp") else "")
-            + (f" ep={config['ep']}" if config.get("ep", 1) > 1 else ""))
+            + (f" ep={config['ep']}" if config.get("ep", 1) > 1 else "")
+            + (f" cp={config['cp']}" if config.get("cp", 1) > 1 else ""))
 
 
 def solver_words(solver: dict[str, Any]) -> str:
@@ -230,6 +233,20 @@ def expert_words(plan: Plan) -> list[str]:
             f"per step ({a2a.get('link', '?')}), {x.get('routing', '')}"]
 
 
+def context_words(plan: Plan) -> list[str]:
+    """How sequences are split under context parallelism (nothing without it)."""
+    x = plan.context
+    if not x:
+        return []
+    kv = x.get("kv_exchange", {})
+    return [f"context: cp={x['cp']} folded over dp={plan.mesh.get('dp')} (the batch split over "
+            f"{plan.mesh.get('dp', 0) // x['cp']} group(s)); each sequence of {x.get('sequence')} tokens split "
+            f"{x.get('layout', 'balanced')} over a group, {x.get('tokens_per_rank')} tokens per rank (chunks r and "
+            f"2cp-1-r); {x.get('attention_ops', 0)} attention op(s) exchange K/V by "
+            f"{'/'.join(x.get('variants', ())) or '?'}: {kv.get('time_s', 0) * 1e3:.1f} ms per step on the link, "
+            f"{kv.get('exposed_s', 0) * 1e3:.1f} ms of it not hidden behind attention"]
+
+
 def render_summary(plan: Plan) -> str:
     p = plan.predicted
     cap = plan.cluster.get("device", {}).get("hbm_bytes", 0)
@@ -242,6 +259,7 @@ def render_summary(plan: Plan) -> str:
         f"  {precision_words(plan.model)}",
         *(f"  {w}" for w in mesh_words(plan)),
         *(f"  {w}" for w in expert_words(plan)),
+        *(f"  {w}" for w in context_words(plan)),
         "",
         f"  {'stage':>5} {'layers':<40} {'devices':<9} {'compute':>9} {'comm':>9} {'memory':>9}  "
         f"of {fmt_bytes(cap)}: P=params G=grads O=optimizer A=activations",

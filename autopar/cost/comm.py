@@ -231,6 +231,10 @@ class ContextAttentionCost:
     backward_exposed_s: float
     """What compute does not hide: the ring hides each hop behind the block computed meanwhile;
     the all-gather variant hides nothing (it gathers before computing)."""
+    messages: int = 0
+    """Transfers one rank starts per layer, forward and backward (ring hops; collective calls)."""
+    sent_bytes: float = 0.0
+    """Bytes one rank sends per layer, forward and backward."""
 
     @property
     def exposed_s(self) -> float:
@@ -261,7 +265,8 @@ def context_attention_cost(*, variant: str, cp: int, kv_bytes: float, dkv_bytes:
     if variant == "allgather":
         gather = all_gather_s(cp * kv_bytes, cp, link)
         fwd, bwd = gather, gather + reduce_scatter_s(cp * dkv_bytes, cp, link)
-        return ContextAttentionCost(variant, fwd, bwd, fwd, bwd)
+        return ContextAttentionCost(variant, fwd, bwd, fwd, bwd, messages=3,
+                                    sent_bytes=(cp - 1) * (2 * kv_bytes + dkv_bytes))
     step_f, step_b = forward_s / cp, backward_s / cp
     hop_f, hop_b, last = p2p_s(kv_bytes, link), p2p_s(kv_bytes + dkv_bytes, link), p2p_s(dkv_bytes, link)
     if not overlap_slowdown >= 1:
@@ -273,7 +278,8 @@ def context_attention_cost(*, variant: str, cp: int, kv_bytes: float, dkv_bytes:
         return hop - step if step * overlap_slowdown <= hop else hop * (1 - 1 / overlap_slowdown)
 
     return ContextAttentionCost(variant, (cp - 1) * hop_f, (cp - 1) * hop_b + last,
-                                (cp - 1) * exposed(hop_f, step_f), (cp - 1) * exposed(hop_b, step_b) + last)
+                                (cp - 1) * exposed(hop_f, step_f), (cp - 1) * exposed(hop_b, step_b) + last,
+                                messages=3 * (cp - 1) + 1, sent_bytes=2 * (cp - 1) * kv_bytes + cp * dkv_bytes)
 
 
 def broadcast_s(nbytes: float, group_size: int, link: Link) -> float:

@@ -32,6 +32,8 @@ from autopar.passes.strategies import StrategyGraph, build_strategy_graph
 from autopar.plan import Plan
 from autopar.precision import Precision, plan_precision, resolve_precision
 from autopar.planner.cuts import CutTable
+from autopar.planner.context import apply_cp, attention_costs, check_cp, context_record, find_attention, \
+    sequence_length
 from autopar.planner.experts import apply_ep, check_ep, ep_options, experts_record, find_experts, runnable_sites
 from autopar.planner.frontend import trace_pair
 from autopar.planner.ilp import Solution, build_problem, evaluate, solve
@@ -94,10 +96,12 @@ def check_batch_split(batch: int | None, fixed: Fixed) -> None:
         n = getattr(fixed, key)
         if n is None:
             continue
-        parts = n * (fixed.dp if fixed.dp and key == "microbatches" else 1)
+        groups = fixed.dp // (fixed.cp or 1) if fixed.dp and fixed.dp % (fixed.cp or 1) == 0 else fixed.dp
+        parts = n * (groups if groups and key == "microbatches" else 1)  # (cp ranks share their sequences)
         if batch % parts:
             divisors = [d for d in range(1, batch + 1) if batch % d == 0]
-            what = f"{key}={n}" + (f" x dp={fixed.dp} = {parts}" if parts != n else "")
+            over = f"dp={fixed.dp}" if groups == fixed.dp else f"dp/cp={fixed.dp}/{fixed.cp}"
+            what = f"{key}={n}" + (f" x {over} = {parts}" if parts != n else "")
             raise autopar.PlanError(
                 f"the global batch of {batch} is not divisible by fixed {what}; every micro-batch "
                 f"must hold the same number of samples: pin {key} to a divisor of {batch} "
@@ -159,6 +163,8 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     experts = find_experts(gm)
     check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp, zero=fixed.zero)
     eps = ep_options(experts)
+    check_cp(fixed.cp, gm, cluster=cluster, dp=fixed.dp, ep=fixed.ep)
+    attention = find_attention(gm) if fixed.cp and fixed.cp > 1 else []
     if ep_flat_only and not runnable_sites(experts):  # grouped-matmul experts: planned, not run, under ep
         if fixed.ep and fixed.ep > 1:
             grouped = next(s for s in experts if s.op != "autopar::moe_experts")
@@ -186,20 +192,23 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     names = _expanded_names(layers, info)
     shared = _shared_params(gm)
     cut_table = CutTable(gm)
-    cache: dict[tuple[int, int, bool, int], list[Unit]] = {}
+    cache: dict[tuple[int, int, bool, int, int], list[Unit]] = {}
 
-    def units_for(tp: int, mbs: int, sp: bool = False, ep: int = 1) -> list[Unit]:
-        if (tp, mbs, sp, ep) not in cache:
+    def units_for(tp: int, mbs: int, sp: bool = False, ep: int = 1, cp: int = 1) -> list[Unit]:
+        if (tp, mbs, sp, ep, cp) not in cache:
             sg, sol = solved[tp, sp]
-            ev = evaluate(build_problem(sg, batch=mbs, device=cluster.device,
-                                        link=cluster.link_for_group(tp, stride=1)), sol)
+            # under cp a rank holds 1/cp of each sequence: it costs what mbs / cp sequences cost
+            # (every cost is affine in the batch; autopar.planner.context)
+            tokens = mbs / cp
+            problem = build_problem(sg, batch=tokens, device=cluster.device, link=cluster.link_for_group(tp, stride=1))
+            ev = evaluate(problem, sol)
             units = []
             local = _local_param_counts(sg, sol, tp)
             for layer in layers:
                 lc = ev.layers.get(layer.path)
-                scale = mbs / batch
-                after = cut_table.messages(*cut_table.crossings(layer.path), sg, sol.choice, mbs)
-                inside = (cut_table.messages(*cut_table.crossings(layer.path, layer.path), sg, sol.choice, mbs)
+                scale = tokens / batch
+                after = cut_table.messages(*cut_table.crossings(layer.path), sg, sol.choice, tokens)
+                inside = (cut_table.messages(*cut_table.crossings(layer.path, layer.path), sg, sol.choice, tokens)
                           if layer.path in cut_table.first_of_run else after)
                 for i in range(layer.count):
                     sends = inside if i + 1 < layer.count else after  # a cut inside a run, or after it
@@ -222,8 +231,11 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                 units = apply_ep(units, names=names, sites=experts, ep=ep, tp=tp, microbatch_size=mbs,
                                  global_batch=batch, cluster=cluster, imbalance=fixed.moe_imbalance or 1.0,
                                  local_params=local)
-            cache[tp, mbs, sp, ep] = units
-        return cache[tp, mbs, sp, ep]
+            if cp > 1:
+                units = apply_cp(units, _cp_costs(attention, problem, sg, sol, cp=cp, tp=tp, mbs=mbs, batch=batch,
+                                                  cluster=cluster), names)
+            cache[tp, mbs, sp, ep, cp] = units
+        return cache[tp, mbs, sp, ep, cp]
 
     with progress("searching meshes, cuts and schedules"):
         sp_options: dict[int, tuple[bool, ...]] = defaultdict(tuple)
@@ -238,6 +250,19 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     sg, sol = solved[best.config.tp, best.config.sp]
     return _to_plan(gm, best, ranked[1:RUNNERS_UP + 1], sg, sol, cluster, fixed, stats, policy, precision_source,
                     timings={"solve_s": t1 - t0, "search_s": t2 - t1})
+
+
+def _cp_costs(attention, problem, sg: StrategyGraph, sol: Solution, *, cp: int, tp: int, mbs: int, batch: int,
+              cluster: Cluster) -> dict:
+    """Per layer, the K/V exchange of its attention ops under cp (``autopar.planner.context``)."""
+    from autopar.planner.ilp import _splits
+
+    index = {n.name: v for v, n in enumerate(sg.nodes)}
+    split = {a.forward: _splits(sg.nodes[index[a.forward]].candidates[sol.choice[index[a.forward]]])
+             for a in attention if a.forward in index}
+    return attention_costs(attention, problem=problem, sol_choice=sol.choice, sg_index=index, cp=cp, tp_split=split,
+                           tp=tp, microbatch_size=mbs, global_batch=batch,
+                           link=cluster.link_for_group(cp, stride=tp))
 
 
 def _norm_nodes(gm: fx.GraphModule, sg: StrategyGraph) -> dict[int, int]:
@@ -499,6 +524,8 @@ def _config_dict(c: Candidate) -> dict[str, Any]:
         out["sp"] = True
     if cfg.ep > 1:
         out["ep"] = cfg.ep
+    if cfg.cp > 1:
+        out["cp"] = cfg.cp
     return out
 
 
@@ -556,7 +583,8 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
                                  "optimizer": st.optimizer_bytes, "activations": st.activations_bytes,
                                  "total": st.memory_bytes},
             }})
-    for s, sends in enumerate(_cut_tensors(gm, [st["layers"] for st in stages], cfg.microbatch_size, sg, sol)):
+    for s, sends in enumerate(_cut_tensors(gm, [st["layers"] for st in stages], cfg.microbatch_size / cfg.cp, sg,
+                                           sol)):
         stages[s]["sends"] = sends
     chosen = {sg.nodes[v].name: sg.nodes[v].candidates[sol.choice[v]] for v in range(len(sg.nodes))}
     token_sharded = _token_sharded_norms(gm, sg, chosen)
@@ -581,7 +609,7 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         ops[n.name] = {"layer": n.layer, "index": position[n.layer], "phase": n.phase,
                        "out": list(s.outs), "in": list(s.ins)}
         position[n.layer] += 1
-    ev = evaluate(build_problem(sg, batch=cfg.microbatch_size, device=cluster.device,
+    ev = evaluate(build_problem(sg, batch=cfg.microbatch_size / cfg.cp, device=cluster.device,
                                 link=cluster.link_for_group(cfg.tp, stride=1)), sol)
     communication: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
     for kind, c in ev.collectives.items():
@@ -618,6 +646,15 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
                                  cluster=cluster, imbalance=fixed.moe_imbalance or 1.0)
         a2a = experts["all_to_all"]
         communication["all_to_all"]["ep"] = {"count": a2a["count"], "bytes": a2a["bytes"], "time_s": a2a["time_s"]}
+    context = {}
+    if cfg.cp > 1:
+        tokens = cfg.microbatch_size / cfg.cp
+        problem = build_problem(sg, batch=tokens, device=cluster.device, link=cluster.link_for_group(cfg.tp, stride=1))
+        costs = _cp_costs(find_attention(gm), problem, sg, sol, cp=cfg.cp, tp=cfg.tp, mbs=cfg.microbatch_size,
+                          batch=info.global_batch, cluster=cluster)
+        context = context_record(costs, cp=cfg.cp, seq=sequence_length(gm), counts={x.path: x.count for x in layers},
+                                 microbatches=cfg.microbatches)
+        communication["p2p"]["cp"] = dict(context["kv_exchange"])
     model_flops = sum((x.flops_fwd + x.flops_bwd) * x.count for x in layers)
     recompute_flops = 0.0
     if cfg.recompute == "full":
@@ -650,6 +687,6 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         model={"name": info.model_name, "n_params": info.n_params, "graph_hash": graph_hash(gm),
                "global_batch": info.global_batch, "precision": precision,
                **({"precision_source": precision_source} if precision_source else {})},
-        fixed=fixed.to_dict(), experts=experts, autopar_version=autopar.__version__,
+        fixed=fixed.to_dict(), experts=experts, context=context, autopar_version=autopar.__version__,
         timings={**timings, "sharding_mip_s": sol.wall_s, "search_wall_s": stats["wall_s"],
                  **{f"search_{k}": v for k, v in stats.items() if k.endswith("_s") and k != "wall_s"}})

@@ -77,7 +77,7 @@ KEEP = 6
 only what cannot enter this list."""
 RECOMPUTE = ("none", "selective", "full")
 FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
-              "virtual_stages", "ep", "moe_imbalance")
+              "virtual_stages", "ep", "moe_imbalance", "cp")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -104,6 +104,10 @@ class Fixed:
     """An assumption, not a decision: under ep, the busiest rank of an ep group receives this
     many times its balanced share of token rows (>= 1; None or 1: balanced routing). It prices
     that rank's expert GEMMs and received all-to-all rows, which set the group's pace."""
+    cp: int | None = None
+    """Context parallelism: each sequence split over groups of cp data-parallel ranks
+    (consecutive, like ep), attention exchanging keys and values around the group
+    (:mod:`autopar.context`); None or 1: none. Pinned only: the search does not choose it yet."""
 
     @classmethod
     def from_dict(cls, fixed: dict | None) -> Fixed:
@@ -188,6 +192,14 @@ class Config:
     """Sequence parallelism in the sharding MIP's solution this configuration uses."""
     ep: int = 1
     """Expert parallelism folded over the dp ranks (``autopar.planner.experts``; 1: none)."""
+    cp: int = 1
+    """Context parallelism folded over the dp ranks: dp / cp groups split the batch, each
+    sequence is split over the cp ranks of a group (1: none)."""
+
+    @property
+    def batch_groups(self) -> int:
+        """Data-parallel groups the global batch is split over (dp / cp)."""
+        return self.dp // self.cp
 
     @property
     def n_stages(self) -> int:
@@ -364,7 +376,7 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     if memo is None:
         return _cut(_Layers(units, cfg.recompute), cfg, cap=cap, state_per_param=state_per_param,
                     inflight=inflight)[0]
-    layers_key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep)
+    layers_key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp)
     layers = memo.get(layers_key)
     if layers is None:
         layers = memo[layers_key] = _Layers(units, cfg.recompute)
@@ -541,7 +553,9 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     ``units_for(tp, microbatch_size, sp, ep)``. ``ep_options``: the ep degrees > 1 the model's
     experts allow (none: no experts); each is tried where it divides dp, with ZeRO-0 (expert
     state under ZeRO is not priced yet), and with ``ep_flat_only`` only where pp = 1 (what
-    ``autopar.parallelize`` runs so far). A pinned ``fixed.ep`` is the only one tried. Branch and bound: mesh shapes (tp, sp, pp,
+    ``autopar.parallelize`` runs so far). A pinned ``fixed.ep`` is the only one tried. A pinned
+    ``fixed.cp`` (context parallelism, folded over dp like ep; not with ep) calls
+    ``units_for(tp, microbatch_size, sp, ep, cp)`` and splits the batch over dp / cp groups. Branch and bound: mesh shapes (tp, sp, pp,
     dp, micro-batch size) are visited in order of a compute-only lower bound on their step
     time: the busiest rank computes at least the average,
     ``microbatches * work / pp`` (:func:`_work_s`); once ``keep`` configurations are simulated, a shape or a
@@ -565,8 +579,15 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             return (0,)
         return [fixed.zero] if fixed.zero is not None else range(4) if dp > 1 else (0,)
 
-    def units_at(tp: int, mbs: int, sp: bool, ep: int) -> list[Unit]:
+    def units_at(tp: int, mbs: int, sp: bool, ep: int, cp: int = 1) -> list[Unit]:
+        if cp > 1:
+            return units_for(tp, mbs, sp, ep, cp)
         return units_for(tp, mbs, sp) if ep == 1 else units_for(tp, mbs, sp, ep)
+
+    def cps(dp: int, ep: int) -> list[int]:
+        """The cp degrees a shape is tried with: a pinned cp where it divides dp (not with ep)."""
+        cp = fixed.cp or 1
+        return [cp] if dp % cp == 0 and (cp == 1 or ep == 1) else []
 
     def eps(tp: int, pp: int, dp: int) -> list[int]:
         """The ep degrees a (tp, pp, dp) shape is tried with."""
@@ -574,48 +595,52 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
         tried = [fixed.ep] if fixed.ep else [1] if fixed.zero else [1, *ep_options]
         return [e for e in tried if dp % e == 0 and (e == 1 or not ep_flat_only or pp == 1)]
 
-    dp_prefixes: dict[tuple, list[float]] = {}  # (tp, sp, mbs, zero, dp, m, ep) -> _dp_comm_prefix
+    dp_prefixes: dict[tuple, list[float]] = {}  # (tp, sp, mbs, zero, dp, m, ep, cp) -> _dp_comm_prefix
 
-    def dp_prefix(tp: int, sp: bool, mbs: int, zero: int, dp: int, m: int, ep: int) -> list[float]:
-        key = (tp, sp, mbs, zero, dp, m, ep)
+    def dp_prefix(tp: int, sp: bool, mbs: int, zero: int, dp: int, m: int, ep: int, cp: int) -> list[float]:
+        key = (tp, sp, mbs, zero, dp, m, ep, cp)
         if key not in dp_prefixes:
-            dp_prefixes[key] = _dp_comm_prefix(units_at(tp, mbs, sp, ep), zero=zero, dp=dp,
+            dp_prefixes[key] = _dp_comm_prefix(units_at(tp, mbs, sp, ep, cp), zero=zero, dp=dp,
                                                link=cluster.link_for_group(dp, stride=tp), microbatches=m,
                                                precision=precision)
         return dp_prefixes[key]
 
-    shapes = []  # (bound, tp, sp, pp, dp, mbs, m, ep)
-    work: dict[tuple, dict[str, float]] = {}  # (tp, sp, mbs, ep) -> recompute -> compute of one micro-batch
-    params: dict[tuple, float] = {}  # (tp, sp, mbs, ep) -> parameters per tp rank
+    shapes = []  # (bound, tp, sp, pp, dp, mbs, m, ep, cp)
+    work: dict[tuple, dict[str, float]] = {}  # (tp, sp, mbs, ep, cp) -> recompute -> compute of one micro-batch
+    params: dict[tuple, float] = {}  # (tp, sp, mbs, ep, cp) -> parameters per tp rank
     for tp in tp_options:
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
             if (fixed.pp and pp != fixed.pp) or (fixed.dp and dp != fixed.dp) or pp > n_units \
                     or not eps(tp, pp, dp):  # ep folds over the dp ranks
                 continue
-            if global_batch % dp:
-                skipped_batch += 1
-                continue
-            local = global_batch // dp
-            for mbs in _divisors(local):
-                m = local // mbs
-                if (fixed.microbatch_size and mbs != fixed.microbatch_size) or \
-                        (fixed.microbatches and m != fixed.microbatches):
+            for cp in sorted({c for ep in eps(tp, pp, dp) for c in cps(dp, ep)}):
+                groups = dp // cp  # cp folds over the dp ranks: dp / cp groups split the batch
+                if global_batch % groups:
+                    skipped_batch += 1
                     continue
-                for sp, ep in ((sp, ep) for sp in sp_options.get(tp, (False,)) for ep in eps(tp, pp, dp)):
-                    if (tp, sp, mbs, ep) not in work:
-                        t0 = time.perf_counter()
-                        units = units_at(tp, mbs, sp, ep)
-                        work[tp, sp, mbs, ep] = {r: _work_s(units, r) for r in RECOMPUTE}
-                        params[tp, sp, mbs, ep] = sum(u.n_params for u in units)
-                        clock["units_s"] += time.perf_counter() - t0
-                    link = cluster.link_for_group(dp, stride=tp)
-                    bound = min(_config_bound_s(work[tp, sp, mbs, ep][r], params[tp, sp, mbs, ep], zero=z, m=m,
-                                                pp=pp, dp=dp, link=link, precision=precision, cluster=cluster,
-                                                dp_comm_s=dp_prefix(tp, sp, mbs, z, dp, m, ep)[-1],
-                                                virtual_stages=2 if pp > 1 else 1)
-                                for r in recomputes for z in zeros(dp, ep))
-                    shapes.append((bound, tp, sp, pp, dp, mbs, m, ep))
+                local = global_batch // groups
+                for mbs in _divisors(local):
+                    m = local // mbs
+                    if (fixed.microbatch_size and mbs != fixed.microbatch_size) or \
+                            (fixed.microbatches and m != fixed.microbatches):
+                        continue
+                    for sp, ep in ((sp, ep) for sp in sp_options.get(tp, (False,)) for ep in eps(tp, pp, dp)
+                                   if cp in cps(dp, ep)):
+                        key = (tp, sp, mbs, ep, cp)
+                        if key not in work:
+                            t0 = time.perf_counter()
+                            units = units_at(tp, mbs, sp, ep, cp)
+                            work[key] = {r: _work_s(units, r) for r in RECOMPUTE}
+                            params[key] = sum(u.n_params for u in units)
+                            clock["units_s"] += time.perf_counter() - t0
+                        link = cluster.link_for_group(dp, stride=tp)
+                        bound = min(_config_bound_s(work[key][r], params[key], zero=z, m=m,
+                                                    pp=pp, dp=dp, link=link, precision=precision, cluster=cluster,
+                                                    dp_comm_s=dp_prefix(tp, sp, mbs, z, dp, m, ep, cp)[-1],
+                                                    virtual_stages=2 if pp > 1 else 1)
+                                    for r in recomputes for z in zeros(dp, ep))
+                        shapes.append((bound, tp, sp, pp, dp, mbs, m, ep, cp))
     shapes.sort(key=lambda x: (float(f"{x[0]:.6g}"), x[1:]))
     counts["shapes"] = len(shapes)
     top: list[Candidate] = []
@@ -682,17 +707,17 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                     infeasible.append((cfg, units, per_param, inflight))
                 continue
             counts["feasible"] += 1
-            key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep)
+            key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp)
             if key not in prefixes:
                 prefixes[key] = _prefix_sums(units, cfg.recompute)
             pending[k] = (units, cuts, cfg, inflight)
             cut_bound = _cuts_bound_s(prefixes[key], cuts, cfg, cluster=cluster, precision=precision,
                                       dp_prefix=dp_prefix(cfg.tp, cfg.sp, cfg.microbatch_size, cfg.zero, cfg.dp,
-                                                          cfg.microbatches, cfg.ep))
+                                                          cfg.microbatches, cfg.ep, cfg.cp))
             heapq.heappush(queue, (max(bound, cut_bound), CANDIDATE, k))
         else:
-            _, tp, sp, pp, dp, mbs, m, ep = shapes[k]
-            units = units_at(tp, mbs, sp, ep)
+            _, tp, sp, pp, dp, mbs, m, ep, cp = shapes[k]
+            units = units_at(tp, mbs, sp, ep, cp)
             dp_link = cluster.link_for_group(dp, stride=tp)
             for kind in _schedules(fixed, pp):
                 for v in _virtual_options(kind, fixed, pp, m, n_units):
@@ -701,14 +726,16 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                                                          precision=precision).total
                         for recompute in recomputes:
                             cfg = Config(tp=tp, pp=pp, dp=dp, microbatch_size=mbs, microbatches=m, zero=zero,
-                                         recompute=recompute, schedule=kind, virtual_stages=v, sp=sp, ep=ep)
+                                         recompute=recompute, schedule=kind, virtual_stages=v, sp=sp, ep=ep,
+                                         cp=cp)
                             counts["configurations"] += 1
                             key = len(shapes) + counts["configurations"]
                             pending[key] = (cfg, units, per_param)
                             heapq.heappush(queue, (max(bound, _config_bound_s(
-                                work[tp, sp, mbs, ep][recompute], params[tp, sp, mbs, ep], zero=zero, m=m, pp=pp,
-                                dp=dp, link=dp_link, precision=precision, cluster=cluster,
-                                dp_comm_s=dp_prefix(tp, sp, mbs, zero, dp, m, ep)[-1], virtual_stages=v)), CONFIG, key))
+                                work[tp, sp, mbs, ep, cp][recompute], params[tp, sp, mbs, ep, cp], zero=zero, m=m,
+                                pp=pp, dp=dp, link=dp_link, precision=precision, cluster=cluster,
+                                dp_comm_s=dp_prefix(tp, sp, mbs, zero, dp, m, ep, cp)[-1], virtual_stages=v)),
+                                CONFIG, key))
     if not top:
         least = min(((_min_memory(u, c, pp_, inf), c) for c, u, pp_, inf in infeasible),
                     key=lambda x: x[0], default=(math.inf, None))

@@ -1,0 +1,173 @@
+"""Context parallelism in the planner: check ``cp``, price it per layer, record it in the plan.
+
+``cp`` folds over the data-parallel ranks, like ``ep`` (:mod:`autopar.planner.experts`):
+``dp = batch groups x cp``, a cp group is ``cp`` consecutive dp ranks (stride tp in the
+world), the global batch is split over the ``dp / cp`` groups and each sequence over the
+``cp`` ranks of its group, two chunks per rank in the load-balanced layout of
+:mod:`autopar.context`. Parameters stay replicated over all dp ranks, so gradient
+reduction and ZeRO work over ``dp`` as before (the cp ranks of a group hold gradients of
+different tokens: they are summed like any other data-parallel gradients).
+
+What a rank computes under cp: every op outside attention works on ``1/cp`` of each
+sequence's tokens, and attention (balanced causal layout, or any non-causal one) does
+``1/cp`` of the sequence's attention work. Every cost in the strategy graph is affine in the
+batch (``a + b x batch``; attention's ``b`` term carries its ``s^2``), so a rank of a plan
+with micro-batch ``mbs`` costs what a plan without cp costs at ``mbs / cp``: compute,
+activation memory, tp collectives and pipeline messages (each rank sends its own tokens)
+all scale so. On top: each attention op exchanges keys and values around the cp group
+(:func:`autopar.cost.comm.context_attention_cost`, ring or all-gather, whichever leaves less
+exposed), charged to the layer's forward and backward as its exposed time.
+
+Not modelled, stated: the position-dependent work (RoPE tables, masks) is charged as the
+traced graph does at the smaller batch; the contiguous layout's causal imbalance (the plan
+uses the balanced one).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, replace
+
+import torch
+from torch import fx
+
+from autopar.cluster import Cluster
+from autopar.cost.comm import ContextAttentionCost, context_attention_cost
+from autopar.errors import PlanError
+from autopar.passes import meta_keys as mk
+
+__all__ = ["AttentionSite", "find_attention", "sequence_length", "check_cp", "attention_costs", "apply_cp",
+           "context_record"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSite:
+    """One attention op of the traced graph (forward node and its backward node)."""
+
+    layer: str
+    forward: str
+    """Strategy-graph (and fx) name of the forward SDPA node."""
+    backward: str | None
+    kv_bytes: int
+    """Bytes of its K and V together at the traced (global) batch, whole sequence, all heads."""
+    elem_bytes: int
+    """Bytes of one K/V element (the gradient blocks travel in fp32, 4 bytes)."""
+
+
+def _attention_nodes(gm: fx.GraphModule, phase_forward: bool) -> list[fx.Node]:
+    from autopar.passes.annotate import kernel_of
+
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or mk.TRACE not in n.meta:
+            continue
+        if kernel_of(n)[0] in ("attention", "causal_attention") and \
+                ("backward" not in str(n.target)) == phase_forward:
+            out.append(n)
+    return out
+
+
+def find_attention(gm: fx.GraphModule) -> list[AttentionSite]:
+    """The SDPA ops of ``gm`` in graph order, each with the backward op that reads its output."""
+    sites = []
+    backward = _attention_nodes(gm, phase_forward=False)
+    for n in _attention_nodes(gm, phase_forward=True):
+        k, v = (a.meta.get("val") for a in n.args[1:3])
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+            continue
+        outputs = {n, *(u for u in n.users if u.target is operator.getitem)}  # its output, log-sum-exp, ...
+        bwd = next((b for b in backward if outputs & set(b.all_input_nodes)), None)
+        sites.append(AttentionSite(layer=n.meta.get(mk.LAYER, ""), forward=n.name,
+                                   backward=bwd.name if bwd is not None else None,
+                                   kv_bytes=int(k.numel() * k.element_size() + v.numel() * v.element_size()),
+                                   elem_bytes=k.element_size()))
+    return sites
+
+
+def sequence_length(gm: fx.GraphModule) -> int | None:
+    """Tokens per sequence: dim 1 of the first integer (B, S) model input (token ids)."""
+    for n in gm.graph.find_nodes(op="placeholder"):
+        v = n.meta.get("val")
+        if n.meta[mk.TRACE].role is mk.Role.INPUT and isinstance(v, torch.Tensor) and v.dim() == 2 \
+                and not v.dtype.is_floating_point:
+            return int(v.shape[1])
+    return None
+
+
+def check_cp(cp: int | None, gm: fx.GraphModule, *, cluster: Cluster, dp: int | None, ep: int | None) -> None:
+    """Refuse a pinned cp that cannot work, in one line, before any solving."""
+    if not cp or cp == 1:
+        return
+    problems = []
+    seq = sequence_length(gm)
+    if seq is None:
+        problems.append("the model has no (batch, sequence) token input to split")
+    elif seq % (2 * cp):
+        problems.append(f"the sequence of {seq} tokens does not split into 2 x cp = {2 * cp} equal chunks "
+                        f"(the balanced layout gives each rank one early and one late chunk); pad the sequence "
+                        f"to a multiple of {2 * cp} or choose a cp with {seq} divisible by 2 x cp")
+    if not find_attention(gm):
+        problems.append("the model has no attention op (scaled_dot_product_attention) for cp to split")
+    if ep and ep > 1:
+        problems.append(f"cp and ep together (ep={ep}) are not planned yet; pin one of them")
+    if dp and dp % cp:
+        problems.append(f"cp={cp} does not divide dp={dp} (cp folds over the data-parallel ranks)")
+    if cluster.world_size % cp:
+        problems.append(f"cp={cp} does not divide the {cluster.world_size} devices")
+    if problems:
+        raise PlanError(f"cp={cp}: " + "; ".join(problems))
+
+
+def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index: dict[str, int], cp: int,
+                    tp_split: dict[str, bool], tp: int, microbatch_size: float, global_batch: int, link,
+                    overlap_slowdown: float = 1.0) -> dict[str, list[ContextAttentionCost]]:
+    """Layer path -> the K/V exchange cost of each of its attention ops on one rank, per micro-batch.
+
+    ``problem`` is the sharding problem at the per-rank batch (``microbatch_size / cp``): its node
+    times are the busiest rank's attention compute, which the ring's hops hide behind.
+    """
+    from autopar.planner.ilp import node_cost_s
+
+    out: dict[str, list[ContextAttentionCost]] = {}
+    for site in sites:
+        v = sg_index.get(site.forward)
+        if v is None:
+            continue
+        node = problem.graph.nodes[v]
+        fwd_s = node_cost_s(problem, v, node.candidates[sol_choice[v]])
+        b = sg_index.get(site.backward) if site.backward else None
+        bwd_s = node_cost_s(problem, b, problem.graph.nodes[b].candidates[sol_choice[b]]) if b is not None else 0.0
+        kv = site.kv_bytes * (microbatch_size / global_batch) / cp / (tp if tp_split.get(site.forward) else 1)
+        dkv = kv * 4 / site.elem_bytes  # the gradient blocks travel as fp32 accumulators
+        best = min((context_attention_cost(variant=var, cp=cp, kv_bytes=kv, dkv_bytes=dkv, forward_s=fwd_s,
+                                           backward_s=bwd_s, link=link, overlap_slowdown=overlap_slowdown)
+                    for var in ("ring", "allgather")), key=lambda c: (c.exposed_s, c.variant))
+        out.setdefault(site.layer, []).append(best)
+    return out
+
+
+def apply_cp(units: list, costs: dict[str, list[ContextAttentionCost]], names: dict[str, list[str]]) -> list:
+    """Units with each layer's exposed K/V exchange added to its forward and backward."""
+    extra = {}
+    for layer, cs in costs.items():
+        f = sum(c.forward_exposed_s for c in cs)
+        b = sum(c.backward_exposed_s for c in cs)
+        for name in names.get(layer, [layer]):
+            extra[name] = (f, b)
+    return [replace(u, f_s=u.f_s + extra[u.path][0], b_s=u.b_s + extra[u.path][1],
+                    comm_s=u.comm_s + sum(extra[u.path])) if u.path in extra else u for u in units]
+
+
+def context_record(costs: dict[str, list[ContextAttentionCost]], *, cp: int, seq: int, counts: dict[str, int],
+                   microbatches: int) -> dict:
+    """The plan's ``context`` record: the cp degree, the layout, and the K/V exchange per step."""
+    variants = sorted({c.variant for cs in costs.values() for c in cs})
+    n = sum(len(cs) * counts.get(layer, 1) for layer, cs in costs.items())
+    comm = sum((c.forward_comm_s + c.backward_comm_s) * counts.get(layer, 1) for layer, cs in costs.items() for c in cs)
+    exposed = sum(c.exposed_s * counts.get(layer, 1) for layer, cs in costs.items() for c in cs)
+    count = sum(c.messages * counts.get(layer, 1) for layer, cs in costs.items() for c in cs)
+    sent = sum(c.sent_bytes * counts.get(layer, 1) for layer, cs in costs.items() for c in cs)
+    return {"cp": cp, "layout": "balanced", "sequence": seq, "tokens_per_rank": seq // cp,
+            "variants": variants, "attention_ops": n,
+            "kv_exchange": {"count": count * microbatches, "bytes": sent * microbatches,
+                            "time_s": comm * microbatches, "exposed_s": exposed * microbatches}}

@@ -1,0 +1,108 @@
+"""Context parallelism in the planner (autopar.planner.context): a pinned cp splits each
+sequence over cp data-parallel ranks; per-rank compute and activations shrink by cp, the
+K/V exchange is priced, recorded in the plan and said in the summary; impossible pins are
+refused in one line; parallelize says it does not run cp yet."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.plan import Plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import llama  # noqa: E402
+import moe  # noqa: E402
+
+PIN = {"dp": 8, "tp": 1, "pp": 1, "zero": 0, "recompute": "none", "microbatch_size": 1, "schedule": "1f1b"}
+
+
+@pytest.fixture(scope="module")
+def plans():
+    # Llama 3 8B's blocks (two of them) at 8192 tokens: big enough kernels that time follows work
+    model, inputs, loss_fn, target = llama.build(size="8b", n_layers=2, batch=8, seq=8192, device="meta")
+    out = {}
+    for cp in (1, 2, 4):
+        fixed = dict(PIN, **({"cp": cp} if cp > 1 else {}))
+        out[cp] = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
+                               fixed=fixed)
+    return out
+
+
+def _stage(plan):
+    return plan.stages[0]["predicted"]
+
+
+def test_each_rank_holds_a_cp_th_of_each_sequence(plans):
+    one = _stage(plans[1])
+    for cp in (2, 4):
+        plan = plans[cp]
+        plan.validate(world_size=8)
+        assert plan.context["cp"] == cp and plan.context["tokens_per_rank"] == 8192 // cp
+        assert plan.context["attention_ops"] == 2  # one per block
+        assert plan.schedule["microbatches"] * plan.schedule["microbatch_size"] * (8 // cp) == 8
+        st = _stage(plan)
+        # forward time per micro-batch: 1/cp of the compute, plus the exposed K/V exchange
+        assert st["f_s"] < one["f_s"] / cp * 1.5, cp
+        kv = plan.communication["p2p"]["cp"]
+        assert kv["bytes"] > 0 and kv["count"] > 0 and 0 <= kv["exposed_s"] <= kv["time_s"]
+    assert not plans[1].context and "cp" not in plans[1].communication.get("p2p", {})
+
+
+def test_activations_per_rank_fall_as_one_over_cp(plans):
+    # One micro-batch in flight (pp = 1): its saved activations are 1/cp of a sequence's; the
+    # stage also holds its largest op's working set once, which falls as 1/cp too until it is
+    # one that no token count scales: the output head's fp32 weight gradient (vocab x dim).
+    head_grad = 128256 * 4096 * 4
+    a1 = _stage(plans[1])["memory_bytes"]["activations"]
+    for cp in (2, 4):
+        a = _stage(plans[cp])["memory_bytes"]["activations"]
+        assert a1 / cp * 0.99 <= a <= a1 / cp + head_grad, (cp, a, a1)
+    assert _stage(plans[2])["memory_bytes"]["activations"] == pytest.approx(a1 / 2, rel=0.01)
+
+
+def test_cp_plan_round_trips_and_says_what_it_did(plans):
+    plan = plans[2]
+    again = Plan.from_json(plan.to_json())
+    assert again.context["cp"] == 2 and again.context["variants"] == plan.context["variants"]
+    for key, value in plan.context["kv_exchange"].items():
+        assert again.context["kv_exchange"][key] == pytest.approx(value, rel=1e-5)  # (floats are rounded in files)
+    text = plan.summary()
+    assert "context: cp=2 folded over dp=8 (the batch split over 4 group(s))" in text
+    assert "4096 tokens per rank" in text and "p2p             cp" in text
+    assert "context" not in plans[1].to_json()  # absent without cp: plan files stay as they were
+
+
+def test_plan_validation_counts_batch_groups(plans):
+    data = plans[2].to_dict()
+    data["context"] = dict(data["context"], cp=3)
+    with pytest.raises(autopar.PlanError, match=r"context cp=3 does not divide dp=8"):
+        Plan.from_dict(data).validate()
+
+
+@pytest.mark.parametrize("fixed, message", [
+    ({"cp": 3}, r"cp=3: the sequence of 2048 tokens does not split into 2 x cp = 6 equal chunks .*; "
+                r"cp=3 does not divide the 8 devices"),
+    ({"cp": 4, "dp": 2}, r"cp=4: cp=4 does not divide dp=2 \(cp folds over the data-parallel ranks\)"),
+])
+def test_impossible_cp_is_refused_in_one_line(fixed, message):
+    model, inputs, loss_fn, target = llama.build(size="small", batch=8, seq=2048, device="meta")
+    with pytest.raises(autopar.PlanError, match=message):
+        autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target, fixed=fixed)
+
+
+def test_cp_with_ep_is_refused():
+    model, inputs, loss_fn, target = moe.build(size="tiny", batch=8, device="meta")
+    with pytest.raises(autopar.PlanError, match=r"cp and ep together \(ep=2\) are not planned yet"):
+        autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
+                     fixed={"cp": 2, "ep": 2})
+
+
+def test_parallelize_says_it_does_not_run_cp_before_any_collective():
+    model, inputs, loss_fn, target = llama.build(size="tiny", batch=8)
+    pm = autopar.parallelize(model, cluster="1x1xcpu", loss_fn=loss_fn, fixed={"cp": 2})
+    with pytest.raises(autopar.PlanError, match=r"^cp=2: context parallelism is planned and priced .* but "
+                                                r"autopar.parallelize does not run it yet; drop cp to train$"):
+        pm.train_step(inputs, target)
+    assert pm.plan is None
