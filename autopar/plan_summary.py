@@ -60,7 +60,7 @@ def mesh_words(plan: Plan) -> list[str]:
            if len(plan.stages) > m["pp"] else "")
         + f", {sched['microbatches']} micro-batch(es) of {sched['microbatch_size']} per dp rank"
         + (f" (sequences; under cp each of a group's {plan.context['cp']} ranks holds 1/{plan.context['cp']} of them)"
-           if plan.context else ""),
+           if plan.context.get("cp", 1) > 1 else ""),
     ]
 
 
@@ -238,13 +238,24 @@ def context_words(plan: Plan) -> list[str]:
     x = plan.context
     if not x:
         return []
+    other = x.get("other_side", False)
+    weighed = ", ".join(map(str, x.get("considered", ())))
+    if x.get("cp", 1) == 1:
+        why = ("no plan with cp fits" if other is None else
+               f"the best plan with cp (cp={other['cp']}) takes {fmt_s(other['step_time_s'])} per step, "
+               f"this one {fmt_s(plan.predicted['step_time_s'])}")
+        return [f"context: sequences of {x.get('sequence')} tokens not split (cp {weighed} weighed): {why}"]
     kv = x.get("kv_exchange", {})
+    reason = "" if other is False else (
+        f"; chosen among cp {weighed} over the best plan without cp, "
+        + ("which does not fit" if other is None else f"{fmt_s(other['step_time_s'])} per step "
+           f"(peak {fmt_bytes(other['peak_memory_bytes'])} per device)"))
     return [f"context: cp={x['cp']} folded over dp={plan.mesh.get('dp')} (the batch split over "
             f"{plan.mesh.get('dp', 0) // x['cp']} group(s)); each sequence of {x.get('sequence')} tokens split "
             f"{x.get('layout', 'balanced')} over a group, {x.get('tokens_per_rank')} tokens per rank (chunks r and "
             f"2cp-1-r); {x.get('attention_ops', 0)} attention op(s) exchange K/V by "
             f"{'/'.join(x.get('variants', ())) or '?'}: {kv.get('time_s', 0) * 1e3:.1f} ms per step on the link, "
-            f"{kv.get('exposed_s', 0) * 1e3:.1f} ms of it not hidden behind attention"]
+            f"{kv.get('exposed_s', 0) * 1e3:.1f} ms of it not hidden behind attention{reason}"]
 
 
 def render_summary(plan: Plan) -> str:

@@ -106,3 +106,37 @@ def test_parallelize_says_it_does_not_run_cp_before_any_collective():
                                                 r"autopar.parallelize does not run it yet; drop cp to train$"):
         pm.train_step(inputs, target)
     assert pm.plan is None
+
+
+@pytest.fixture(scope="module")
+def long_context():
+    # Llama 3 8B's blocks (two of them) at 32k tokens, a batch of 8 on one H100 node
+    return llama.build(size="8b", n_layers=2, batch=8, seq=32768, device="meta")
+
+
+def test_the_search_weighs_cp_for_long_sequences_and_says_why(long_context):
+    model, inputs, loss_fn, target = long_context
+    plan = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target)
+    x = plan.context
+    assert x["considered"] == [2, 4, 8]  # 32768 tokens: down to 4096 per rank
+    other = x["other_side"]
+    # the decision is the better side: the other side is slower, or does not fit
+    assert other is None or other["step_time_s"] >= plan.predicted["step_time_s"]
+    assert (other is None) or (other["cp"] == 1) == (x["cp"] > 1)
+    line = next(l for l in plan.summary().splitlines() if l.strip().startswith("context:"))
+    if x["cp"] > 1:
+        assert "chosen among cp 2, 4, 8 over the best plan without cp" in line
+        assert plan.mesh["dp"] % x["cp"] == 0
+    else:
+        assert "not split (cp 2, 4, 8 weighed)" in line
+
+
+def test_short_sequences_and_runnable_plans_do_not_weigh_cp(long_context):
+    from autopar.planner.make import make_plan
+
+    model, inputs, loss_fn, target = long_context
+    runnable = make_plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target, runnable=True)
+    assert not runnable.context  # parallelize does not run cp: its plans never split sequences
+    model, inputs, loss_fn, target = llama.build(size="8b", n_layers=2, batch=8, seq=8192, device="meta")
+    short = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target)
+    assert not short.context and "context" not in short.to_json()

@@ -36,8 +36,18 @@ from autopar.cost.comm import ContextAttentionCost, context_attention_cost
 from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
 
-__all__ = ["AttentionSite", "find_attention", "sequence_length", "check_cp", "attention_costs", "apply_cp",
-           "context_record"]
+__all__ = ["AttentionSite", "find_attention", "sequence_length", "check_cp", "cp_options", "attention_costs",
+           "apply_cp", "context_record", "CP_DEGREES", "MIN_SEQUENCE", "MIN_TOKENS_PER_RANK"]
+
+CP_DEGREES = (2, 4, 8, 16, 32)
+"""cp degrees the search tries (Llama 3 405B trained its 128k-token stage with cp = 16)."""
+MIN_SEQUENCE = 16384
+"""Sequences shorter than this are not split: below it, activation memory is what tp, sp,
+recompute and pipelining already handle, and each cp degree tried costs a search."""
+MIN_TOKENS_PER_RANK = 4096
+"""Fewest tokens per rank a cp degree may leave: shorter chunks make each ring step's
+attention too small to hide its K/V hop (the exchange is priced either way; this only keeps
+hopeless degrees out of the search)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,13 +85,36 @@ def find_attention(gm: fx.GraphModule) -> list[AttentionSite]:
         k, v = (a.meta.get("val") for a in n.args[1:3])
         if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
             continue
+        kv_bytes = _source_bytes(n.args[1]) + _source_bytes(n.args[2])
         outputs = {n, *(u for u in n.users if u.target is operator.getitem)}  # its output, log-sum-exp, ...
         bwd = next((b for b in backward if outputs & set(b.all_input_nodes)), None)
         sites.append(AttentionSite(layer=n.meta.get(mk.LAYER, ""), forward=n.name,
                                    backward=bwd.name if bwd is not None else None,
-                                   kv_bytes=int(k.numel() * k.element_size() + v.numel() * v.element_size()),
+                                   kv_bytes=kv_bytes,
                                    elem_bytes=k.element_size()))
     return sites
+
+
+# Ops that only copy or broadcast their input: grouped-query attention's K/V head repeat is
+# one of them (``repeat_interleave`` lowers to expand + clone + view), and cp exchanges the
+# K/V before it (autopar.context takes grouped K/V), so the bytes priced are its input's.
+_BROADCASTS = ("expand", "clone", "view", "_unsafe_view", "reshape", "unsqueeze", "repeat_interleave", "repeat",
+               "contiguous", "alias")
+
+
+def _source_bytes(node: fx.Node) -> int:
+    """Bytes of ``node``'s value before any chain of broadcasts and copies that produced it."""
+    best = None
+    while isinstance(node, fx.Node):
+        v = node.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            size = int(v.numel() * v.element_size())
+            best = size if best is None else min(best, size)
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if node.op != "call_function" or name not in _BROADCASTS or not node.args:
+            break
+        node = node.args[0]
+    return best or 0
 
 
 def sequence_length(gm: fx.GraphModule) -> int | None:
@@ -116,6 +149,15 @@ def check_cp(cp: int | None, gm: fx.GraphModule, *, cluster: Cluster, dp: int | 
         problems.append(f"cp={cp} does not divide the {cluster.world_size} devices")
     if problems:
         raise PlanError(f"cp={cp}: " + "; ".join(problems))
+
+
+def cp_options(gm: fx.GraphModule, world: int) -> tuple[int, ...]:
+    """The cp degrees > 1 the search weighs for ``gm``: none for short sequences or a model
+    without attention (see :data:`MIN_SEQUENCE`, :data:`MIN_TOKENS_PER_RANK`)."""
+    seq = sequence_length(gm)
+    if seq is None or seq < MIN_SEQUENCE or not find_attention(gm):
+        return ()
+    return tuple(c for c in CP_DEGREES if world % c == 0 and seq % (2 * c) == 0 and seq // c >= MIN_TOKENS_PER_RANK)
 
 
 def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index: dict[str, int], cp: int,

@@ -14,6 +14,7 @@ The steps, in order (each one only reads what the previous produced):
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -32,8 +33,8 @@ from autopar.passes.strategies import StrategyGraph, build_strategy_graph
 from autopar.plan import Plan
 from autopar.precision import Precision, plan_precision, resolve_precision
 from autopar.planner.cuts import CutTable
-from autopar.planner.context import apply_cp, attention_costs, check_cp, context_record, find_attention, \
-    sequence_length
+from autopar.planner.context import apply_cp, attention_costs, check_cp, context_record, cp_options, \
+    find_attention, sequence_length
 from autopar.planner.experts import apply_ep, check_ep, ep_options, experts_record, find_experts, runnable_sites
 from autopar.planner.frontend import trace_pair
 from autopar.planner.ilp import Solution, build_problem, evaluate, solve
@@ -164,7 +165,9 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp, zero=fixed.zero)
     eps = ep_options(experts)
     check_cp(fixed.cp, gm, cluster=cluster, dp=fixed.dp, ep=fixed.ep)
-    attention = find_attention(gm) if fixed.cp and fixed.cp > 1 else []
+    # cp is weighed where sequences are long (unless pinned), not for plans parallelize must run
+    cps = () if fixed.cp or ep_flat_only or fixed.ep else cp_options(gm, cluster.world_size)
+    attention = find_attention(gm) if (fixed.cp and fixed.cp > 1) or cps else []
     if ep_flat_only and not runnable_sites(experts):  # grouped-matmul experts: planned, not run, under ep
         if fixed.ep and fixed.ep > 1:
             grouped = next(s for s in experts if s.op != "autopar::moe_experts")
@@ -241,15 +244,36 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
         sp_options: dict[int, tuple[bool, ...]] = defaultdict(tuple)
         for tp, sp in sorted(solved):
             sp_options[tp] += (sp,)
-        ranked, stats = search(units_for=units_for, n_units=sum(x.count for x in layers), global_batch=batch,
-                               cluster=cluster, fixed=fixed, precision=precision, tp_options=sorted(sp_options),
-                               sp_options=dict(sp_options), keep=RUNNERS_UP + 1, ep_options=eps,
-                               ep_flat_only=ep_flat_only)
+        run = functools.partial(search, units_for=units_for, n_units=sum(x.count for x in layers),
+                                global_batch=batch, cluster=cluster, fixed=fixed, precision=precision,
+                                tp_options=sorted(sp_options), sp_options=dict(sp_options), ep_options=eps,
+                                ep_flat_only=ep_flat_only)
+        ranked, stats = run(keep=RUNNERS_UP + 1, cp_options=(1, *cps))
+        other = None
+        if cps:  # the best plan on the other side of the cp decision: the reason the summary gives
+            try:
+                other = run(keep=1, cp_options=cps if ranked[0].config.cp == 1 else (1,))[0][0]
+            except autopar.PlanError:
+                other = None  # nothing fits there
     t2 = time.perf_counter()
     best = ranked[0]
     sg, sol = solved[best.config.tp, best.config.sp]
-    return _to_plan(gm, best, ranked[1:RUNNERS_UP + 1], sg, sol, cluster, fixed, stats, policy, precision_source,
+    plan = _to_plan(gm, best, ranked[1:RUNNERS_UP + 1], sg, sol, cluster, fixed, stats, policy, precision_source,
                     timings={"solve_s": t1 - t0, "search_s": t2 - t1})
+    if cps:
+        plan.context.update(cp_decision(best, other, cps, seq=sequence_length(gm)))
+    return plan
+
+
+def cp_decision(best: Candidate, other: Candidate | None, cps: tuple[int, ...], *, seq: int) -> dict:
+    """Why the search split sequences or not: the degrees weighed and the best plan of the other
+    side (None: none fits there)."""
+    alt = None if other is None else {"cp": other.config.cp, "step_time_s": other.step_time_s,
+                                      "peak_memory_bytes": other.peak_memory_bytes}
+    out = {"considered": list(cps), "other_side": alt}
+    if best.config.cp == 1:
+        out.update(cp=1, sequence=seq, tokens_per_rank=seq)
+    return out
 
 
 def _cp_costs(attention, problem, sg: StrategyGraph, sol: Solution, *, cp: int, tp: int, mbs: int, batch: int,

@@ -542,8 +542,8 @@ def _smooth(cuts: list[tuple[int, int]], pre_t: list[float], fits) -> list[tuple
 
 def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixed: Fixed,
            precision: str, tp_options: list[int], sp_options: dict[int, tuple[bool, ...]] | None = None,
-           keep: int = KEEP, ep_options: tuple[int, ...] = (), ep_flat_only: bool = False
-           ) -> tuple[list[Candidate], dict]:
+           keep: int = KEEP, ep_options: tuple[int, ...] = (), ep_flat_only: bool = False,
+           cp_options: tuple[int, ...] = (1,)) -> tuple[list[Candidate], dict]:
     """The ``keep`` best configurations by simulated step time, best first (the first is the
     plan), and search statistics (counts, and seconds by part under keys ending in ``_s``).
 
@@ -554,8 +554,9 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     experts allow (none: no experts); each is tried where it divides dp, with ZeRO-0 (expert
     state under ZeRO is not priced yet), and with ``ep_flat_only`` only where pp = 1 (what
     ``autopar.parallelize`` runs so far). A pinned ``fixed.ep`` is the only one tried. A pinned
-    ``fixed.cp`` (context parallelism, folded over dp like ep; not with ep) calls
-    ``units_for(tp, microbatch_size, sp, ep, cp)`` and splits the batch over dp / cp groups. Branch and bound: mesh shapes (tp, sp, pp,
+    ``fixed.cp`` (context parallelism, folded over dp like ep; not with ep), or else each of
+    ``cp_options`` that divides dp, calls ``units_for(tp, microbatch_size, sp, ep, cp)`` for
+    cp > 1 and splits the batch over dp / cp groups. Branch and bound: mesh shapes (tp, sp, pp,
     dp, micro-batch size) are visited in order of a compute-only lower bound on their step
     time: the busiest rank computes at least the average,
     ``microbatches * work / pp`` (:func:`_work_s`); once ``keep`` configurations are simulated, a shape or a
@@ -585,9 +586,10 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
         return units_for(tp, mbs, sp) if ep == 1 else units_for(tp, mbs, sp, ep)
 
     def cps(dp: int, ep: int) -> list[int]:
-        """The cp degrees a shape is tried with: a pinned cp where it divides dp (not with ep)."""
-        cp = fixed.cp or 1
-        return [cp] if dp % cp == 0 and (cp == 1 or ep == 1) else []
+        """The cp degrees a shape is tried with: the pinned one or ``cp_options``, where they
+        divide dp (and cp > 1 not with ep > 1)."""
+        tried = [fixed.cp] if fixed.cp else cp_options
+        return [c for c in tried if dp % c == 0 and (c == 1 or ep == 1)]
 
     def eps(tp: int, pp: int, dp: int) -> list[int]:
         """The ep degrees a (tp, pp, dp) shape is tried with."""
