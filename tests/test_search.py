@@ -285,3 +285,25 @@ def test_dp_link_bound_is_a_lower_bound_and_binds_when_communication_dominates()
         if c.config.dp > 1 and with_link > compute_only * 1.01:
             binds.add((c.config.zero, c.config.virtual_stages > 1))
     assert {z for z, _ in binds} == {0, 1, 2, 3} and (True in {v for _, v in binds}), binds
+
+
+def test_infeasible_message_counts_the_largest_op_and_names_it():
+    # A stage cannot hold less than its biggest op's working set: an even split's need must
+    # include it (it once reported 9 GB for a 405B plan at 128k tokens whose loss op alone
+    # needed 101 GB), and the message says which op it is.
+    from autopar.cluster import parse_cluster
+    from autopar.planner.search import Config, Fixed, Unit, _infeasible, _largest_op, _min_memory
+
+    def unit(path, transient):
+        return Unit(path=path, f_s=1e-3, b_s=2e-3, w_s=1e-3, comm_s=0.0, cheap_f_s=0.0, act_bytes=1e9,
+                    cheap_act_bytes=0.0, boundary_bytes=1e6, n_params=1e8, transient_bytes=transient)
+
+    units = [unit(f"layers.{i}", 1e8) for i in range(4)] + [unit("<loss>", 100e9)]
+    cfg = Config(tp=1, pp=2, dp=1, microbatch_size=1, microbatches=1, zero=0, recompute="none", schedule="gpipe")
+    need = _min_memory(units, cfg, per_param=16.0, inflight=(1, 1))
+    assert need >= 100e9
+    cluster = parse_cluster("1x2xH100")
+    err = _infeasible((need, cfg, _largest_op(units)), cluster, Fixed(), 0, 2, 2)
+    assert "the largest single op (in <loss>) alone needs 100.0 GB" in str(err)
+    small = _infeasible((need, cfg, ("layers.0", 1e8)), cluster, Fixed(), 0, 2, 2)
+    assert "largest single op" not in str(small)  # said only where it decides

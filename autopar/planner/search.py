@@ -739,8 +739,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                                 dp_comm_s=dp_prefix(tp, sp, mbs, zero, dp, m, ep, cp)[-1], virtual_stages=v)),
                                 CONFIG, key))
     if not top:
-        least = min(((_min_memory(u, c, pp_, inf), c) for c, u, pp_, inf in infeasible),
-                    key=lambda x: x[0], default=(math.inf, None))
+        least = min(((_min_memory(u, c, pp_, inf), c, _largest_op(u)) for c, u, pp_, inf in infeasible),
+                    key=lambda x: x[0], default=(math.inf, None, None))
         raise _infeasible(least, cluster, fixed, skipped_batch, global_batch, world)
     stats = {**counts, **clock, "wall_s": time.perf_counter() - start}
     return top, stats
@@ -756,15 +756,28 @@ def _rank_key(time_of):
 
 
 def _min_memory(units: list[Unit], cfg: Config, per_param: float, inflight: tuple[int, ...]) -> float:
-    """Peak stage memory of an even split (for the 'smallest device that would fit' message)."""
+    """Peak stage memory of an even split (for the 'smallest device that would fit' message),
+    counted as :meth:`_Layers.fits` counts it: state, activations in flight, the full-recompute
+    working set and the largest op's working set (a stage cannot hold less than its biggest
+    unit's, however the cuts fall)."""
     n, pp = len(units), cfg.pp
     size = math.ceil(n / pp) if pp <= n else 1
     worst = 0.0
     for s in range(min(pp, n)):
         chunk = units[s * size:(s + 1) * size]
+        if not chunk:
+            break
         acts = sum(_unit_times(u, cfg.recompute)[3] for u in chunk)
-        worst = max(worst, per_param * sum(u.n_params for u in chunk) + inflight[s] * acts)
+        work = max(u.act_bytes for u in chunk) if cfg.recompute == "full" else 0.0
+        worst = max(worst, per_param * sum(u.n_params for u in chunk) + inflight[s] * acts + work
+                    + max(u.transient_bytes for u in chunk))
     return worst
+
+
+def _largest_op(units: list[Unit]) -> tuple[str, float]:
+    """The unit with the largest single-op working set, and that working set."""
+    u = max(units, key=lambda u: u.transient_bytes)
+    return u.path, u.transient_bytes
 
 
 def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision: str,
@@ -914,7 +927,7 @@ def _simulate(c: Candidate, cluster: Cluster, memo: dict | None = None, *, spec:
 
 
 def _infeasible(least, cluster: Cluster, fixed: Fixed, skipped_batch: int, batch: int, world: int) -> Exception:
-    need, cfg = least
+    need, cfg, largest = least
     if cfg is None:
         if skipped_batch:
             return PlanError(
@@ -925,9 +938,13 @@ def _infeasible(least, cluster: Cluster, fixed: Fixed, skipped_batch: int, batch
                          f"tp must divide the {cluster.devices_per_node} devices per node and pp must not "
                          f"exceed the number of layers")
     have = cluster.device.hbm_bytes * (1 - MEMORY_RESERVE)
+    path, op_bytes = largest
+    biggest = (f"; the largest single op (in {path}) alone needs {op_bytes / 1e9:.1f} GB, which neither cuts "
+               f"nor more devices of this kind change: shorten the sequence, shrink the micro-batch, shard that op "
+               f"(tp) or split the sequence (cp)" if op_bytes > 0.5 * have else "")
     return InfeasibleError(
         f"the model fits no configuration on {cluster.spec}: the smallest need is {need / 1e9:.1f} GB per "
         f"device (tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} zero={cfg.zero} recompute={cfg.recompute} "
         f"microbatch_size={cfg.microbatch_size} {cfg.schedule}) but a {cluster.device.name} offers "
         f"{have / 1e9:.1f} GB after a {MEMORY_RESERVE:.0%} reserve; use more devices, a device with more "
-        f"memory, or a smaller batch or sequence")
+        f"memory, or a smaller batch or sequence{biggest}")
