@@ -186,10 +186,6 @@ class _Ring:
         return dist.batch_isend_irecv(ops), recv
 
 
-def _layout(cp: int, rank: int, balanced: bool):
-    return chunk_ids(cp, rank, balanced)
-
-
 @torch.library.custom_op("autopar::cp_attention", mutates_args=())
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, cp: int,
                  group: str, variant: str, balanced: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,11 +198,11 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
         out, lse = _forward_block(q, k, v, out, lse, (0, 1), (0, 1), causal, scale, groups)
         return out.to(q.dtype), lse
     rank = dist.get_rank(g)
-    mine = _layout(cp, rank, balanced)
+    mine = chunk_ids(cp, rank, balanced)
     if variant == "allgather":
         ks, vs = _all_gather(k, g), _all_gather(v, g)
         for src in range(cp):
-            out, lse = _forward_block(q, ks[src], vs[src], out, lse, mine, _layout(cp, src, balanced), causal,
+            out, lse = _forward_block(q, ks[src], vs[src], out, lse, mine, chunk_ids(cp, src, balanced), causal,
                                       scale, groups)
         return out.to(q.dtype), lse
     ring = _Ring(g)
@@ -214,7 +210,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     for step in range(cp):
         pending = ring.start(kv) if step < cp - 1 else None  # the next block travels while this one computes
         src = (rank - step) % cp
-        out, lse = _forward_block(q, kv[0], kv[1], out, lse, mine, _layout(cp, src, balanced), causal, scale, groups)
+        out, lse = _forward_block(q, kv[0], kv[1], out, lse, mine, chunk_ids(cp, src, balanced), causal, scale, groups)
         if pending is not None:
             works, kv = pending
             for w in works:
@@ -240,13 +236,13 @@ def cp_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tens
         dk, dv = _backward_block(q, k, v, grad_out, lse, delta, dq, (0, 1), (0, 1), causal, scale, groups)
         return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
     rank = dist.get_rank(g)
-    mine = _layout(cp, rank, balanced)
+    mine = chunk_ids(cp, rank, balanced)
     if variant == "allgather":
         ks, vs = _all_gather(k, g), _all_gather(v, g)
         dks, dvs = [], []
         for src in range(cp):
             dk, dv = _backward_block(q, ks[src], vs[src], grad_out, lse, delta, dq, mine,
-                                     _layout(cp, src, balanced), causal, scale, groups)
+                                     chunk_ids(cp, src, balanced), causal, scale, groups)
             dks.append(dk)
             dvs.append(dv)
         dk, dv = _reduce_scatter(dks, g), _reduce_scatter(dvs, g)
@@ -256,7 +252,7 @@ def cp_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tens
     for step in range(cp):
         src = (rank - step) % cp
         pending = ring.start(kv) if step < cp - 1 else None  # K/V ahead; gradients follow their block
-        dk, dv = _backward_block(q, kv[0], kv[1], grad_out, lse, delta, dq, mine, _layout(cp, src, balanced),
+        dk, dv = _backward_block(q, kv[0], kv[1], grad_out, lse, delta, dq, mine, chunk_ids(cp, src, balanced),
                                  causal, scale, groups)
         if dkv is not None:
             works, got = dkv

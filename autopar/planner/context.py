@@ -37,7 +37,7 @@ from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
 
 __all__ = ["AttentionSite", "find_attention", "sequence_length", "check_cp", "cp_options", "attention_costs",
-           "apply_cp", "context_record", "CP_DEGREES", "MIN_SEQUENCE", "MIN_TOKENS_PER_RANK"]
+           "cp_costs", "cp_decision", "apply_cp", "context_record", "CP_DEGREES", "MIN_SEQUENCE", "MIN_TOKENS_PER_RANK"]
 
 CP_DEGREES = (2, 4, 8, 16, 32)
 """cp degrees the search tries (Llama 3 405B trained its 128k-token stage with cp = 16)."""
@@ -213,3 +213,27 @@ def context_record(costs: dict[str, list[ContextAttentionCost]], *, cp: int, seq
             "variants": variants, "attention_ops": n,
             "kv_exchange": {"count": count * microbatches, "bytes": sent * microbatches,
                             "time_s": comm * microbatches, "exposed_s": exposed * microbatches}}
+
+
+def cp_decision(best, other, cps: tuple[int, ...], *, seq: int) -> dict:
+    """Why the search split sequences or not: the degrees weighed and the best plan of the other
+    side (None: none fits there)."""
+    alt = None if other is None else {"cp": other.config.cp, "step_time_s": other.step_time_s,
+                                      "peak_memory_bytes": other.peak_memory_bytes}
+    out = {"considered": list(cps), "other_side": alt}
+    if best.config.cp == 1:
+        out.update(cp=1, sequence=seq, tokens_per_rank=seq)
+    return out
+
+
+def cp_costs(attention, problem, sg, sol, *, cp: int, tp: int, mbs: int, batch: int,
+              cluster: Cluster) -> dict[str, list[ContextAttentionCost]]:
+    """Per layer, the K/V exchange of its attention ops under cp, on the cp group's link."""
+    from autopar.planner.ilp import _splits
+
+    index = {n.name: v for v, n in enumerate(sg.nodes)}
+    split = {a.forward: _splits(sg.nodes[index[a.forward]].candidates[sol.choice[index[a.forward]]])
+             for a in attention if a.forward in index}
+    return attention_costs(attention, problem=problem, sol_choice=sol.choice, sg_index=index, cp=cp, tp_split=split,
+                           tp=tp, microbatch_size=mbs, global_batch=batch,
+                           link=cluster.link_for_group(cp, stride=tp))

@@ -33,7 +33,7 @@ from autopar.passes.strategies import StrategyGraph, build_strategy_graph
 from autopar.plan import Plan
 from autopar.precision import Precision, plan_precision, resolve_precision
 from autopar.planner.cuts import CutTable
-from autopar.planner.context import apply_cp, attention_costs, check_cp, context_record, cp_options, \
+from autopar.planner.context import apply_cp, check_cp, context_record, cp_costs, cp_decision, cp_options, \
     find_attention, sequence_length
 from autopar.planner.experts import apply_ep, check_ep, ep_options, experts_record, find_experts, runnable_sites
 from autopar.planner.frontend import trace_pair
@@ -235,7 +235,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                                  global_batch=batch, cluster=cluster, imbalance=fixed.moe_imbalance or 1.0,
                                  local_params=local)
             if cp > 1:
-                units = apply_cp(units, _cp_costs(attention, problem, sg, sol, cp=cp, tp=tp, mbs=mbs, batch=batch,
+                units = apply_cp(units, cp_costs(attention, problem, sg, sol, cp=cp, tp=tp, mbs=mbs, batch=batch,
                                                   cluster=cluster), names)
             cache[tp, mbs, sp, ep, cp] = units
         return cache[tp, mbs, sp, ep, cp]
@@ -263,30 +263,6 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     if cps:
         plan.context.update(cp_decision(best, other, cps, seq=sequence_length(gm)))
     return plan
-
-
-def cp_decision(best: Candidate, other: Candidate | None, cps: tuple[int, ...], *, seq: int) -> dict:
-    """Why the search split sequences or not: the degrees weighed and the best plan of the other
-    side (None: none fits there)."""
-    alt = None if other is None else {"cp": other.config.cp, "step_time_s": other.step_time_s,
-                                      "peak_memory_bytes": other.peak_memory_bytes}
-    out = {"considered": list(cps), "other_side": alt}
-    if best.config.cp == 1:
-        out.update(cp=1, sequence=seq, tokens_per_rank=seq)
-    return out
-
-
-def _cp_costs(attention, problem, sg: StrategyGraph, sol: Solution, *, cp: int, tp: int, mbs: int, batch: int,
-              cluster: Cluster) -> dict:
-    """Per layer, the K/V exchange of its attention ops under cp (``autopar.planner.context``)."""
-    from autopar.planner.ilp import _splits
-
-    index = {n.name: v for v, n in enumerate(sg.nodes)}
-    split = {a.forward: _splits(sg.nodes[index[a.forward]].candidates[sol.choice[index[a.forward]]])
-             for a in attention if a.forward in index}
-    return attention_costs(attention, problem=problem, sol_choice=sol.choice, sg_index=index, cp=cp, tp_split=split,
-                           tp=tp, microbatch_size=mbs, global_batch=batch,
-                           link=cluster.link_for_group(cp, stride=tp))
 
 
 def _norm_nodes(gm: fx.GraphModule, sg: StrategyGraph) -> dict[int, int]:
@@ -674,7 +650,7 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
     if cfg.cp > 1:
         tokens = cfg.microbatch_size / cfg.cp
         problem = build_problem(sg, batch=tokens, device=cluster.device, link=cluster.link_for_group(cfg.tp, stride=1))
-        costs = _cp_costs(find_attention(gm), problem, sg, sol, cp=cfg.cp, tp=cfg.tp, mbs=cfg.microbatch_size,
+        costs = cp_costs(find_attention(gm), problem, sg, sol, cp=cfg.cp, tp=cfg.tp, mbs=cfg.microbatch_size,
                           batch=info.global_batch, cluster=cluster)
         context = context_record(costs, cp=cfg.cp, seq=sequence_length(gm), counts={x.path: x.count for x in layers},
                                  microbatches=cfg.microbatches)

@@ -48,6 +48,7 @@ from autopar.cost.memory import training_state_bytes
 from autopar.cost.simulate import SimResult, StepResult, simulate, simulate_step
 from autopar.cost.step import GroupCost, StageCost, StepSpec, TiedCost, estimate_exposed_s, group_dp_s
 from autopar.errors import InfeasibleError, PlanError
+from autopar.planner.fixed import FIXED_KEYS, RECOMPUTE, SCHEDULES, Fixed  # noqa: F401 (re-exported)
 from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _COLLECTIVE_S, _config_bound_s,  # noqa: F401
                                     _cuts_bound_s, _dp_comm_prefix, _grad_elem_bytes, _optimizer_s,
                                     _pipeline_bound_s, _prefix_sums, _schedule, _unit_times, _work_s, lower_bound_s)
@@ -68,95 +69,12 @@ SIMULATE_TOP = 24
 """How many configurations, best estimate first, get a full schedule simulation."""
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 VIRTUAL_STAGES = (2, 3, 4)
 """Model chunks per rank tried under the interleaved schedule (Megatron-LM uses 2 to 4 in
 Narayanan et al. 2021, sec. 2.2; more chunks shrink the bubble but add p2p messages)."""
 KEEP = 6
 """Configurations the search ranks exactly (the plan and its runners-up): the bound prunes
 only what cannot enter this list."""
-RECOMPUTE = ("none", "selective", "full")
-FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
-              "virtual_stages", "ep", "moe_imbalance", "cp")
-_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Fixed:
-    """Decisions the user pins (``fixed={"tp": 8, "pp": 2, ...}``); None = free."""
-
-    tp: int | None = None
-    pp: int | None = None
-    dp: int | None = None
-    zero: int | None = None
-    schedule: str | None = None
-    microbatch_size: int | None = None
-    microbatches: int | None = None
-    recompute: str | None = None
-    sp: bool | None = None
-    """Sequence parallelism (norms and pointwise ops of a block on token shards over tp)."""
-    virtual_stages: int | None = None
-    """Model chunks per rank under the interleaved schedule."""
-    ep: int | None = None
-    """Expert parallelism: experts cut in ep parts over groups of ep data-parallel ranks
-    (``autopar.planner.experts``); None: the search chooses it for a model with experts."""
-    moe_imbalance: float | None = None
-    """An assumption, not a decision: under ep, the busiest rank of an ep group receives this
-    many times its balanced share of token rows (>= 1; None or 1: balanced routing). It prices
-    that rank's expert GEMMs and received all-to-all rows, which set the group's pace."""
-    cp: int | None = None
-    """Context parallelism: each sequence split over groups of cp data-parallel ranks
-    (consecutive, like ep), attention exchanging keys and values around the group
-    (:mod:`autopar.context`); None or 1: none. Pinned only: the search does not choose it yet."""
-
-    @classmethod
-    def from_dict(cls, fixed: dict | None) -> Fixed:
-        fixed = dict(fixed or {})
-        problems = []
-        for key in sorted(set(fixed) - set(FIXED_KEYS)):
-            problems.append(f"unknown key {key!r}")
-        values = {}
-        for key in FIXED_KEYS:
-            if key not in fixed or fixed[key] is None:
-                continue
-            value = fixed[key]
-            if key == "sp":
-                flag = value if isinstance(value, bool) else _BOOLS.get(str(value).strip().lower())
-                if flag is None:
-                    problems.append(f"sp={value!r} is not a boolean (use True/False, or 1/0 on the command line)")
-                values[key] = flag
-                continue
-            if key == "moe_imbalance":
-                try:
-                    factor = float(value)
-                except (TypeError, ValueError):
-                    factor = math.nan
-                if not 1.0 <= factor <= 1024.0:  # (nan fails too)
-                    problems.append(f"moe_imbalance={value!r} must be a number >= 1: the busiest ep rank's token "
-                                    f"rows over its balanced share (1 = balanced routing, 1.2 = 20% more)")
-                values[key] = factor
-                continue
-            if key in ("schedule", "recompute"):
-                allowed = SCHEDULES if key == "schedule" else RECOMPUTE
-                if value not in allowed:
-                    problems.append(f"{key}={value!r} is not one of {', '.join(allowed)}")
-                values[key] = value
-                continue
-            try:
-                number = int(value)
-            except (TypeError, ValueError):
-                problems.append(f"{key}={value!r} is not an integer")
-                continue
-            low = 0 if key == "zero" else 1
-            if number < low or (key == "zero" and number > 3) or str(number) != str(value).strip():
-                problems.append(f"{key}={value!r} must be an integer {'in 0..3' if key == 'zero' else '>= 1'}")
-            values[key] = number
-        if problems:
-            raise PlanError(f"bad fixed decisions: {'; '.join(problems)}; accepted keys: {', '.join(FIXED_KEYS)}")
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in FIXED_KEYS if getattr(self, k) is not None}
 
 
 def _schedules(fixed: Fixed, pp: int) -> tuple[str, ...]:

@@ -1,0 +1,99 @@
+"""The decisions a user may pin (``fixed={"tp": 8, ...}``, ``--fix tp=8``), parsed and checked.
+
+:class:`Fixed` is what the planner (``autopar.planner.search``, ``autopar.planner.make``)
+reads; anything not pinned is the search's to choose. Parsing refuses unknown keys and bad
+values in one message that lists them all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.errors import PlanError
+
+__all__ = ["Fixed", "FIXED_KEYS", "SCHEDULES", "RECOMPUTE"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+RECOMPUTE = ("none", "selective", "full")
+FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
+              "virtual_stages", "ep", "moe_imbalance", "cp")
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fixed:
+    """Decisions the user pins (``fixed={"tp": 8, "pp": 2, ...}``); None = free."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    zero: int | None = None
+    schedule: str | None = None
+    microbatch_size: int | None = None
+    microbatches: int | None = None
+    recompute: str | None = None
+    sp: bool | None = None
+    """Sequence parallelism (norms and pointwise ops of a block on token shards over tp)."""
+    virtual_stages: int | None = None
+    """Model chunks per rank under the interleaved schedule."""
+    ep: int | None = None
+    """Expert parallelism: experts cut in ep parts over groups of ep data-parallel ranks
+    (``autopar.planner.experts``); None: the search chooses it for a model with experts."""
+    moe_imbalance: float | None = None
+    """An assumption, not a decision: under ep, the busiest rank of an ep group receives this
+    many times its balanced share of token rows (>= 1; None or 1: balanced routing). It prices
+    that rank's expert GEMMs and received all-to-all rows, which set the group's pace."""
+    cp: int | None = None
+    """Context parallelism: each sequence split over groups of cp data-parallel ranks
+    (consecutive, like ep), attention exchanging keys and values around the group
+    (:mod:`autopar.context`); None or 1: none. Pinned only: the search does not choose it yet."""
+
+    @classmethod
+    def from_dict(cls, fixed: dict | None) -> Fixed:
+        fixed = dict(fixed or {})
+        problems = []
+        for key in sorted(set(fixed) - set(FIXED_KEYS)):
+            problems.append(f"unknown key {key!r}")
+        values = {}
+        for key in FIXED_KEYS:
+            if key not in fixed or fixed[key] is None:
+                continue
+            value = fixed[key]
+            if key == "sp":
+                flag = value if isinstance(value, bool) else _BOOLS.get(str(value).strip().lower())
+                if flag is None:
+                    problems.append(f"sp={value!r} is not a boolean (use True/False, or 1/0 on the command line)")
+                values[key] = flag
+                continue
+            if key == "moe_imbalance":
+                try:
+                    factor = float(value)
+                except (TypeError, ValueError):
+                    factor = math.nan
+                if not 1.0 <= factor <= 1024.0:  # (nan fails too)
+                    problems.append(f"moe_imbalance={value!r} must be a number >= 1: the busiest ep rank's token "
+                                    f"rows over its balanced share (1 = balanced routing, 1.2 = 20% more)")
+                values[key] = factor
+                continue
+            if key in ("schedule", "recompute"):
+                allowed = SCHEDULES if key == "schedule" else RECOMPUTE
+                if value not in allowed:
+                    problems.append(f"{key}={value!r} is not one of {', '.join(allowed)}")
+                values[key] = value
+                continue
+            try:
+                number = int(value)
+            except (TypeError, ValueError):
+                problems.append(f"{key}={value!r} is not an integer")
+                continue
+            low = 0 if key == "zero" else 1
+            if number < low or (key == "zero" and number > 3) or str(number) != str(value).strip():
+                problems.append(f"{key}={value!r} must be an integer {'in 0..3' if key == 'zero' else '>= 1'}")
+            values[key] = number
+        if problems:
+            raise PlanError(f"bad fixed decisions: {'; '.join(problems)}; accepted keys: {', '.join(FIXED_KEYS)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in FIXED_KEYS if getattr(self, k) is not None}
