@@ -4,8 +4,8 @@
 ``softmax(q k^T * scale + mask) v`` for the local queries of a sequence that is split over
 the ``cp`` ranks of ``group`` (``q``: (B, H, S_local, D); ``k``, ``v``: (B, H_kv, S_local, D)
 with ``H`` a multiple of ``H_kv``: grouped-query attention), against the keys and values of
-every rank. It returns the local output and the log-sum-exp of each query's scores (fp32 or
-wider), which the backward needs.
+every rank. It returns the local output and the log-sum-exp of each query's scores
+((B, H, S_local), as SDPA's kernels return it; fp32 or wider), which the backward needs.
 
 Layout (:func:`chunk_ids`). The sequence is cut into ``2 cp`` equal chunks; with the
 load-balanced layout rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` (one early, one late),
@@ -106,6 +106,12 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _like(ref: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` in ``ref``'s dtype and memory layout (the fake impls promise ``empty_like`` results,
+    and the traced program's views after attention rely on SDPA's (B, S, H, D)-major layout)."""
+    return torch.empty_like(ref).copy_(value)
+
+
 def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
     return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
 
@@ -180,7 +186,7 @@ class _Ring:
         self.prev = dist.get_global_rank(group, (me - 1) % n)
 
     def start(self, tensors: list[torch.Tensor]):
-        recv = [torch.empty_like(t) for t in tensors]
+        recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # (contiguous: gloo)
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
         return dist.batch_isend_irecv(ops), recv
@@ -196,7 +202,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     g = _check(group, cp, variant)
     if g is None:  # cp == 1: the whole sequence is here
         out, lse = _forward_block(q, k, v, out, lse, (0, 1), (0, 1), causal, scale, groups)
-        return out.to(q.dtype), lse
+        return _like(q, out), lse.squeeze(-1)
     rank = dist.get_rank(g)
     mine = chunk_ids(cp, rank, balanced)
     if variant == "allgather":
@@ -204,7 +210,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
         for src in range(cp):
             out, lse = _forward_block(q, ks[src], vs[src], out, lse, mine, chunk_ids(cp, src, balanced), causal,
                                       scale, groups)
-        return out.to(q.dtype), lse
+        return _like(q, out), lse.squeeze(-1)
     ring = _Ring(g)
     kv = [k, v]
     for step in range(cp):
@@ -215,12 +221,12 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
             works, kv = pending
             for w in works:
                 w.wait()
-    return out.to(q.dtype), lse
+    return _like(q, out), lse.squeeze(-1)
 
 
 @cp_attention.register_fake
 def _(q, k, v, causal, scale, cp, group, variant, balanced):
-    return torch.empty_like(q), q.new_empty((*q.shape[:3], 1), dtype=_acc_dtype(q.dtype))
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("autopar::cp_attention_backward", mutates_args=())
@@ -229,12 +235,13 @@ def cp_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tens
                           variant: str, balanced: bool) -> list[torch.Tensor]:
     groups = q.shape[1] // k.shape[1]
     acc = lse.dtype
+    lse = lse.unsqueeze(-1)  # (B, H, S, 1): broadcasts over each block's keys
     delta = (grad_out.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     g = _check(group, cp, variant)
     if g is None:
         dk, dv = _backward_block(q, k, v, grad_out, lse, delta, dq, (0, 1), (0, 1), causal, scale, groups)
-        return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
+        return [_like(q, dq), _like(k, dk), _like(v, dv)]
     rank = dist.get_rank(g)
     mine = chunk_ids(cp, rank, balanced)
     if variant == "allgather":
@@ -246,7 +253,7 @@ def cp_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tens
             dks.append(dk)
             dvs.append(dv)
         dk, dv = _reduce_scatter(dks, g), _reduce_scatter(dvs, g)
-        return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
+        return [_like(q, dq), _like(k, dk), _like(v, dv)]
     ring = _Ring(g)
     kv, dkv = [k, v], None
     for step in range(cp):
@@ -267,7 +274,7 @@ def cp_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tens
     works, (dk, dv) = dkv  # after cp hops each accumulator is home
     for w in works:
         w.wait()
-    return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
+    return [_like(q, dq), _like(k, dk), _like(v, dv)]
 
 
 @cp_attention_backward.register_fake
@@ -276,7 +283,7 @@ def _(grad_out, q, k, v, out, lse, causal, scale, cp, group, variant, balanced):
 
 
 def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    parts = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
     return parts
 

@@ -79,6 +79,7 @@ from autopar.plan import Plan
 from autopar.precision import cast_floating, plan_precision, resolve_precision
 from autopar.progress import progress
 from autopar.runtime.device import bind_local_device, local_device
+from autopar.runtime.context import check_cp_runnable
 from autopar.runtime.expert import check_ep_runnable
 
 log = logging.getLogger(__name__)
@@ -169,15 +170,6 @@ def _resolve_device(cluster: Cluster, device: str | None) -> str:
             f"tests and debugging) pass device='cpu', or plan for CPUs with "
             f"cluster='{cluster.nodes}x{cluster.devices_per_node}xcpu'")
     return device
-
-
-def _check_cp_runnable(cp: int | None) -> None:
-    """Context parallelism is planned and priced (``autopar.planner.context``) and its attention
-    op runs (``autopar.context``), but ``parallelize`` does not split sequences yet: say so
-    before any collective."""
-    if cp and cp > 1:
-        raise PlanError(f"cp={cp}: context parallelism is planned and priced (autopar.plan, `autopar plan --fix "
-                        f"cp={cp}`) but autopar.parallelize does not run it yet; drop cp to train")
 
 
 def _init_process_group(device: str, timeout_s: float) -> None:
@@ -452,12 +444,15 @@ class ParallelModule:
             from autopar.planner.make import check_batch_split
             from autopar.planner.search import Fixed
 
+            if self.fixed.get("cp", 1) > 1 and self.fixed.get("pp") is None:
+                self.fixed["pp"] = 1  # (cp runs without pipelining so far: search only what runs)
             fixed = Fixed.from_dict(self.fixed)
-            _check_cp_runnable(fixed.cp)
+            check_cp_runnable(fixed.cp, pp=fixed.pp, ep=fixed.ep, compile=self.compile)
             check_ep_runnable(fixed.ep, pp=fixed.pp, meta_start=self.from_meta)
             check_batch_split(_batch_size(values), fixed)
         else:
-            _check_cp_runnable((self._given_plan.context or {}).get("cp"))
+            check_cp_runnable((self._given_plan.context or {}).get("cp"), pp=self._given_plan.mesh.get("pp"),
+                              ep=self._given_plan.experts.get("ep"), compile=self.compile)
             check_ep_runnable(self._given_plan.experts.get("ep"), pp=self._given_plan.mesh.get("pp"),
                               meta_start=self.from_meta)
         bind_local_device(self.device)  # before the first collective: NCCL binds to the current GPU
@@ -473,6 +468,7 @@ class ParallelModule:
         dp, tp = self.plan.mesh["dp"], self.plan.mesh["tp"]
         # (every rank has the same plan: all raise alike)
         check_ep_runnable(self.ep, pp=self.plan.mesh["pp"], meta_start=self.from_meta)
+        check_cp_runnable(self.cp, pp=self.plan.mesh["pp"], ep=self.ep, compile=self.compile)
         device = self.device
         pp = self.plan.mesh["pp"]
         mesh_text = " x ".join(f"{a}={self.plan.mesh[a]}" for a in ("pp", "dp", "tp"))
@@ -501,6 +497,28 @@ class ParallelModule:
         self.plan = plan
         self.policy = plan_precision(plan.model)
         self.ep = int(plan.experts.get("ep", 1)) if plan.experts else 1
+        self.cp = int(plan.context.get("cp", 1)) if plan.context else 1
+
+    def _context_parallel(self):
+        """cp > 1: this rank's cp group (``cp`` consecutive dp ranks in its tp column, the layout of
+        :mod:`autopar.runtime.context`; created as ep's groups are, every rank creating every group)."""
+        if self.cp == 1:
+            return None
+        from autopar.runtime.expert import ep_groups
+
+        return ep_groups(self.mesh.mesh, self.cp, dist.get_rank())[0]
+
+    def _cp_micro(self, micro: dict[str, Any]) -> dict[str, Any]:
+        """A micro-batch as the program takes it under cp > 1: stacked by (batch group, cp rank),
+        a Hugging Face causal LM's labels shifted on the whole sequence first (see
+        :mod:`autopar.runtime.context`); unchanged without cp."""
+        if self.cp == 1:
+            return micro
+        from autopar.runtime.context import shift_hf_labels, stack_sequences
+
+        rows = self.plan.model["global_batch"] // self.plan.schedule["microbatches"]
+        return stack_sequences(shift_hf_labels(self.model, micro), cp=self.cp, seq=self.plan.context["sequence"],
+                               rows=rows, groups=self.plan.mesh["dp"] // self.cp)
 
     def _expert_parallel(self) -> dict[str, Any]:
         """ep > 1: create the ep and replica groups, keep this rank's experts in the model (before
@@ -524,6 +542,9 @@ class ParallelModule:
 
         micro = self.plan.schedule["microbatch_size"] * self.plan.mesh["dp"]
         first = _split_batch(values, self.plan.schedule["microbatches"], self.plan.model["global_batch"])[0]
+        self.cp_group = self._context_parallel()
+        first = self._cp_micro(first)
+        names = tuple(first)  # (under cp a Hugging Face causal LM also gets shift_labels)
         inputs, target = self._as_user_inputs(names, first, has_target)
         got = next(iter(v.shape[0] for v in first.values() if isinstance(v, torch.Tensor)))
         assert got == micro, (got, micro)
@@ -559,6 +580,13 @@ class ParallelModule:
                 loss_scale=1.0 / self.plan.schedule["microbatches"], tracing_mode="fake")
             self.grad_returns = program.meta[mk.GRAD_RETURNS]
             self.params.set_tp_returns(self.grad_returns)
+            if self.cp > 1:
+                from autopar.runtime.context import apply_cp, runtime_variant
+
+                n = apply_cp(program, cp=self.cp, group=self.cp_group.group_name, rank=dist.get_rank(self.cp_group),
+                             seq=self.plan.context["sequence"], variant=runtime_variant(self.plan.context))
+                log.info("rank %d: %d attention ops over cp group %s", dist.get_rank(), n,
+                         dist.get_process_group_ranks(self.cp_group))
             # the step's ZeRO collectives go inside the program: gathers before use, buckets when final
             self.step_program = insert_zero_calls(
                 program, params=self.params, param_inputs=dict(enumerate(trainable)),
@@ -779,6 +807,7 @@ class ParallelModule:
         tp_ranks = self._group_ranks("tp")
         self.params.begin_step(m)
         for i, micro in enumerate(_split_batch(values, m, batch)):
+            micro = self._cp_micro(micro)
             self.params.begin_microbatch(i)
             if self.step_program is not None:
                 # stage 3 passes no parameters: the program gathers each layer group itself
@@ -871,6 +900,10 @@ class ParallelModule:
         """This data-parallel rank's slice of a global batch tensor."""
         if not self._compiled:
             raise RuntimeError("local_batch needs the plan: call train_step once first")
+        if self.cp > 1:  # its batch group's sequences, its two chunks of each
+            from autopar.runtime.context import local_rows
+
+            return local_rows(value, cp=self.cp, dp=self.plan.mesh["dp"], dp_rank=self.mesh.get_local_rank(0))
         return value.chunk(self.plan.mesh["dp"])[self.mesh.get_local_rank(0)]
 
     # -- state -----------------------------------------------------------------

@@ -99,13 +99,18 @@ def test_cp_with_ep_is_refused():
                      fixed={"cp": 2, "ep": 2})
 
 
-def test_parallelize_says_it_does_not_run_cp_before_any_collective():
+def test_parallelize_refuses_what_it_does_not_run_under_cp_before_any_collective():
     model, inputs, loss_fn, target = llama.build(size="tiny", batch=8)
-    pm = autopar.parallelize(model, cluster="1x1xcpu", loss_fn=loss_fn, fixed={"cp": 2})
-    with pytest.raises(autopar.PlanError, match=r"^cp=2: context parallelism is planned and priced .* but "
-                                                r"autopar.parallelize does not run it yet; drop cp to train$"):
+    for fixed, words in (({"cp": 2, "pp": 2}, r"cp=2 with pp=2: autopar.parallelize runs context parallelism "
+                                              r"without pipelining \(pp=1\) so far"),
+                         ({"cp": 2, "ep": 2}, r"cp=2 with ep=2: context and expert parallelism do not run together")):
+        pm = autopar.parallelize(model, cluster="1x1xcpu", loss_fn=loss_fn, fixed=fixed)
+        with pytest.raises(autopar.PlanError, match=f"^{words}"):
+            pm.train_step(inputs, target)
+        assert pm.plan is None
+    pm = autopar.parallelize(model, cluster="1x1xcpu", loss_fn=loss_fn, fixed={"cp": 2}, compile=False)
+    with pytest.raises(autopar.PlanError, match=r"^cp=2 needs the compiled step program"):
         pm.train_step(inputs, target)
-    assert pm.plan is None
 
 
 @pytest.fixture(scope="module")

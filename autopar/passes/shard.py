@@ -219,6 +219,39 @@ def _to_partial(v: DTensor, mesh: DeviceMesh, tp_dim: int, want: list) -> DTenso
     return DTensor.from_local(local, mesh, want, run_check=False, shape=v.shape, stride=v.stride())
 
 
+def _split_token_mean(args, kwargs, dp_dim: int) -> bool:
+    """A mean cross-entropy over a batch split on dp (not over sharded classes), with plain arguments."""
+    if kwargs or len(args) != 5 or args[3] != 1 or not isinstance(args[0], DTensor):
+        return False
+    x, target, weight = args[:3]
+    split = x.placements[dp_dim]
+    return (x.device_mesh.size(dp_dim) > 1 and split.is_shard() and isinstance(target, DTensor)
+            and target.placements[dp_dim] == split and all(p.is_replicate() for i, p in enumerate(x.placements)
+                                                            if i != dp_dim)
+            and (weight is None or all(p.is_replicate() for p in weight.placements)))
+
+
+def _token_mean_nll(args, mesh: DeviceMesh, dp_dim: int):
+    """``nll_loss_forward`` (mean) of a batch split over dp, with the batch's denominator: each rank's
+    sum over its tokens divided by the number of counted tokens summed over dp (an all-reduce of
+    one number). DTensor's own rule divides by the rank's own count and averages the ranks'
+    means, which differs when ranks count different numbers of tokens (``ignore_index``
+    labels, e.g. the last token of each sequence, which under cp one rank holds); its backward
+    already uses the summed count, so this makes the loss agree with its gradient and with one
+    process. Returns (loss Partial(sum) on dp, total weight replicated), as the op's outputs."""
+    from torch.distributed._functional_collectives import all_reduce
+
+    x, target, weight, _, ignore_index = args
+    local_w = weight.to_local() if weight is not None else None
+    total, counted = torch.ops.aten.nll_loss_forward.default(x.to_local(), target.to_local(), local_w, 2,
+                                                              ignore_index)
+    counted = all_reduce(counted, "sum", mesh.get_group(dp_dim))
+    pls = list(x.placements)
+    pls[dp_dim] = Partial("sum")
+    loss = DTensor.from_local(total / counted, mesh, pls, run_check=False)
+    return loss, DTensor.from_local(counted, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
 def _run_local(node: fx.Node, args, kwargs, rule: OpPlacements, mesh: DeviceMesh, tp_dim: int, dp_dim: int):
     """An op DTensor cannot dispatch: run it on local shards under autopar's own rule.
 
@@ -352,6 +385,8 @@ def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, me
     try:
         if node.target in _RANDOM_LIKE and isinstance(args[0], DTensor):
             env[node] = _random_like(node.target, args, kwargs, mesh)
+        elif node.target is torch.ops.aten.nll_loss_forward.default and _split_token_mean(args, kwargs, dp_dim):
+            env[node] = _token_mean_nll(args, mesh, dp_dim)
         elif token_local and split_on_dp(node, (args, kwargs), dp_dim):  # experts' routing: own tokens
             env[node] = run_token_local(node, args, kwargs, tuple(placement(o) for o in (rule.outs if rule else ())),
                                         mesh, tp_dim, dp_dim)

@@ -162,7 +162,8 @@ def cp_options(gm: fx.GraphModule, world: int) -> tuple[int, ...]:
 
 def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index: dict[str, int], cp: int,
                     tp_split: dict[str, bool], tp: int, microbatch_size: float, global_batch: int, link,
-                    overlap_slowdown: float = 1.0) -> dict[str, list[ContextAttentionCost]]:
+                    overlap_slowdown: float = 1.0, variants: tuple[str, ...] = ("ring", "allgather"),
+                    ) -> dict[str, list[ContextAttentionCost]]:
     """Layer path -> the K/V exchange cost of each of its attention ops on one rank, per micro-batch.
 
     ``problem`` is the sharding problem at the per-rank batch (``microbatch_size / cp``): its node
@@ -183,7 +184,7 @@ def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index
         dkv = kv * 4 / site.elem_bytes  # the gradient blocks travel as fp32 accumulators
         best = min((context_attention_cost(variant=var, cp=cp, kv_bytes=kv, dkv_bytes=dkv, forward_s=fwd_s,
                                            backward_s=bwd_s, link=link, overlap_slowdown=overlap_slowdown)
-                    for var in ("ring", "allgather")), key=lambda c: (c.exposed_s, c.variant))
+                    for var in variants), key=lambda c: (c.exposed_s, c.variant))
         out.setdefault(site.layer, []).append(best)
     return out
 
@@ -227,8 +228,9 @@ def cp_decision(best, other, cps: tuple[int, ...], *, seq: int) -> dict:
 
 
 def cp_costs(attention, problem, sg, sol, *, cp: int, tp: int, mbs: int, batch: int,
-              cluster: Cluster) -> dict[str, list[ContextAttentionCost]]:
-    """Per layer, the K/V exchange of its attention ops under cp, on the cp group's link."""
+              cluster: Cluster, variant: str | None = None) -> dict[str, list[ContextAttentionCost]]:
+    """Per layer, the K/V exchange of its attention ops under cp, on the cp group's link (each op's
+    cheaper variant, or the pinned ``variant``)."""
     from autopar.planner.ilp import _splits
 
     index = {n.name: v for v, n in enumerate(sg.nodes)}
@@ -236,4 +238,5 @@ def cp_costs(attention, problem, sg, sol, *, cp: int, tp: int, mbs: int, batch: 
              for a in attention if a.forward in index}
     return attention_costs(attention, problem=problem, sol_choice=sol.choice, sg_index=index, cp=cp, tp_split=split,
                            tp=tp, microbatch_size=mbs, global_batch=batch,
-                           link=cluster.link_for_group(cp, stride=tp))
+                           link=cluster.link_for_group(cp, stride=tp),
+                           variants=(variant,) if variant else ("ring", "allgather"))

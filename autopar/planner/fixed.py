@@ -14,10 +14,11 @@ from autopar.errors import PlanError
 
 __all__ = ["Fixed", "FIXED_KEYS", "SCHEDULES", "RECOMPUTE"]
 
+CP_VARIANTS = ("ring", "allgather")  # (autopar.context.VARIANTS, without importing the runtime op)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 RECOMPUTE = ("none", "selective", "full")
 FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
-              "virtual_stages", "ep", "moe_imbalance", "cp")
+              "virtual_stages", "ep", "moe_imbalance", "cp", "cp_variant")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -47,7 +48,11 @@ class Fixed:
     cp: int | None = None
     """Context parallelism: each sequence split over groups of cp data-parallel ranks
     (consecutive, like ep), attention exchanging keys and values around the group
-    (:mod:`autopar.context`); None or 1: none. Pinned only: the search does not choose it yet."""
+    (:mod:`autopar.context`); None: the search chooses it for long sequences, 1: none."""
+    cp_variant: str | None = None
+    """How cp attention meets the other ranks' keys: "ring" (K/V blocks passed around, hidden
+    behind the block computation) or "allgather" (all K/V gathered first); None: per attention
+    op, whichever the cost model says leaves less exposed."""
 
     @classmethod
     def from_dict(cls, fixed: dict | None) -> Fixed:
@@ -76,8 +81,8 @@ class Fixed:
                                     f"rows over its balanced share (1 = balanced routing, 1.2 = 20% more)")
                 values[key] = factor
                 continue
-            if key in ("schedule", "recompute"):
-                allowed = SCHEDULES if key == "schedule" else RECOMPUTE
+            if key in ("schedule", "recompute", "cp_variant"):
+                allowed = {"schedule": SCHEDULES, "recompute": RECOMPUTE, "cp_variant": CP_VARIANTS}[key]
                 if value not in allowed:
                     problems.append(f"{key}={value!r} is not one of {', '.join(allowed)}")
                 values[key] = value

@@ -54,8 +54,8 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
               compiled_layers: Callable[[str], bool] | None = None, runnable: bool = False) -> Plan:
     """Plan ``model`` for ``cluster``; see :func:`autopar.plan`.
 
-    ``runnable``: only plans :func:`autopar.parallelize` can run today (expert parallelism
-    only with pp = 1); planning for a cluster (``autopar plan``) weighs everything priced.
+    ``runnable``: only plans :func:`autopar.parallelize` can run today (expert and context
+    parallelism only with pp = 1); planning for a cluster (``autopar plan``) weighs everything priced.
 
     ``compiled_layers`` (a predicate on layer paths) prices those layers' memory-bound ops as
     ``torch.compile`` fuses them (:mod:`autopar.passes.fuse`): for predicting runs of programs
@@ -165,8 +165,8 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp, zero=fixed.zero)
     eps = ep_options(experts)
     check_cp(fixed.cp, gm, cluster=cluster, dp=fixed.dp, ep=fixed.ep)
-    # cp is weighed where sequences are long (unless pinned), not for plans parallelize must run
-    cps = () if fixed.cp or ep_flat_only or fixed.ep else cp_options(gm, cluster.world_size)
+    # cp is weighed where sequences are long (unless pinned); for plans parallelize runs, with pp = 1
+    cps = () if fixed.cp or fixed.ep else cp_options(gm, cluster.world_size)
     attention = find_attention(gm) if (fixed.cp and fixed.cp > 1) or cps else []
     if ep_flat_only and not runnable_sites(experts):  # grouped-matmul experts: planned, not run, under ep
         if fixed.ep and fixed.ep > 1:
@@ -236,7 +236,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                                  local_params=local)
             if cp > 1:
                 units = apply_cp(units, cp_costs(attention, problem, sg, sol, cp=cp, tp=tp, mbs=mbs, batch=batch,
-                                                  cluster=cluster), names)
+                                                  cluster=cluster, variant=fixed.cp_variant), names)
             cache[tp, mbs, sp, ep, cp] = units
         return cache[tp, mbs, sp, ep, cp]
 
@@ -651,7 +651,7 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         tokens = cfg.microbatch_size / cfg.cp
         problem = build_problem(sg, batch=tokens, device=cluster.device, link=cluster.link_for_group(cfg.tp, stride=1))
         costs = cp_costs(find_attention(gm), problem, sg, sol, cp=cfg.cp, tp=cfg.tp, mbs=cfg.microbatch_size,
-                          batch=info.global_batch, cluster=cluster)
+                          batch=info.global_batch, cluster=cluster, variant=fixed.cp_variant)
         context = context_record(costs, cp=cfg.cp, seq=sequence_length(gm), counts={x.path: x.count for x in layers},
                                  microbatches=cfg.microbatches)
         communication["p2p"]["cp"] = dict(context["kv_exchange"])

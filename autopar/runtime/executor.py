@@ -8,12 +8,15 @@ the full graph ("h.7" takes the placements of "h.1", which stood for it).
 
 from __future__ import annotations
 
+import difflib
 import operator
+import re
 
 from torch import fx
 
 from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
+from autopar.passes.layers import LOSS_LAYER
 from autopar.passes.shard import OpPlacements
 from autopar.plan import Plan
 
@@ -33,6 +36,23 @@ def _stand_in(path: str, planned: dict) -> str | None:
     return None
 
 
+def _kind(name: str) -> str:
+    """An fx node name without its numbering: the op it calls (``slice_3`` -> ``slice``)."""
+    return re.sub(r"_\d+$", "", name)
+
+
+def _align(nodes: list[fx.Node], planned: list[str]) -> list[int | None]:
+    """Each node's position among the plan's ops of the loss layer, matched by op kind in order
+    (``difflib``'s longest matching blocks); None for a node the plan has no op for."""
+    out: list[int | None] = [None] * len(nodes)
+    matcher = difflib.SequenceMatcher(None, [_kind(p) for p in planned], [_kind(n.name) for n in nodes],
+                                      autojunk=False)
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            out[block.b + k] = block.a + k
+    return out
+
+
 def placements_for_graph(gm: fx.GraphModule, plan: Plan) -> tuple[dict[str, OpPlacements], dict[str, str]]:
     """(op node name -> tp placements, parameter name -> tp placement) for ``gm``.
 
@@ -41,6 +61,7 @@ def placements_for_graph(gm: fx.GraphModule, plan: Plan) -> tuple[dict[str, OpPl
     does not cover the graph.
     """
     plan_ops: dict[tuple[str, int], dict] = {(op["layer"], op["index"]): op for op in plan.ops.values()}
+    loss_ops = sorted((op["index"], name) for name, op in plan.ops.items() if op["layer"] == LOSS_LAYER)
     members: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is not operator.getitem:
@@ -52,7 +73,16 @@ def placements_for_graph(gm: fx.GraphModule, plan: Plan) -> tuple[dict[str, OpPl
         if source is None:
             raise PlanError(f"the plan has no layer for {layer.path} ({layer.class_name}); it was made "
                             f"for another model: re-plan for this one")
-        for i, node in enumerate(members.get(layer.path, [])):
+        nodes = members.get(layer.path, [])
+        order = range(len(nodes))
+        # The loss is the only layer whose ops may differ from the plan's: under context parallelism
+        # a Hugging Face causal LM gets its labels shifted already (autopar.runtime.context), which
+        # leaves out the shift's ops.
+        if source == LOSS_LAYER and len(nodes) != len(loss_ops):
+            order = _align(nodes, [name for _, name in loss_ops])
+        for i, node in zip(order, nodes):
+            if i is None:  # an op of the loss the plan's trace did not have: DTensor places it
+                continue
             op = plan_ops.get((source, i))
             if op is None:
                 raise PlanError(f"the plan's layer {source} has no op #{i} for {node.format_node()}; "
