@@ -364,6 +364,7 @@ class ParallelModule:
         self.steps = 0
         """Optimizer steps taken (restored by load_checkpoint)."""
         self._pending_checkpoint = None  # loaded right after compiling (autopar.runtime.checkpoint)
+        self._probes = None  # measure_step's LiveBytes, one per micro-batch
 
     def _guard(self, action: str, peers=None):
         """Turn a backend failure inside the block into a PeerError naming ``action`` and the peers."""
@@ -814,8 +815,8 @@ class ParallelModule:
                 local = {} if self.plan.zero == 3 else self.params.local_params()
                 with self._guard(f"forward and backward of micro-batch {i} (tp collectives over tp group "
                                  f"{tp_ranks})", tp_ranks):
-                    out = self.step_program(*[local.get(n) for n in self.trainable],
-                                            *[micro[n] for n in self.input_names])
+                    program = self.step_program if self._probes is None else self._probed
+                    out = program(*[local.get(n) for n in self.trainable], *[micro[n] for n in self.input_names])
                 loss = out[0]  # the gradients went to their buckets inside the program
             else:
                 params = self.params.compute_params()
@@ -830,6 +831,32 @@ class ParallelModule:
             total_loss += float(loss) / m
         self._finish_and_step()
         return total_loss
+
+    def measure_step(self, inputs: Any, target: Any = None) -> dict[str, float]:
+        """:meth:`train_step`, with this rank's step program run op by op to measure the bytes of its
+        intermediate tensors (:mod:`autopar.runtime.liveness`; slower, the same result). Returns the
+        loss, ``activation_bytes`` (alive when the backward starts: what the forward keeps for it,
+        the plan's ``memory_bytes["activations"]`` per stage) and ``peak_bytes`` (the most alive at
+        once), each the largest over the step's micro-batches. pp = 1."""
+        if self._compiled and self.plan.mesh["pp"] > 1:
+            raise ValueError("measure_step measures the one-stage step program (pp = 1); this plan pipelines")
+        self._probes = []
+        try:
+            loss = self.train_step(inputs, target)
+            probes = self._probes
+        finally:
+            self._probes = None
+        if not probes:
+            raise ValueError("measure_step needs the compiled step program (pp = 1, compile=True)")
+        return {"loss": loss, "activation_bytes": max(p.at_backward_bytes or 0 for p in probes),
+                "peak_bytes": max(p.peak_bytes for p in probes)}
+
+    def _probed(self, *args):
+        from autopar.runtime.liveness import LiveBytes
+
+        probe = LiveBytes(self.step_program)
+        self._probes.append(probe)
+        return probe.run(*args)
 
     def _finish_and_step(self, tied: dict | None = None) -> None:
         """Wait for the gradient buckets, sum tied addends across stages, step, gather back (ZeRO 1-2)."""

@@ -136,12 +136,14 @@ def test_the_search_weighs_cp_for_long_sequences_and_says_why(long_context):
         assert "not split (cp 2, 4, 8 weighed)" in line
 
 
-def test_short_sequences_and_runnable_plans_do_not_weigh_cp(long_context):
+def test_runnable_plans_split_sequences_only_without_pipelining_and_short_ones_never(long_context):
     from autopar.planner.make import make_plan
 
     model, inputs, loss_fn, target = long_context
     runnable = make_plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target, runnable=True)
-    assert not runnable.context  # parallelize does not run cp: its plans never split sequences
+    # parallelize runs cp with pp = 1: weighed there, never with a pipeline
+    assert runnable.context["considered"] == [2, 4, 8]
+    assert runnable.context["cp"] == 1 or runnable.mesh["pp"] == 1, (runnable.context, runnable.mesh)
     model, inputs, loss_fn, target = llama.build(size="8b", n_layers=2, batch=8, seq=8192, device="meta")
     short = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target)
     assert not short.context and "context" not in short.to_json()

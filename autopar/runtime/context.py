@@ -238,7 +238,8 @@ def apply_cp(gm: fx.GraphModule, *, cp: int, group: str, rank: int, seq: int, va
     if not pairs:
         raise PlanError(f"cp={cp}: the step program has no scaled-dot-product attention op to split over the "
                         f"sequence (context parallelism rewrites torch.nn.functional.scaled_dot_product_attention "
-                        f"and the kernels it calls); use SDPA attention, or drop cp")
+                        f"and the kernels it calls; with attention dropout, SDPA runs as separate ops on CPU): use "
+                        f"SDPA attention without dropout, or drop cp")
     for fwd, bwd in pairs:
         where = f"attention op {fwd.name}"
         causal = _check_attention(fwd, gm, where)
