@@ -299,11 +299,14 @@ def render_summary(plan: Plan) -> str:
                          f"{fmt_s(r['time_s']):>9}")
     overlap = overlap_rows(plan)
     if overlap:
+        cp = "cp_exposed_s" in overlap[0]
         lines += ["", f"  {OVERLAP_TITLE}:",
-                  f"    {'pp rank':>7} {'in flight':>9} {'hidden':>9} {'exposed':>9} {'tp':>9}"]
+                  f"    {'pp rank':>7} {'in flight':>9} {'hidden':>9} {'exposed':>9} {'tp':>9}"
+                  + (f" {'cp K/V':>9}" if cp else "")]
         for r in overlap:
             lines.append(f"    {r['pp_rank']:>7} {fmt_s(r['collectives_s']):>9} {fmt_s(r['hidden_s']):>9} "
-                         f"{fmt_s(r['exposed_s']):>9} {fmt_s(r['tp_exposed_s']):>9}")
+                         f"{fmt_s(r['exposed_s']):>9} {fmt_s(r['tp_exposed_s']):>9}"
+                         + (f" {fmt_s(r['cp_exposed_s']):>9}" if cp else ""))
     s = plan.solver
     lines += ["", f"  solver: {solver_words(s)}; "
                   f"{s['search']['configurations']} configurations tried, {s['search']['feasible']} fit, "

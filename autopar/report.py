@@ -24,7 +24,8 @@ import io
 from typing import TYPE_CHECKING, Any
 
 from autopar.fmt import fmt_bytes, fmt_s, fmt_si
-from autopar.plan_summary import (MEMORY_PARTS, OVERLAP_TITLE, communication_rows, config_words, expert_rows,
+from autopar.plan_summary import (MEMORY_PARTS, OVERLAP_TITLE, communication_rows, config_words, context_words,
+                                  expert_rows,
                                   expert_words, layer_strategies, mesh_words, overlap_rows, solver_words, stage_rows,
                                   strategy_text)
 
@@ -222,6 +223,27 @@ def _experts_table(plan: Plan) -> list[str]:
             f'combine) under balanced routing; times priced with: {_e(plan.experts.get("routing", ""))}</p>']
 
 
+def _context_table(plan: Plan) -> list[str]:
+    """How sequences are split (context parallelism, or the search's reason not to): the summary's
+    words, then the K/V exchange per step."""
+    x = plan.context
+    if not x:
+        return []
+    out = [f"<h2>Context parallelism (cp={_e(x.get('cp', 1))})</h2>",
+           "<ul>" + "".join(f"<li>{_e(w)}</li>" for w in context_words(plan)) + "</ul>"]
+    kv = x.get("kv_exchange")
+    if kv:
+        head = ("sequence", "tokens per rank", "layout", "attention ops", "K/V exchange", "messages", "bytes sent",
+                "time on the link", "exposed")
+        row = (x.get("sequence"), x.get("tokens_per_rank"), x.get("layout"), x.get("attention_ops"),
+               "/".join(x.get("variants", ())), f"{kv.get('count', 0):.4g}", fmt_bytes(kv.get("bytes", 0)),
+               fmt_s(kv.get("time_s", 0)), fmt_s(kv.get("exposed_s", 0)))
+        out += ["<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr><tr>"
+                + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr></table>",
+                '<p class="legend">per step and rank of a cp group (every micro-batch, every attention op)</p>']
+    return out
+
+
 def render_html(plan: Plan) -> str:
     """The whole report as one HTML document (inline CSS and SVG, no scripts)."""
     p = plan.predicted
@@ -242,6 +264,7 @@ def render_html(plan: Plan) -> str:
         "<h2>Mesh</h2><ul>" + "".join(f"<li>{_e(w)}</li>" for w in mesh_words(plan) + expert_words(plan))
         + "</ul>",
         *_experts_table(plan),
+        *_context_table(plan),
         "<h2>Pipeline timeline</h2>", f'<div class="timeline">{_timeline_svg(plan)}</div>',
         "<h2>Stages</h2>",
         '<p class="legend">memory of ' + _e(fmt_bytes(cap)) + " per device:" + "".join(
@@ -279,12 +302,14 @@ def render_html(plan: Plan) -> str:
         out.append("</table>")
     overlap = overlap_rows(plan)
     if overlap:
+        cp = "cp_exposed_s" in overlap[0]
         out += [f"<h2>{_e(OVERLAP_TITLE[0].upper() + OVERLAP_TITLE[1:])}</h2>",
                 "<table><tr><th>pp rank</th><th>collectives in flight</th><th>hidden</th><th>exposed</th>"
-                "<th>tp (exposed)</th></tr>"]
+                "<th>tp (exposed)</th>" + ("<th>cp K/V (exposed)</th>" if cp else "") + "</tr>"]
         out += [f'<tr><td class="num">{r["pp_rank"]}</td><td class="num">{_e(fmt_s(r["collectives_s"]))}</td>'
                 f'<td class="num">{_e(fmt_s(r["hidden_s"]))}</td><td class="num">{_e(fmt_s(r["exposed_s"]))}</td>'
-                f'<td class="num">{_e(fmt_s(r["tp_exposed_s"]))}</td></tr>' for r in overlap]
+                f'<td class="num">{_e(fmt_s(r["tp_exposed_s"]))}</td>'
+                + (f'<td class="num">{_e(fmt_s(r["cp_exposed_s"]))}</td>' if cp else "") + "</tr>" for r in overlap]
         out.append("</table>")
     s = plan.solver
     out += ["<h2>Runners-up</h2>",

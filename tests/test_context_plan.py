@@ -54,12 +54,15 @@ def test_activations_per_rank_fall_as_one_over_cp(plans):
     # One micro-batch in flight (pp = 1): its saved activations are 1/cp of a sequence's; the
     # stage also holds its largest op's working set once, which falls as 1/cp too until it is
     # one that no token count scales: the output head's fp32 weight gradient (vocab x dim).
+    # Under cp a little less: cp's attention keeps the grouped K/V (8 heads), not the head
+    # repeat's copies (32 heads) the traced SDPA reads (a few % of a block's activations).
     head_grad = 128256 * 4096 * 4
     a1 = _stage(plans[1])["memory_bytes"]["activations"]
     for cp in (2, 4):
         a = _stage(plans[cp])["memory_bytes"]["activations"]
-        assert a1 / cp * 0.99 <= a <= a1 / cp + head_grad, (cp, a, a1)
-    assert _stage(plans[2])["memory_bytes"]["activations"] == pytest.approx(a1 / 2, rel=0.01)
+        assert a1 / cp * 0.95 <= a <= a1 / cp + head_grad, (cp, a, a1)
+    assert _stage(plans[2])["memory_bytes"]["activations"] == pytest.approx(a1 / 2, rel=0.03)
+    assert _stage(plans[2])["memory_bytes"]["activations"] < a1 / 2
 
 
 def test_cp_plan_round_trips_and_says_what_it_did(plans):
@@ -72,6 +75,16 @@ def test_cp_plan_round_trips_and_says_what_it_did(plans):
     assert "context: cp=2 folded over dp=8 (the batch split over 4 group(s))" in text
     assert "4096 tokens per rank" in text and "p2p             cp" in text
     assert "context" not in plans[1].to_json()  # absent without cp: plan files stay as they were
+    # the overlap table shows the K/V exchange's exposed time apart from tp's
+    rows = plan.predicted["overlap"]
+    assert sum(r["cp_exposed_s"] for r in rows) == pytest.approx(plan.context["kv_exchange"]["exposed_s"], rel=1e-6)
+    assert all(r["tp_exposed_s"] >= 0 for r in rows) and "cp K/V" in text
+    assert "cp_exposed_s" not in plans[1].predicted["overlap"][0] and "cp K/V" not in plans[1].summary()
+    from autopar.report import render_html
+
+    page = render_html(plan)
+    assert "<h2>Context parallelism (cp=2)</h2>" in page and "cp K/V (exposed)" in page
+    assert "Context parallelism" not in render_html(plans[1])
 
 
 def test_plan_validation_counts_batch_groups(plans):

@@ -54,9 +54,11 @@ def test_runtime_variant_is_the_plans_single_choice_else_the_ring():
     assert runtime_variant({}) == "ring"
 
 
-def _program(mask: str, seq: int = 8, dropout: float = 0.0):
-    """A forward + backward program of causal attention whose output is weighted by positions."""
-    def f(q, k, v, pad):
+def _program(mask: str, seq: int = 8, dropout: float = 0.0, kv_heads: int = 2):
+    """A forward + backward program of causal attention whose output is weighted by positions
+    (grouped-query K/V repeated to 2 heads when ``kv_heads`` is 1)."""
+    def f(q, k_grouped, v_grouped, pad):
+        k, v = (x.repeat_interleave(2 // kv_heads, dim=1) for x in (k_grouped, v_grouped))
         pos = torch.arange(q.shape[2])
         if mask == "causal":
             m = torch.where(pos[:, None] >= pos[None, :], 0.0, float("-inf")).to(q.dtype)
@@ -66,16 +68,17 @@ def _program(mask: str, seq: int = 8, dropout: float = 0.0):
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         loss = (out * (1.0 + pos.double())[None, None, :, None]).sum()
-        return (loss, *torch.autograd.grad(loss, (q, k, v)))
+        return (loss, *torch.autograd.grad(loss, (q, k_grouped, v_grouped)))
 
-    q, k, v = (torch.randn(2, 2, seq, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q = torch.randn(2, 2, seq, 4, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, seq, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
     pad = torch.ones(seq, seq, dtype=torch.bool)
     return make_fx(f)(q, k, v, pad), (q, k, v, pad)
 
 
-@pytest.mark.parametrize("mask", ["causal", "flag"])
-def test_the_rewrite_runs_the_same_attention(mask):
-    gm, args = _program(mask)
+@pytest.mark.parametrize("mask,kv_heads", [("causal", 2), ("flag", 2), ("flag", 1)])
+def test_the_rewrite_runs_the_same_attention(mask, kv_heads):
+    gm, args = _program(mask, kv_heads=kv_heads)
     want = gm(*args)
     kernels = [n for n in gm.graph.nodes if "flash_attention" in str(n.target)]
     assert len(kernels) == 2  # forward and backward
@@ -85,6 +88,11 @@ def test_the_rewrite_runs_the_same_attention(mask):
     assert {"autopar.cp_attention.default", "autopar.cp_attention_backward.default"} <= targets
     for a, b in zip(gm(*args), want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # grouped-query K/V reach the op grouped (the exchange sends them so, as the plan prices it)
+    op = next(n for n in gm.graph.nodes if n.target is torch.ops.autopar.cp_attention.default)
+    assert [n.meta["val"].shape[1] for n in op.args[1:3]] == [kv_heads, kv_heads]
+    if kv_heads == 1:  # the repeat's copies are gone from the program
+        assert not any(n.target is torch.ops.aten.expand.default and n.meta["val"].dim() == 5 for n in gm.graph.nodes)
 
 
 def test_positions_become_the_ranks_global_ones():

@@ -37,7 +37,7 @@ from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
 
 __all__ = ["AttentionSite", "find_attention", "sequence_length", "check_cp", "cp_options", "attention_costs",
-           "cp_costs", "cp_decision", "apply_cp", "context_record", "CP_DEGREES", "MIN_SEQUENCE", "MIN_TOKENS_PER_RANK"]
+           "cp_costs", "cp_decision", "apply_cp", "repeat_savings", "context_record", "CP_DEGREES", "MIN_SEQUENCE", "MIN_TOKENS_PER_RANK"]
 
 CP_DEGREES = (2, 4, 8, 16, 32)
 """cp degrees the search tries (Llama 3 405B trained its 128k-token stage with cp = 16)."""
@@ -60,6 +60,10 @@ class AttentionSite:
     backward: str | None
     kv_bytes: int
     """Bytes of its K and V together at the traced (global) batch, whole sequence, all heads."""
+    repeated_bytes: int = 0
+    """Bytes of the K and V the traced op reads beyond ``kv_bytes``: a grouped-query head repeat's
+    copies, which the traced graph keeps for the backward and cp's op does not (it saves the
+    grouped K/V), at the traced batch."""
     elem_bytes: int
     """Bytes of one K/V element (the gradient blocks travel in fp32, 4 bytes)."""
 
@@ -91,6 +95,8 @@ def find_attention(gm: fx.GraphModule) -> list[AttentionSite]:
         sites.append(AttentionSite(layer=n.meta.get(mk.LAYER, ""), forward=n.name,
                                    backward=bwd.name if bwd is not None else None,
                                    kv_bytes=kv_bytes,
+                                   repeated_bytes=max(0, k.numel() * k.element_size() + v.numel() * v.element_size()
+                                                      - kv_bytes),
                                    elem_bytes=k.element_size()))
     return sites
 
@@ -189,16 +195,48 @@ def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index
     return out
 
 
-def apply_cp(units: list, costs: dict[str, list[ContextAttentionCost]], names: dict[str, list[str]]) -> list:
-    """Units with each layer's exposed K/V exchange added to its forward and backward."""
+def apply_cp(units: list, costs: dict[str, list[ContextAttentionCost]], names: dict[str, list[str]],
+             unsaved: dict[str, float] | None = None) -> list:
+    """Units with each layer's exposed K/V exchange added to its forward and backward, and less
+    saved by the bytes in ``unsaved`` (per layer: the grouped-query repeat copies cp's op does
+    not keep, :func:`repeat_savings`; zero-FLOP copies, so counted among the cheap activations
+    too, which selective recompute already leaves unsaved)."""
     extra = {}
     for layer, cs in costs.items():
         f = sum(c.forward_exposed_s for c in cs)
         b = sum(c.backward_exposed_s for c in cs)
         for name in names.get(layer, [layer]):
-            extra[name] = (f, b)
-    return [replace(u, f_s=u.f_s + extra[u.path][0], b_s=u.b_s + extra[u.path][1],
-                    comm_s=u.comm_s + sum(extra[u.path])) if u.path in extra else u for u in units]
+            extra[name] = (f, b, (unsaved or {}).get(layer, 0.0))
+    out = []
+    for u in units:
+        if u.path not in extra:
+            out.append(u)
+            continue
+        f, b, less = extra[u.path]
+        less = min(less, u.cheap_act_bytes)
+        out.append(replace(u, f_s=u.f_s + f, b_s=u.b_s + b, comm_s=u.comm_s + f + b,
+                           act_bytes=u.act_bytes - less, cheap_act_bytes=u.cheap_act_bytes - less))
+    return out
+
+
+def repeat_savings(attention, sg, sol, *, cp: int, tp: int, mbs: int, batch: int) -> dict[str, float]:
+    """Per layer, the saved bytes of grouped-query K/V repeat copies one rank does not keep under cp
+    (at its micro-batch, 1/cp of each sequence, its tp share of the heads)."""
+    split = _tp_split(attention, sg, sol)
+    out: dict[str, float] = {}
+    for site in attention:
+        scale = (mbs / batch) / cp / (tp if split.get(site.forward) else 1)
+        out[site.layer] = out.get(site.layer, 0.0) + site.repeated_bytes * scale
+    return out
+
+
+def _tp_split(attention, sg, sol) -> dict[str, bool]:
+    """Whether each attention op's heads are split over tp in the sharding MIP's solution."""
+    from autopar.planner.ilp import _splits
+
+    index = {n.name: v for v, n in enumerate(sg.nodes)}
+    return {a.forward: _splits(sg.nodes[index[a.forward]].candidates[sol.choice[index[a.forward]]])
+            for a in attention if a.forward in index}
 
 
 def context_record(costs: dict[str, list[ContextAttentionCost]], *, cp: int, seq: int, counts: dict[str, int],
@@ -231,11 +269,8 @@ def cp_costs(attention, problem, sg, sol, *, cp: int, tp: int, mbs: int, batch: 
               cluster: Cluster, variant: str | None = None) -> dict[str, list[ContextAttentionCost]]:
     """Per layer, the K/V exchange of its attention ops under cp, on the cp group's link (each op's
     cheaper variant, or the pinned ``variant``)."""
-    from autopar.planner.ilp import _splits
-
     index = {n.name: v for v, n in enumerate(sg.nodes)}
-    split = {a.forward: _splits(sg.nodes[index[a.forward]].candidates[sol.choice[index[a.forward]]])
-             for a in attention if a.forward in index}
+    split = _tp_split(attention, sg, sol)
     return attention_costs(attention, problem=problem, sol_choice=sol.choice, sg_index=index, cp=cp, tp_split=split,
                            tp=tp, microbatch_size=mbs, global_batch=batch,
                            link=cluster.link_for_group(cp, stride=tp),

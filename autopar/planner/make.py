@@ -34,7 +34,7 @@ from autopar.plan import Plan
 from autopar.precision import Precision, plan_precision, resolve_precision
 from autopar.planner.cuts import CutTable
 from autopar.planner.context import apply_cp, check_cp, context_record, cp_costs, cp_decision, cp_options, \
-    find_attention, sequence_length
+    find_attention, repeat_savings, sequence_length
 from autopar.planner.experts import apply_ep, check_ep, ep_options, experts_record, find_experts, runnable_sites
 from autopar.planner.frontend import trace_pair
 from autopar.planner.ilp import Solution, build_problem, evaluate, solve
@@ -236,7 +236,8 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                                  local_params=local)
             if cp > 1:
                 units = apply_cp(units, cp_costs(attention, problem, sg, sol, cp=cp, tp=tp, mbs=mbs, batch=batch,
-                                                  cluster=cluster, variant=fixed.cp_variant), names)
+                                                  cluster=cluster, variant=fixed.cp_variant), names,
+                                 repeat_savings(attention, sg, sol, cp=cp, tp=tp, mbs=mbs, batch=batch))
             cache[tp, mbs, sp, ep, cp] = units
         return cache[tp, mbs, sp, ep, cp]
 
@@ -529,16 +530,22 @@ def _config_dict(c: Candidate) -> dict[str, Any]:
     return out
 
 
-def _overlap(best: Candidate) -> list[dict[str, float]]:
+def _overlap(best: Candidate, cp_exposed: dict[str, float]) -> list[dict[str, float]]:
     """Per pipeline rank: seconds with a dp/tied collective in flight, how much of that the
-    compute stream hid, how much it waited on, and the tp collectives inside the layers
-    (on the compute stream, so exposed)."""
+    compute stream hid, how much it waited on, and the collectives inside the layers (on the
+    compute stream): the tp ones and, under cp, what the K/V exchange leaves exposed
+    (``cp_exposed``: per layer instance and micro-batch; the units carry it with their tp time)."""
     out = []
     spec, res = best.spec, best.step
     for r in range(spec.pp):
-        tp_s = sum(g.tp_comm_s for st in spec.stages[r::spec.pp] for g in st.groups) * spec.microbatches
-        out.append({"pp_rank": r, "collectives_s": res.comm_s[r], "hidden_s": res.hidden_s[r],
-                    "exposed_s": res.exposed_s[r], "tp_exposed_s": tp_s})
+        groups = [g for st in spec.stages[r::spec.pp] for g in st.groups]
+        cp_s = sum(cp_exposed.get(g.name, 0.0) for g in groups) * spec.microbatches
+        tp_s = sum(g.tp_comm_s for g in groups) * spec.microbatches - cp_s
+        row = {"pp_rank": r, "collectives_s": res.comm_s[r], "hidden_s": res.hidden_s[r],
+               "exposed_s": res.exposed_s[r], "tp_exposed_s": max(tp_s, 0.0)}
+        if cp_exposed:
+            row["cp_exposed_s"] = cp_s
+        out.append(row)
     return out
 
 
@@ -647,6 +654,7 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         a2a = experts["all_to_all"]
         communication["all_to_all"]["ep"] = {"count": a2a["count"], "bytes": a2a["bytes"], "time_s": a2a["time_s"]}
     context = {}
+    cp_exposed: dict[str, float] = {}  # layer instance -> its K/V exchange's exposed seconds per micro-batch
     if cfg.cp > 1:
         tokens = cfg.microbatch_size / cfg.cp
         problem = build_problem(sg, batch=tokens, device=cluster.device, link=cluster.link_for_group(cfg.tp, stride=1))
@@ -655,6 +663,9 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         context = context_record(costs, cp=cfg.cp, seq=sequence_length(gm), counts={x.path: x.count for x in layers},
                                  microbatches=cfg.microbatches)
         communication["p2p"]["cp"] = dict(context["kv_exchange"])
+        names = _expanded_names(layers, info)
+        cp_exposed = {name: sum(c.exposed_s for c in cs) for layer, cs in costs.items()
+                      for name in names.get(layer, [layer])}
     model_flops = sum((x.flops_fwd + x.flops_bwd) * x.count for x in layers)
     recompute_flops = 0.0
     if cfg.recompute == "full":
@@ -668,7 +679,7 @@ def _to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, s
         "mfu": model_flops / (step * cluster.world_size * peak) if step > 0 else 0.0,
         "peak_memory_bytes": best.peak_memory_bytes,
         "tokens_per_s": tokens / step if tokens and step > 0 else None,
-        "overlap": _overlap(best),
+        "overlap": _overlap(best, cp_exposed),
         "step": best.spec.to_dict(),
     }
     solver = {

@@ -208,6 +208,48 @@ def _attention_pairs(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node | None]]
     return pairs
 
 
+def _grouped(kv: fx.Node) -> fx.Node | None:
+    """The K or V before a grouped-query head repeat (``repeat_interleave`` on heads, or Hugging
+    Face's ``repeat_kv``: unsqueeze(2), expand, copy, view to H heads), or None."""
+    n = kv
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in _PASS_THROUGH:
+        n = n.args[0]
+    if not (isinstance(n, fx.Node) and n.target is _aten.expand.default):
+        return None
+    u = n.args[0]
+    if not (isinstance(u, fx.Node) and u.target is _aten.unsqueeze.default and u.args[1] == 2):
+        return None
+    src, want = u.args[0].meta.get("val"), kv.meta.get("val")
+    if src is None or want is None or src.dim() != 4 or want.shape[1] % src.shape[1] or \
+            (want.shape[0], want.shape[2], want.shape[3]) != tuple(src.shape[i] for i in (0, 2, 3)):
+        return None
+    return u.args[0]
+
+
+def _fold(grad: fx.Node, like: fx.Node) -> fx.Node | None:
+    """The node summing a repeated K/V's gradient ``grad`` back onto the grouped heads (views, then a
+    sum over the repeat dim 2 with its squeeze), shaped like ``like``; None when it is not found."""
+    n = grad
+    while len(n.users) == 1:
+        n = next(iter(n.users))
+        if n.target in _PASS_THROUGH:
+            continue
+        if n.target is _aten.sum.dim_IntList and list(n.args[1]) == [2]:
+            keep = len(n.args) > 2 and n.args[2]
+            if keep:
+                if len(n.users) != 1:
+                    return None
+                n = next(iter(n.users))
+                dims = n.args[1] if n.target is _aten.squeeze.dims else [n.args[1]] \
+                    if n.target is _aten.squeeze.dim else None
+                if dims is None or list(dims) != [2]:
+                    return None
+            val, want = n.meta.get("val"), like.meta.get("val")
+            return n if val is not None and want is not None and val.shape == want.shape else None
+        return None
+    return None
+
+
 def _check_attention(fwd: fx.Node, gm: fx.GraphModule, where: str) -> bool:
     """Whether the attention at ``fwd`` is causal (its flag or its mask), refusing what cp cannot run."""
     if float(_arg(fwd, "dropout_p", 0.0) or 0.0) != 0.0:
@@ -244,6 +286,17 @@ def apply_cp(gm: fx.GraphModule, *, cp: int, group: str, rank: int, seq: int, va
         where = f"attention op {fwd.name}"
         causal = _check_attention(fwd, gm, where)
         q, k, v = (_arg(fwd, n) for n in ("query", "key", "value"))
+        # Grouped-query K/V travel grouped (as the plan prices them): the op takes the K/V before
+        # the head repeat, and its backward returns their gradients already summed over each group.
+        grouped = [_grouped(k), _grouped(v)]
+        folds = [None, None]
+        if bwd is not None and all(grouped):
+            got = [next((u for u in bwd.users if u.target is operator.getitem and u.args[1] == i), None) for i in (1, 2)]
+            folds = [_fold(g_, src) if g_ is not None else None for g_, src in zip(got, grouped)]
+        if all(grouped) and (bwd is None or all(folds)):
+            k, v = grouped
+        else:
+            folds = [None, None]
         scale = _arg(fwd, "scale")
         scale = float(scale) if scale is not None else q.meta["val"].shape[-1] ** -0.5
         extra = (causal, scale, cp, group, variant, balanced)
@@ -256,16 +309,19 @@ def apply_cp(gm: fx.GraphModule, *, cp: int, group: str, rank: int, seq: int, va
         if bwd is None:
             continue
         grad = _arg(bwd, "grad_out") if _arg(bwd, "grad_out") is not None else _arg(bwd, "grad_out_")
-        args = (grad, *(_arg(bwd, n) for n in ("query", "key", "value", "out", "logsumexp")), *extra)
+        args = (grad, _arg(bwd, "query"), k, v, *(_arg(bwd, n) for n in ("out", "logsumexp")), *extra)
         with g.inserting_before(bwd):
             new_b = g.call_function(torch.ops.autopar.cp_attention_backward.default, args)
         for u in list(bwd.users):
             if u.target is operator.getitem and u.args[1] in (0, 1, 2):
+                fold = folds[u.args[1] - 1] if u.args[1] else None
                 with g.inserting_before(u):
-                    u.replace_all_uses_with(g.call_function(operator.getitem, (new_b, u.args[1])))
+                    got = g.call_function(operator.getitem, (new_b, u.args[1]))
+                (fold or u).replace_all_uses_with(got)
+    g.eliminate_dead_code()  # the replaced gradients' folds, the K/V repeats
     for fwd, bwd in pairs:  # (SDPA kernels count as impure, random for dropout: dead code elimination keeps them)
         for old in (bwd, fwd):
-            if old is None:
+            if old is None or old._erased:  # (a backward kernel counts as pure: already gone)
                 continue
             for u in list(old.users):
                 if u.target is operator.getitem and not u.users:

@@ -68,9 +68,11 @@ def _train(rank, world, configs):
         chunks = ids.chunk(dp // cp)[me // cp].chunk(2 * cp, dim=1)  # this rank's batch group, cut in 2 cp
         expected = torch.cat([chunks[i] for i in chunk_ids(cp, me % cp)], dim=1)
         program = pm.step_program.graph
+        kv_heads = [(n.args[0].meta["val"].shape[1], n.args[1].meta["val"].shape[1]) for n in program.nodes
+                    if n.target is torch.ops.autopar.cp_attention.default]
         report[name] = {
             "losses": losses, "grad_err": grad_err, "param_err": param_err, "mesh": pm.plan.mesh,
-            "context": pm.plan.context,
+            "context": pm.plan.context, "kv_heads": kv_heads,
             "local_is_balanced": bool(torch.equal(pm.local_batch(ids), expected)),
             "ops": sorted({str(n.target) for n in program.nodes if n.op == "call_function"
                            and ("attention" in str(n.target) or "cp_" in str(n.target))}),
@@ -86,6 +88,9 @@ def _check(report, name, cp, dp, tp, variant):
     assert r["local_is_balanced"], name
     # every attention op runs over the cp group, none is left on the rank's own chunks
     assert r["ops"] == ["autopar.cp_attention.default", "autopar.cp_attention_backward.default"], (name, r["ops"])
+    # (query heads, K/V heads) per op: the Llamas' grouped K/V (half the heads) are exchanged grouped
+    grouped = name.startswith(("llama", "hf-llama"))
+    assert r["kv_heads"] and all((kv * 2 == q) if grouped else (kv == q) for q, kv in r["kv_heads"]), r["kv_heads"]
 
 
 TWO = [("gpt-cp2-ring", "gpt", 36, {"cp": 2, "dp": 2, "tp": 1, "cp_variant": "ring"}),
