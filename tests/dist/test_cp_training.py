@@ -97,6 +97,8 @@ TWO = [("gpt-cp2-ring", "gpt", 36, {"cp": 2, "dp": 2, "tp": 1, "cp_variant": "ri
        ("llama-cp2-allgather", "llama", 36, {"cp": 2, "dp": 2, "tp": 1, "cp_variant": "allgather"}),
        ("hf-llama-cp2-ring", "hf-llama", 36, {"cp": 2, "dp": 2, "tp": 1, "cp_variant": "ring"})]
 FOUR = [("gpt-cp4-ring", "gpt", 40, {"cp": 4, "dp": 4, "tp": 1, "cp_variant": "ring"}),
+        ("llama-cp4-allgather", "llama", 40, {"cp": 4, "dp": 4, "tp": 1, "cp_variant": "allgather"}),
+        ("gpt-cp2-dp4-allgather", "gpt", 40, {"cp": 2, "dp": 4, "tp": 1, "cp_variant": "allgather"}),
         ("llama-cp2-dp4-ring", "llama", 40, {"cp": 2, "dp": 4, "tp": 1, "cp_variant": "ring"}),
         ("llama-cp2-tp2-ring", "llama", 40, {"cp": 2, "dp": 2, "tp": 2, "cp_variant": "ring"}),
         ("hf-llama-cp4-allgather", "hf-llama", 40, {"cp": 4, "dp": 4, "tp": 1, "cp_variant": "allgather"}),
