@@ -445,15 +445,13 @@ class ParallelModule:
             from autopar.planner.make import check_batch_split
             from autopar.planner.search import Fixed
 
-            if self.fixed.get("cp", 1) > 1 and self.fixed.get("pp") is None:
-                self.fixed["pp"] = 1  # (cp runs without pipelining so far: search only what runs)
             fixed = Fixed.from_dict(self.fixed)
-            check_cp_runnable(fixed.cp, pp=fixed.pp, ep=fixed.ep, compile=self.compile)
+            check_cp_runnable(fixed.cp, ep=fixed.ep, compile=self.compile)
             check_ep_runnable(fixed.ep, pp=fixed.pp, meta_start=self.from_meta)
             check_batch_split(_batch_size(values), fixed)
         else:
-            check_cp_runnable((self._given_plan.context or {}).get("cp"), pp=self._given_plan.mesh.get("pp"),
-                              ep=self._given_plan.experts.get("ep"), compile=self.compile)
+            check_cp_runnable((self._given_plan.context or {}).get("cp"), ep=self._given_plan.experts.get("ep"),
+                              compile=self.compile)
             check_ep_runnable(self._given_plan.experts.get("ep"), pp=self._given_plan.mesh.get("pp"),
                               meta_start=self.from_meta)
         bind_local_device(self.device)  # before the first collective: NCCL binds to the current GPU
@@ -469,7 +467,7 @@ class ParallelModule:
         dp, tp = self.plan.mesh["dp"], self.plan.mesh["tp"]
         # (every rank has the same plan: all raise alike)
         check_ep_runnable(self.ep, pp=self.plan.mesh["pp"], meta_start=self.from_meta)
-        check_cp_runnable(self.cp, pp=self.plan.mesh["pp"], ep=self.ep, compile=self.compile)
+        check_cp_runnable(self.cp, ep=self.ep, compile=self.compile)
         device = self.device
         pp = self.plan.mesh["pp"]
         mesh_text = " x ".join(f"{a}={self.plan.mesh[a]}" for a in ("pp", "dp", "tp"))
@@ -501,13 +499,25 @@ class ParallelModule:
         self.cp = int(plan.context.get("cp", 1)) if plan.context else 1
 
     def _context_parallel(self):
-        """cp > 1: this rank's cp group (``cp`` consecutive dp ranks in its tp column, the layout of
-        :mod:`autopar.runtime.context`; created as ep's groups are, every rank creating every group)."""
+        """cp > 1: this rank's cp group (``cp`` consecutive dp ranks in its tp column and stage, the
+        layout of :mod:`autopar.runtime.context`)."""
         if self.cp == 1:
             return None
-        from autopar.runtime.expert import ep_groups
+        from autopar.runtime.context import cp_group
 
-        return ep_groups(self.mesh.mesh, self.cp, dist.get_rank())[0]
+        mesh = self.pp_mesh if self.plan.mesh["pp"] > 1 else self.mesh
+        return cp_group(mesh.mesh, self.cp, dist.get_rank())
+
+    def _cp_program(self, program) -> None:
+        """cp > 1: this rank's step program (before it is cut into pipeline pieces) rewritten for its cp group."""
+        if self.cp == 1:
+            return
+        from autopar.runtime.context import apply_cp, runtime_variant
+
+        n = apply_cp(program, cp=self.cp, group=self.cp_group.group_name, rank=dist.get_rank(self.cp_group),
+                     seq=self.plan.context["sequence"], variant=runtime_variant(self.plan.context))
+        log.info("rank %d: %d attention ops over cp group %s", dist.get_rank(), n,
+                 dist.get_process_group_ranks(self.cp_group))
 
     def _cp_micro(self, micro: dict[str, Any]) -> dict[str, Any]:
         """A micro-batch as the program takes it under cp > 1: stacked by (batch group, cp rank),
@@ -581,13 +591,7 @@ class ParallelModule:
                 loss_scale=1.0 / self.plan.schedule["microbatches"], tracing_mode="fake")
             self.grad_returns = program.meta[mk.GRAD_RETURNS]
             self.params.set_tp_returns(self.grad_returns)
-            if self.cp > 1:
-                from autopar.runtime.context import apply_cp, runtime_variant
-
-                n = apply_cp(program, cp=self.cp, group=self.cp_group.group_name, rank=dist.get_rank(self.cp_group),
-                             seq=self.plan.context["sequence"], variant=runtime_variant(self.plan.context))
-                log.info("rank %d: %d attention ops over cp group %s", dist.get_rank(), n,
-                         dist.get_process_group_ranks(self.cp_group))
+            self._cp_program(program)
             # the step's ZeRO collectives go inside the program: gathers before use, buckets when final
             self.step_program = insert_zero_calls(
                 program, params=self.params, param_inputs=dict(enumerate(trainable)),
@@ -679,7 +683,9 @@ class ParallelModule:
                     t.data.copy_(on_device)
         plan, m = self.plan, self.plan.schedule["microbatches"]
         first = _split_batch(values, m, plan.model["global_batch"])[0]
-        inputs, target = self._as_user_inputs(names, first, has_target)
+        self.cp_group = self._context_parallel()
+        first = self._cp_micro(first)
+        inputs, target = self._as_user_inputs(tuple(first), first, has_target)
         self.gm = self._trace(inputs, target)
         _check_scalar_loss(self.gm)
         self.ops, tp_params = placements_for_graph(self.gm, plan)
@@ -699,6 +705,7 @@ class ParallelModule:
                                     inputs=self._place_inputs(first), loss_scale=1.0 / m, addends=addends,
                                     keep_tags=True, tracing_mode="fake")
         self.grad_returns = program.meta[mk.GRAD_RETURNS]
+        self._cp_program(program)
         pp, pp_rank = plan.mesh["pp"], self.pp_mesh.get_local_rank("pp")
         n_stages = len(plan.stages)
         self.pipeline = split_program(
@@ -744,7 +751,7 @@ class ParallelModule:
 
     def _pipeline_step(self, values) -> float:
         m = self.plan.schedule["microbatches"]
-        micro = _split_batch(values, m, self.plan.model["global_batch"])
+        micro = [self._cp_micro(x) for x in _split_batch(values, m, self.plan.model["global_batch"])]
         self.params.begin_step(m)
         held = ({f: None for f in self.trainable} if self.plan.zero == 3  # stage 3: the pieces gather per group
                 else self.params.local_params())

@@ -114,9 +114,7 @@ def test_cp_with_ep_is_refused():
 
 def test_parallelize_refuses_what_it_does_not_run_under_cp_before_any_collective():
     model, inputs, loss_fn, target = llama.build(size="tiny", batch=8)
-    for fixed, words in (({"cp": 2, "pp": 2}, r"cp=2 with pp=2: autopar.parallelize runs context parallelism "
-                                              r"without pipelining \(pp=1\) so far"),
-                         ({"cp": 2, "ep": 2}, r"cp=2 with ep=2: context and expert parallelism do not run together")):
+    for fixed, words in (({"cp": 2, "ep": 2}, r"cp=2 with ep=2: context and expert parallelism do not run together"),):
         pm = autopar.parallelize(model, cluster="1x1xcpu", loss_fn=loss_fn, fixed=fixed)
         with pytest.raises(autopar.PlanError, match=f"^{words}"):
             pm.train_step(inputs, target)
@@ -149,14 +147,12 @@ def test_the_search_weighs_cp_for_long_sequences_and_says_why(long_context):
         assert "not split (cp 2, 4, 8 weighed)" in line
 
 
-def test_runnable_plans_split_sequences_only_without_pipelining_and_short_ones_never(long_context):
+def test_runnable_plans_weigh_cp_and_short_sequences_never(long_context):
     from autopar.planner.make import make_plan
 
     model, inputs, loss_fn, target = long_context
     runnable = make_plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target, runnable=True)
-    # parallelize runs cp with pp = 1: weighed there, never with a pipeline
-    assert runnable.context["considered"] == [2, 4, 8]
-    assert runnable.context["cp"] == 1 or runnable.mesh["pp"] == 1, (runnable.context, runnable.mesh)
+    assert runnable.context["considered"] == [2, 4, 8]  # parallelize runs cp: weighed for it too
     model, inputs, loss_fn, target = llama.build(size="8b", n_layers=2, batch=8, seq=8192, device="meta")
     short = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target)
     assert not short.context and "context" not in short.to_json()

@@ -54,8 +54,8 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
               compiled_layers: Callable[[str], bool] | None = None, runnable: bool = False) -> Plan:
     """Plan ``model`` for ``cluster``; see :func:`autopar.plan`.
 
-    ``runnable``: only plans :func:`autopar.parallelize` can run today (expert and context
-    parallelism only with pp = 1); planning for a cluster (``autopar plan``) weighs everything priced.
+    ``runnable``: only plans :func:`autopar.parallelize` can run today (expert parallelism
+    only with pp = 1); planning for a cluster (``autopar plan``) weighs everything priced.
 
     ``compiled_layers`` (a predicate on layer paths) prices those layers' memory-bound ops as
     ``torch.compile`` fuses them (:mod:`autopar.passes.fuse`): for predicting runs of programs
@@ -165,7 +165,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp, zero=fixed.zero)
     eps = ep_options(experts)
     check_cp(fixed.cp, gm, cluster=cluster, dp=fixed.dp, ep=fixed.ep)
-    # cp is weighed where sequences are long (unless pinned); for plans parallelize runs, with pp = 1
+    # cp is weighed where sequences are long (unless pinned)
     cps = () if fixed.cp or fixed.ep else cp_options(gm, cluster.world_size)
     attention = find_attention(gm) if (fixed.cp and fixed.cp > 1) or cps else []
     if ep_flat_only and not runnable_sites(experts):  # grouped-matmul experts: planned, not run, under ep

@@ -472,8 +472,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     experts allow (none: no experts); each is tried where it divides dp, with ZeRO-0 (expert
     state under ZeRO is not priced yet), and with ``ep_flat_only`` only where pp = 1 (what
     ``autopar.parallelize`` runs so far). A pinned ``fixed.ep`` is the only one tried. A pinned
-    ``fixed.cp`` (context parallelism, folded over dp like ep; not with ep, and with
-    ``ep_flat_only`` only where pp = 1), or else each of ``cp_options`` that divides dp, calls ``units_for(tp, microbatch_size, sp, ep, cp)`` for
+    ``fixed.cp`` (context parallelism, folded over dp like ep; not with ep), or else each of
+    ``cp_options`` that divides dp, calls ``units_for(tp, microbatch_size, sp, ep, cp)`` for
     cp > 1 and splits the batch over dp / cp groups. Branch and bound: mesh shapes (tp, sp, pp,
     dp, micro-batch size) are visited in order of a compute-only lower bound on their step
     time: the busiest rank computes at least the average,
@@ -503,11 +503,11 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             return units_for(tp, mbs, sp, ep, cp)
         return units_for(tp, mbs, sp) if ep == 1 else units_for(tp, mbs, sp, ep)
 
-    def cps(dp: int, ep: int, pp: int) -> list[int]:
+    def cps(dp: int, ep: int) -> list[int]:
         """The cp degrees a shape is tried with: the pinned one or ``cp_options``, where they
-        divide dp (and cp > 1 not with ep > 1, and with ``ep_flat_only`` only where pp = 1)."""
+        divide dp (and cp > 1 not with ep > 1)."""
         tried = [fixed.cp] if fixed.cp else cp_options
-        return [c for c in tried if dp % c == 0 and (c == 1 or (ep == 1 and (not ep_flat_only or pp == 1)))]
+        return [c for c in tried if dp % c == 0 and (c == 1 or ep == 1)]
 
     def eps(tp: int, pp: int, dp: int) -> list[int]:
         """The ep degrees a (tp, pp, dp) shape is tried with."""
@@ -534,7 +534,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             if (fixed.pp and pp != fixed.pp) or (fixed.dp and dp != fixed.dp) or pp > n_units \
                     or not eps(tp, pp, dp):  # ep folds over the dp ranks
                 continue
-            for cp in sorted({c for ep in eps(tp, pp, dp) for c in cps(dp, ep, pp)}):
+            for cp in sorted({c for ep in eps(tp, pp, dp) for c in cps(dp, ep)}):
                 groups = dp // cp  # cp folds over the dp ranks: dp / cp groups split the batch
                 if global_batch % groups:
                     skipped_batch += 1
@@ -546,7 +546,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                             (fixed.microbatches and m != fixed.microbatches):
                         continue
                     for sp, ep in ((sp, ep) for sp in sp_options.get(tp, (False,)) for ep in eps(tp, pp, dp)
-                                   if cp in cps(dp, ep, pp)):
+                                   if cp in cps(dp, ep)):
                         key = (tp, sp, mbs, ep, cp)
                         if key not in work:
                             t0 = time.perf_counter()

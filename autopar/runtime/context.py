@@ -54,7 +54,7 @@ from torch import fx, nn
 from autopar.context import VARIANTS, sequence_positions, shard_sequence
 from autopar.errors import InputError, PlanError
 
-__all__ = ["check_cp_runnable", "stack_sequences", "local_rows", "shift_hf_labels", "apply_cp", "runtime_variant"]
+__all__ = ["check_cp_runnable", "cp_group", "stack_sequences", "local_rows", "shift_hf_labels", "apply_cp", "runtime_variant"]
 
 _aten = torch.ops.aten
 # forward SDPA kernels -> their backward; arguments are read by schema name
@@ -69,19 +69,34 @@ _PASS_THROUGH = {_aten.view.default, _aten._unsafe_view.default, _aten.detach.de
                  _aten.reshape.default, _aten.clone.default, _aten.contiguous.default}
 
 
-def check_cp_runnable(cp: int | None, *, pp: int | None, ep: int | None, compile: bool) -> None:
-    """What ``parallelize`` runs under cp > 1 (pp = 1, no ep, the compiled step program): a clear
-    error before any collective for the rest."""
+def check_cp_runnable(cp: int | None, *, ep: int | None, compile: bool) -> None:
+    """What ``parallelize`` runs under cp > 1 (no ep, the compiled step program): a clear error
+    before any collective for the rest."""
     if not cp or cp == 1:
         return
-    if pp and pp > 1:
-        raise PlanError(f"cp={cp} with pp={pp}: autopar.parallelize runs context parallelism without pipelining "
-                        f"(pp=1) so far; pin pp=1 (`fixed={{'pp': 1}}`), or drop cp")
     if ep and ep > 1:
         raise PlanError(f"cp={cp} with ep={ep}: context and expert parallelism do not run together yet; drop one")
     if not compile:
         raise PlanError(f"cp={cp} needs the compiled step program (its attention and positions are rewritten "
                         f"there); drop compile=False")
+
+
+def cp_group(mesh_ranks: torch.Tensor, cp: int, rank: int):
+    """This rank's cp group for a mesh of global ranks ``mesh_ranks`` ((dp, tp), or (pp, dp, tp)):
+    ``cp`` consecutive dp ranks of one tp column of one pipeline stage. Every rank creates every
+    group, in the same order (``new_group`` is collective)."""
+    import torch.distributed as dist
+
+    dp, tp = mesh_ranks.shape[-2:]
+    mine = None
+    for stage in mesh_ranks.reshape(-1, dp, tp):
+        for t in range(tp):
+            for g in range(dp // cp):
+                ranks = [int(r) for r in stage[g * cp:(g + 1) * cp, t]]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine = group
+    return mine
 
 
 def runtime_variant(context: dict) -> str:
@@ -303,6 +318,10 @@ def apply_cp(gm: fx.GraphModule, *, cp: int, group: str, rank: int, seq: int, va
         with g.inserting_before(fwd):
             new = g.call_function(torch.ops.autopar.cp_attention.default, (q, k, v, *extra))
             out, lse = (g.call_function(operator.getitem, (new, i)) for i in (0, 1))
+        for n in (new, out, lse):  # (the pipeline pass reads the stage tags in meta["custom"])
+            n.meta.update({key: val for key, val in fwd.meta.items() if key != "val"})
+        if isinstance(fwd.meta.get("val"), (tuple, list)):  # same shapes: (B, H, S, D) and (B, H, S)
+            out.meta["val"], lse.meta["val"] = fwd.meta["val"][:2]
         for u in list(fwd.users):
             if u.target is operator.getitem and u.args[1] in (0, 1):
                 u.replace_all_uses_with(out if u.args[1] == 0 else lse)
@@ -312,11 +331,13 @@ def apply_cp(gm: fx.GraphModule, *, cp: int, group: str, rank: int, seq: int, va
         args = (grad, _arg(bwd, "query"), k, v, *(_arg(bwd, n) for n in ("out", "logsumexp")), *extra)
         with g.inserting_before(bwd):
             new_b = g.call_function(torch.ops.autopar.cp_attention_backward.default, args)
+        new_b.meta.update({key: val for key, val in bwd.meta.items() if key != "val"})
         for u in list(bwd.users):
             if u.target is operator.getitem and u.args[1] in (0, 1, 2):
                 fold = folds[u.args[1] - 1] if u.args[1] else None
                 with g.inserting_before(u):
                     got = g.call_function(operator.getitem, (new_b, u.args[1]))
+                got.meta.update((fold or u).meta)
                 (fold or u).replace_all_uses_with(got)
     g.eliminate_dead_code()  # the replaced gradients' folds, the K/V repeats
     for fwd, bwd in pairs:  # (SDPA kernels count as impure, random for dropout: dead code elimination keeps them)

@@ -2,7 +2,8 @@
 
 The GPT and Llama examples and Hugging Face's Llama (grouped-query attention, its own causal
 mask and labels shifted inside its loss) train 3 AdamW steps under cp = 2 (2 ranks), cp = 4
-(4 ranks), cp x dp (cp = 2 in dp = 4: two batch groups) and cp x tp (cp = 2, tp = 2), with
+(4 ranks), cp x dp (cp = 2 in dp = 4: two batch groups; with ZeRO-3 too), cp x tp (cp = 2, tp = 2) and cp x pp
+(cp = 2, two pipeline stages), with
 the ring and the all-gather K/V exchange, causal, at sequence lengths whose 2 cp chunks are
 odd-sized (36 tokens: chunks of 9 for cp = 2; 40: chunks of 5 for cp = 4), so each rank's two
 chunks (one early, one late) are checked against the positions they really have. Losses,
@@ -67,14 +68,18 @@ def _train(rank, world, configs):
         ids = inputs["input_ids"] if isinstance(inputs, dict) else inputs[0]
         chunks = ids.chunk(dp // cp)[me // cp].chunk(2 * cp, dim=1)  # this rank's batch group, cut in 2 cp
         expected = torch.cat([chunks[i] for i in chunk_ids(cp, me % cp)], dim=1)
-        program = pm.step_program.graph
-        kv_heads = [(n.args[0].meta["val"].shape[1], n.args[1].meta["val"].shape[1]) for n in program.nodes
+        if pm.step_program is not None:
+            nodes = list(pm.step_program.graph.nodes)
+        else:  # pipelined: this rank's stages' forward and backward pieces
+            nodes = [n for st in pm.pipeline.stages for piece in (st.forward, st.backward_input, st.backward_weight)
+                     if piece is not None for n in piece.gm.graph.nodes]
+        kv_heads = [(n.args[0].meta["val"].shape[1], n.args[1].meta["val"].shape[1]) for n in nodes
                     if n.target is torch.ops.autopar.cp_attention.default]
         report[name] = {
             "losses": losses, "grad_err": grad_err, "param_err": param_err, "mesh": pm.plan.mesh,
             "context": pm.plan.context, "kv_heads": kv_heads,
             "local_is_balanced": bool(torch.equal(pm.local_batch(ids), expected)),
-            "ops": sorted({str(n.target) for n in program.nodes if n.op == "call_function"
+            "ops": sorted({str(n.target) for n in nodes if n.op == "call_function"
                            and ("attention" in str(n.target) or "cp_" in str(n.target))}),
         }
     return report
@@ -99,10 +104,13 @@ TWO = [("gpt-cp2-ring", "gpt", 36, {"cp": 2, "dp": 2, "tp": 1, "cp_variant": "ri
 FOUR = [("gpt-cp4-ring", "gpt", 40, {"cp": 4, "dp": 4, "tp": 1, "cp_variant": "ring"}),
         ("llama-cp4-allgather", "llama", 40, {"cp": 4, "dp": 4, "tp": 1, "cp_variant": "allgather"}),
         ("gpt-cp2-dp4-allgather", "gpt", 40, {"cp": 2, "dp": 4, "tp": 1, "cp_variant": "allgather"}),
-        ("llama-cp2-dp4-ring", "llama", 40, {"cp": 2, "dp": 4, "tp": 1, "cp_variant": "ring"}),
+        ("llama-cp2-dp4-zero3-ring", "llama", 40, {"cp": 2, "dp": 4, "tp": 1, "zero": 3, "cp_variant": "ring"}),
         ("llama-cp2-tp2-ring", "llama", 40, {"cp": 2, "dp": 2, "tp": 2, "cp_variant": "ring"}),
         ("hf-llama-cp4-allgather", "hf-llama", 40, {"cp": 4, "dp": 4, "tp": 1, "cp_variant": "allgather"}),
-        ("hf-llama-cp2-tp2-ring", "hf-llama", 40, {"cp": 2, "dp": 2, "tp": 2, "cp_variant": "ring"})]
+        ("hf-llama-cp2-tp2-ring", "hf-llama", 40, {"cp": 2, "dp": 2, "tp": 2, "cp_variant": "ring"}),
+        ("llama-cp2-pp2-ring", "llama", 40, {"cp": 2, "dp": 2, "tp": 1, "pp": 2, "cp_variant": "ring"}),
+        ("hf-llama-cp2-pp2-allgather", "hf-llama", 40, {"cp": 2, "dp": 2, "tp": 1, "pp": 2,
+                                                        "cp_variant": "allgather"})]
 
 
 @pytest.fixture(scope="module")
