@@ -19,8 +19,8 @@ both torchtitan benchmark files say so), so the cluster uses the catalog's
 so that a configuration that does not fit still gets a plan; "fits" then compares
 the predicted peak with the device's 95 GiB (and the planner's own 10% reserve).
 
-Rows left out, and why: context parallelism (the 8B CP table; autopar has no cp
-axis), MoE rows (no expert parallelism), Float8 rows (no fp8 pricing). Rows run
+Rows left out, and why: the context-parallel tables (8B and 405B; cp itself is planned
+now, but both tables ran Float8), MoE rows (not expressed yet), Float8 rows (no fp8 pricing). Rows run
 with torch.compile are marked and planned with ``make_plan(compiled_layers=...)``:
 the memory-bound ops of each transformer block (what torchtitan compiles) are priced
 as TorchInductor fuses them (:mod:`autopar.passes.fuse`); the rest as eager.
