@@ -95,7 +95,8 @@ from autopar.passes.shard import placement
 from autopar.runtime.device import mesh_device
 from autopar.runtime.memtrack import LiveBytes
 
-__all__ = ["MAX_INFLIGHT_REDUCES", "OptimizerShard", "ShardedParams", "StateBytes", "TpBucket", "tp_buckets"]
+__all__ = ["MAX_INFLIGHT_REDUCES", "OptimizerShard", "ShardedParams", "StateBytes", "TpBucket", "contiguous_stride",
+           "tp_buckets"]
 
 # torch 2.13 renamed these (the old names warn); 2.11 has only the old ones.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -216,7 +217,7 @@ class ShardedParams:
                 shape, _ = compute_local_shape_and_global_offset(full.shape, mesh, pls)
                 dtype = master_dtype if master_dtype is not None and full.is_floating_point() else full.dtype
                 e = _Entry(fqn, full.shape, tp_placements.get(fqn, "R"), torch.Size(shape),
-                           _contiguous_stride(shape), dtype, self.dp, self.dp_rank, zero)
+                           contiguous_stride(shape), dtype, self.dp, self.dp_rank, zero)
                 if zero == 3:
                     e.slice = self.live.track(torch.zeros(e.chunk, dtype=e.dtype, device=self.device), "params")
                 else:
@@ -321,7 +322,7 @@ class ShardedParams:
         """:meth:`local_params` as DTensors, replicated on dp and placed on tp."""
         return {fqn: DTensor.from_local(local, self.mesh, self._placements(self.entries[fqn]), run_check=False,
                                         shape=self.entries[fqn].shape,
-                                        stride=_contiguous_stride(self.entries[fqn].shape))
+                                        stride=contiguous_stride(self.entries[fqn].shape))
                 for fqn, local in self.local_params().items()}
 
     # -- stage 3: gather a group before its use -------------------------------
@@ -607,14 +608,14 @@ class ShardedParams:
         e = self.entries[fqn]
         local = self._gather_one(e.slice, e) if self.zero == 3 else e.full_local()
         return self._whole(fqn, DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
-                                                   shape=e.shape, stride=_contiguous_stride(e.shape)).full_tensor())
+                                                   shape=e.shape, stride=contiguous_stride(e.shape)).full_tensor())
 
     def full_grad(self, fqn: str) -> torch.Tensor:
         """The whole reduced gradient (a collective: call on every rank)."""
         e = self.entries[fqn]
         local = e.grad if self.zero == 0 else self._gather_one(e.grad, e)
         return self._whole(fqn, DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
-                                                   shape=e.shape, stride=_contiguous_stride(e.shape)).full_tensor())
+                                                   shape=e.shape, stride=contiguous_stride(e.shape)).full_tensor())
 
     def _whole(self, fqn: str, part: torch.Tensor) -> torch.Tensor:
         """An expert parameter's (or gradient's) ep parts, gathered along dim 0 (in ep-group rank
@@ -697,7 +698,8 @@ def _piece_numel(r: GradReturn, tp: int, k: int) -> int:
     return math.prod(_piece_shape(r, tp, k))
 
 
-def _contiguous_stride(shape) -> tuple[int, ...]:
+def contiguous_stride(shape) -> tuple[int, ...]:
+    """Row-major strides of ``shape``."""
     stride, acc = [], 1
     for d in reversed(tuple(shape)):
         stride.append(acc)
