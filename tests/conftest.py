@@ -14,6 +14,17 @@ import pytest
 # tests/test_trace_cache.py checks what may and may not hit.
 os.environ.setdefault("AUTOPAR_TRACE_CACHE", "1")
 
+# Solved sharding MIPs are shared between the suite's processes (xdist workers, spawned ranks) through
+# one fresh directory per run (autopar.planner.solve_cache): a world's rank 0 does not solve again what
+# another world solved, and no run is faster or slower for what an earlier run left in ~/.cache.
+if "AUTOPAR_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["AUTOPAR_CACHE_DIR"] = _CACHE_DIR = tempfile.mkdtemp(prefix="autopar-test-cache-")
+    atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+
 _CPU_LOG = os.environ.get("AUTOPAR_TEST_CPU")
 """A file to append each test phase's CPU seconds to (this process, its reaped children and the
 ranks autopar.testing.spawn_world forked):

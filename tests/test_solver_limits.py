@@ -6,6 +6,7 @@ with its gap, stops at the same point every time, and the plan says so.
 """
 
 import difflib
+import json
 import functools
 import os
 import subprocess
@@ -47,6 +48,13 @@ def _plan_bytes_in_subprocess() -> bytes:
     done = subprocess.run([sys.executable, "-c", PLAN_SCRIPT], capture_output=True, timeout=900)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     return done.stdout
+
+
+@pytest.fixture(autouse=True)
+def solve_afresh(monkeypatch):
+    """These tests watch SCIP solve: no answers from the suite's on-disk MIP cache (the tests
+    of that cache below turn it back on in a directory of their own)."""
+    monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "0")
 
 
 def test_plan_made_under_load_is_byte_identical_to_a_quiet_one():
@@ -160,3 +168,65 @@ def test_the_same_mip_is_solved_once_per_process(llama_tp4, monkeypatch):
     ilp.solve(ilp.build_problem(llama_tp4.graph, batch=llama_tp4.batch * 2, device=other.device,
                                 link=other.link_for_group(4, stride=1)))  # other costs
     assert len(calls) == 3
+
+
+def _counting_solves(monkeypatch) -> list:
+    calls = []
+    solve = ilp.pywraplp.Solver.Solve
+    monkeypatch.setattr(ilp.pywraplp.Solver, "Solve", lambda self, *a: calls.append(1) or solve(self, *a))
+    return calls
+
+
+def test_another_process_finds_a_solved_mip_on_disk(llama_tp4, monkeypatch, tmp_path):
+    """What one process solved, the next reads from the cache directory (the process's own memo
+    cleared stands in for a new process): the same solution, SCIP not called."""
+    monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "1")
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    calls = _counting_solves(monkeypatch)
+    ilp._SOLVED.clear()
+    first = ilp.solve(llama_tp4)
+    entries = list((tmp_path / "mip").glob("*.json"))
+    assert len(calls) == 1 and len(entries) == 1
+    ilp._SOLVED.clear()
+    again = ilp.solve(llama_tp4)
+    assert len(calls) == 1
+    assert (again.choice, again.status, again.objective_s, again.bound_s, again.nodes, again.node_limit, again.limit) \
+        == (first.choice, first.status, first.objective_s, first.bound_s, first.nodes, first.node_limit, first.limit)
+    # other settings are another entry, solved afresh
+    ilp.solve(llama_tp4, node_limit=first.nodes + 1)
+    assert len(calls) == 2 and len(list((tmp_path / "mip").glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("damage", ["not json", '{"format": 1}', "choice out of range", "another format"])
+def test_an_unusable_cache_entry_is_solved_again_and_replaced(llama_tp4, monkeypatch, tmp_path, damage):
+    monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "1")
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    calls = _counting_solves(monkeypatch)
+    ilp._SOLVED.clear()
+    first = ilp.solve(llama_tp4)
+    (entry,) = (tmp_path / "mip").glob("*.json")
+    good = json.loads(entry.read_text())
+    if damage == "choice out of range":
+        entry.write_text(json.dumps({**good, "choice": [99] * len(good["choice"])}))
+    elif damage == "another format":
+        entry.write_text(json.dumps({**good, "format": 0}))
+    else:
+        entry.write_text(damage)
+    ilp._SOLVED.clear()
+    again = ilp.solve(llama_tp4)
+    assert len(calls) == 2 and again.choice == first.choice
+    assert json.loads(entry.read_text()) == good
+
+
+def test_solve_cache_off_or_unwritable_writes_nothing_and_still_solves(llama_tp4, monkeypatch, tmp_path):
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "0")
+    ilp._SOLVED.clear()
+    ilp.solve(llama_tp4)
+    assert not (tmp_path / "mip").exists()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "1")
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(blocker))  # mip/ cannot be made under a file
+    ilp._SOLVED.clear()
+    assert ilp.solve(llama_tp4).status == "OPTIMAL"

@@ -58,6 +58,7 @@ from autopar.cost.compute import kernel_time_s
 from autopar.cost.devices import DeviceSpec
 from autopar.errors import InfeasibleError
 from autopar.passes.strategies import StrategyGraph, Strategy
+from autopar.planner import solve_cache
 
 __all__ = ["Problem", "Solution", "CostBreakdown", "LayerCost", "build_problem", "solve", "evaluate",
            "reshard_s", "node_cost_s"]
@@ -340,7 +341,8 @@ variable, bound, row and coefficient, with the solver settings). Planning the sa
 (another cluster whose tensor-parallel groups see the same links and micro-batch, a re-plan,
 the test suite's many plans of one tiny model) rebuilds the MIP, which takes little, but does not
 re-solve it, which took 20-50 CPU-s for Llama tiny at tp=2. Same model, same answer: SCIP is
-deterministic under a node limit, so the memo changes no plan."""
+deterministic under a node limit, so the memo changes no plan. Other processes find what this one
+solved on disk (:mod:`autopar.planner.solve_cache`)."""
 _SOLVED_MAX = 64
 
 
@@ -393,10 +395,14 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
 
     model = linear_solver_pb2.MPModelProto()
     solver.ExportModelToProto(model)
-    key = hashlib.sha256(model.SerializeToString(deterministic=True) + f"{backend}\n{text}\n{fixed_cost!r}".encode()).digest()
+    key = hashlib.sha256(model.SerializeToString(deterministic=True) + f"{backend}\n{text}\n{fixed_cost!r}\n".encode()
+                         + solve_cache.salt()).digest()
     if key in _SOLVED:
         _SOLVED.move_to_end(key)
         return replace(_SOLVED[key], wall_s=time.perf_counter() - start)
+    stored = solve_cache.load(key.hex(), [len(lits) for lits in x])
+    if stored is not None:
+        return _remember(key, Solution(**stored, wall_s=time.perf_counter() - start))
     status = solver.Solve()
     names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
              pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.UNBOUNDED: "UNBOUNDED"}
@@ -411,9 +417,14 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
     choice = tuple(max(range(len(lits)), key=lambda i: lits[i].solution_value()) for lits in x)
     objective = solver.Objective().Value() + fixed_cost
     bound = solver.Objective().BestBound() + fixed_cost if name != "OPTIMAL" else objective
-    _SOLVED[key] = solution = Solution(choice=choice, status=name, objective_s=objective * _UNIT_S,
-                                       bound_s=bound * _UNIT_S, nodes=nodes, node_limit=node_limit,
-                                       limit=limit, wall_s=time.perf_counter() - start)
+    solution = Solution(choice=choice, status=name, objective_s=objective * _UNIT_S, bound_s=bound * _UNIT_S,
+                        nodes=nodes, node_limit=node_limit, limit=limit, wall_s=time.perf_counter() - start)
+    solve_cache.store(key.hex(), solution.__dict__)
+    return _remember(key, solution)
+
+
+def _remember(key: bytes, solution: Solution) -> Solution:
+    _SOLVED[key] = solution
     if len(_SOLVED) > _SOLVED_MAX:
         _SOLVED.popitem(last=False)
     return solution
