@@ -55,13 +55,11 @@ gradient addends are summed between them once per step.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import logging
 import os
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +80,8 @@ from autopar.runtime.device import bind_local_device, local_device
 from autopar.runtime.context import check_cp_runnable
 from autopar.runtime.expert import check_ep_runnable
 from autopar.runtime.pipelined import PipelineBuild
+from autopar.runtime.world import (check_world, init_process_group, peer_watch, resolve_device,
+                                  share_rng_state)
 from autopar.runtime.zero import contiguous_stride
 
 log = logging.getLogger(__name__)
@@ -146,86 +146,8 @@ def parallelize(model: nn.Module, *, cluster: str | Cluster, plan: Plan | str | 
     return pm
 
 
-def _check_world(cluster: Cluster) -> int:
-    if dist.is_initialized():
-        world = dist.get_world_size()
-    else:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != cluster.world_size:
-        raise ValueError(
-            f"cluster {cluster.spec} has {cluster.world_size} devices but this job has {world} "
-            f"process(es) (WORLD_SIZE={world}); launch with torchrun --nproc-per-node "
-            f"{cluster.devices_per_node} --nnodes {cluster.nodes}, or pass the cluster this job runs on")
-    return world
-
-
-def _resolve_device(cluster: Cluster, device: str | None) -> str:
-    gpu_cluster = cluster.device.name.lower() != "cpu"
-    if device is None:
-        device = "cuda" if gpu_cluster else "cpu"
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"cluster {cluster.spec} is a cluster of {cluster.device.name} GPUs, but this machine has no CUDA "
-            f"device (torch.cuda.is_available() is False); to run the plan on CPU processes anyway (gloo, for "
-            f"tests and debugging) pass device='cpu', or plan for CPUs with "
-            f"cluster='{cluster.nodes}x{cluster.devices_per_node}xcpu'")
-    return device
-
-
-def _init_process_group(device: str, timeout_s: float) -> None:
-    if dist.is_initialized():  # the caller's group keeps its own timeout; pipeline receives still use timeout_s
-        return
-    backend = "nccl" if device == "cuda" else "gloo"
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if restart != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # A restarted torchrun job (--max-restarts) talks to the agent's store, which still holds the
-        # previous attempt's gloo addresses under the same keys: a rank that reads one before its peer
-        # overwrites it connects to a dead port ("Connection refused"; seen on every restart test
-        # here). Keys of this attempt's own avoid it (used by checkpoint resumption).
-        store = dist.PrefixStore(f"autopar/attempt-{restart}/", dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-            timeout=timedelta(seconds=timeout_s)))
-        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
-        return
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-
-
-_WATCHES: dict[int, Any] = {}
-
-
-def _peer_watch(timeout_s: float):
-    """This process's :class:`~autopar.runtime.watch.PeerWatch` on the default process group (one per group)."""
-    from autopar.runtime.watch import PeerWatch
-
-    key = id(dist.group.WORLD)
-    if key not in _WATCHES:
-        _WATCHES.clear()
-        watch = PeerWatch(dist.distributed_c10d._get_default_store(), rank=dist.get_rank(),
-                          world=dist.get_world_size(), timeout_s=timeout_s)
-        atexit.register(watch.close)
-        _WATCHES[key] = watch
-    return _WATCHES[key]
-
-
 _PLAN_ROUNDS = 0
 """Plans handed out in this process (every rank counts the same calls), naming their store keys."""
-
-
-def _share_rng_state(device: str) -> None:
-    """Start every rank's default generator from rank 0's state.
-
-    Dropout draws each mask whole on every rank and keeps its part
-    (:func:`autopar.passes.shard.random_ops`), so ranks must draw the same numbers: from the
-    same state, as one process would. Each step draws the same amounts on every rank, so
-    they stay together as long as the user's own code does too.
-    """
-    cuda = device == "cuda"
-    state = [torch.cuda.get_rng_state() if cuda else torch.get_rng_state()]
-    dist.broadcast_object_list(state, src=0, device=torch.device("cuda", torch.cuda.current_device()) if cuda else None)
-    (torch.cuda.set_rng_state if cuda else torch.set_rng_state)(state[0])
 
 
 def _batch_size(values: dict[str, Any]) -> int | None:
@@ -309,7 +231,7 @@ class ParallelModule(PipelineBuild):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
-        self.device = _resolve_device(self.cluster, device)
+        self.device = resolve_device(self.cluster, device)
         self.from_meta = is_meta(model)
         """Started from meta: each rank materialises its own pieces (autopar.runtime.materialize)."""
         if init_fn is not None and not callable(init_fn):
@@ -327,7 +249,7 @@ class ParallelModule(PipelineBuild):
         self.optimizer_factory = optimizer or (lambda params: torch.optim.AdamW(params))
         self.fixed = dict(fixed or {})
         self._given_plan = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
-        self.world = _check_world(self.cluster)
+        self.world = check_world(self.cluster)
         self.plan: Plan | None = None
         self._compiled = False
         self._watch = None
@@ -426,8 +348,8 @@ class ParallelModule(PipelineBuild):
             check_ep_runnable(self._given_plan.experts.get("ep"), pp=self._given_plan.mesh.get("pp"),
                               meta_start=self.from_meta)
         bind_local_device(self.device)  # before the first collective: NCCL binds to the current GPU
-        _init_process_group(self.device, self.timeout_s)
-        self._watch = _peer_watch(self.timeout_s)
+        init_process_group(self.device, self.timeout_s)
+        self._watch = peer_watch(self.timeout_s)
         if self.from_meta:  # every rank initialises from rank 0's seed (autopar.runtime.materialize)
             seed = [self.init_seed if self.init_seed is not None else torch.initial_seed()]
             with self._guard("receiving the initialisation seed from rank 0"):
@@ -460,7 +382,7 @@ class ParallelModule(PipelineBuild):
 
         if random_ops(self.gm):
             with self._guard("starting every rank's random generator from rank 0's state"):
-                _share_rng_state(device)
+                share_rng_state(device)
 
     def _adopt_plan(self, plan: Plan) -> None:
         """Take ``plan`` as this module's plan: its mesh, schedule and precision policy drive the build."""

@@ -13,6 +13,7 @@ import pytest
 import autopar
 from autopar.cluster import parse_cluster
 from autopar.errors import PlanError
+from autopar.planner import partition as P
 from autopar.planner import search as S
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -136,11 +137,11 @@ def test_interleaved_cuts_balance_ranks_not_stages():
     units = _units(8)
     cfg = S.Config(tp=1, pp=2, dp=1, microbatch_size=1, microbatches=4, zero=0, recompute="none",
                    schedule="interleaved", virtual_stages=3)
-    per_stage = S._partition(units, replace(cfg, schedule="1f1b", virtual_stages=1, pp=6), cap=1e15,
+    per_stage = P._partition(units, replace(cfg, schedule="1f1b", virtual_stages=1, pp=6), cap=1e15,
                              state_per_param=16, inflight=(4,) * 6)
     assert max(j - i for i, j in per_stage) == 2
     assert _rank_layers(per_stage, 2) == [3, 5]  # what balancing stages alone gives
-    cuts = S._partition(units, cfg, cap=1e15, state_per_param=16, inflight=(4,) * 6)
+    cuts = P._partition(units, cfg, cap=1e15, state_per_param=16, inflight=(4,) * 6)
     assert _rank_layers(cuts, 2) == [4, 4], cuts
     assert max(j - i for i, j in cuts) == 2
     # and the search's own candidate under that configuration has equal rank loads
@@ -156,7 +157,7 @@ def test_balancing_respects_memory():
     cfg = S.Config(tp=1, pp=2, dp=1, microbatch_size=1, microbatches=4, zero=0, recompute="none",
                    schedule="interleaved", virtual_stages=3)
     per_layer = 16 * units[0].n_params + 4 * units[0].act_bytes
-    cuts = S._partition(units, cfg, cap=2.5 * per_layer, state_per_param=16, inflight=(4,) * 6)
+    cuts = P._partition(units, cfg, cap=2.5 * per_layer, state_per_param=16, inflight=(4,) * 6)
     assert max(j - i for i, j in cuts) <= 2
     assert _rank_layers(cuts, 2) == [4, 4]
 
@@ -179,14 +180,14 @@ def test_memoised_capped_cuts_equal_fresh_ones():
             for scale in (100.0, 8.0, 5.0, 3.5, 2.5, 1.5, 0.5):
                 cfg = S.Config(tp=1, pp=pp, dp=1, microbatch_size=1, microbatches=8, zero=0, recompute=recompute,
                                schedule=kind, virtual_stages=v)
-                inflight = S._inflight(kind, pp, 8, v)
+                inflight = P._inflight(kind, pp, 8, v)
                 rule = dict(cap=scale * per_layer, state_per_param=16, inflight=inflight)
-                fresh = S._partition(units, cfg, **rule)
-                memoised = S._partition(units, cfg, **rule, memo=memo)
+                fresh = P._partition(units, cfg, **rule)
+                memoised = P._partition(units, cfg, **rule, memo=memo)
                 seen.add(fresh is None)
                 assert (memoised is None) == (fresh is None), (pp, v, recompute, scale)
                 if fresh is not None:
-                    layers = S._Layers(units, recompute)
+                    layers = P._Layers(units, recompute)
                     assert all(layers.fits(i, j, s, **rule) for s, (i, j) in enumerate(memoised))
                     assert max(layers.pre_t[j] - layers.pre_t[i] for i, j in memoised) == pytest.approx(
                         max(layers.pre_t[j] - layers.pre_t[i] for i, j in fresh), rel=1e-9)
@@ -199,10 +200,10 @@ def test_range_max_equals_slices():
     rng = random.Random(3)
     for n in (1, 2, 5, 16, 37):
         values = [rng.random() for _ in range(n)]
-        table = S._sparse_max(values)
+        table = P._sparse_max(values)
         for i in range(n + 1):
             for j in range(i, n + 1):
-                assert S._range_max(table, i, j) == max(values[i:j], default=0.0)
+                assert P._range_max(table, i, j) == max(values[i:j], default=0.0)
 
 
 def test_interleaved_depth_is_searched():

@@ -33,14 +33,12 @@ recompute, larger dp; then to the one that needs less memory.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import logging
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 
 from autopar.cluster import Cluster
 from autopar.cost import comm
@@ -49,6 +47,7 @@ from autopar.cost.simulate import SimResult, StepResult, simulate, simulate_step
 from autopar.cost.step import GroupCost, StageCost, StepSpec, TiedCost, estimate_exposed_s, group_dp_s
 from autopar.errors import InfeasibleError, PlanError
 from autopar.planner.fixed import FIXED_KEYS, RECOMPUTE, SCHEDULES, Fixed  # noqa: F401 (re-exported)
+from autopar.planner.partition import _inflight, _partition
 from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _COLLECTIVE_S, _config_bound_s,  # noqa: F401
                                     _cuts_bound_s, _dp_comm_prefix, _grad_elem_bytes, _optimizer_s,
                                     _pipeline_bound_s, _prefix_sums, _schedule, _unit_times, _work_s, lower_bound_s)
@@ -211,251 +210,6 @@ class Candidate:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@lru_cache(maxsize=4096)
-def _inflight(kind: str, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
-    """Per stage, the peak number of its micro-batches whose activations it holds
-    (from its F to its W), read off the action lists."""
-    sched = _schedule(kind, pp, m, v)
-    live = [0] * (pp * v)
-    peaks = [0] * (pp * v)
-    for rank in range(pp):
-        for a in sched[rank]:
-            if a.kind == "F":
-                live[a.stage] += 1
-                peaks[a.stage] = max(peaks[a.stage], live[a.stage])
-            elif a.kind in ("W", "BW"):
-                live[a.stage] -= 1
-    return tuple(peaks)
-
-
-class _Layers:
-    """A unit list's running sums under one recompute policy, for stage sums and the memory
-    rule in O(1): time, activation bytes, parameters, and range maxima (sparse tables) of
-    the full-recompute working set and the largest op's transient bytes. Built once per
-    (units, recompute) in a search (:func:`_partition`'s memo) instead of per cut."""
-
-    def __init__(self, units: Sequence[Unit], recompute: str):
-        self.n, self.full = len(units), recompute == "full"
-        self.times, pre_t, pre_a, pre_p = [], [0.0], [0.0], [0.0]
-        for u in units:
-            f, b, w, a = _unit_times(u, recompute)
-            t = f + b + w
-            self.times.append(t)
-            pre_t.append(pre_t[-1] + t)  # the unit's total, then the running sum: ties fall as they always did
-            pre_a.append(pre_a[-1] + a)
-            pre_p.append(pre_p[-1] + u.n_params)
-        self.pre_t, self.pre_a, self.pre_p = pre_t, pre_a, pre_p
-        self.work = _sparse_max([u.act_bytes if self.full else 0.0 for u in units])
-        self.transient = _sparse_max([u.transient_bytes for u in units])
-
-    def fits(self, i: int, j: int, s: int, *, cap: float, state_per_param: float, inflight: Sequence[int]) -> bool:
-        """Stage ``s`` = layers ``[i, j)`` within ``cap``: training state + activations of the
-        micro-batches in flight + (full recompute) one layer's activations + the largest op's
-        working set."""
-        mem = state_per_param * (self.pre_p[j] - self.pre_p[i]) + inflight[s] * (self.pre_a[j] - self.pre_a[i])
-        return mem + (_range_max(self.work, i, j) if self.full else 0.0) + _range_max(self.transient, i, j) <= cap
-
-
-def _sparse_max(values: list[float]) -> list[list[float]]:
-    """Sparse table: level k holds the max of every 2**k consecutive values."""
-    table = [values]
-    k = 1
-    while 2 * k <= len(values):
-        prev = table[-1]
-        table.append([max(prev[i], prev[i + k]) for i in range(len(values) - 2 * k + 1)])
-        k *= 2
-    return table
-
-
-def _range_max(table: list[list[float]], i: int, j: int) -> float:
-    """max(values[i:j]) (0.0 when empty) from a :func:`_sparse_max` table."""
-    if j <= i:
-        return 0.0
-    k = (j - i).bit_length() - 1
-    level = table[k]
-    a, b = level[i], level[j - (1 << k)]
-    return a if a >= b else b
-
-
-def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
-               inflight: tuple[int, ...], memo: dict | None = None) -> list[tuple[int, int]] | None:
-    """Contiguous cuts minimising the slowest stage under the memory cap (None if none fits).
-
-    With ``memo`` (one dict per search; units are keyed by tp, sp, micro-batch size and ep) the
-    cuts that ignore memory are made once per (units, recompute, stages) and reused by every
-    ZeRO stage and schedule whose memory they fit: no cut under a memory cap can have a
-    faster slowest stage (or, interleaved, better balanced ranks) than the best cut without
-    one, so when that one fits it is optimal (interleaved: the rank balancing is the same local
-    search from the same start). Only configurations it does not fit are cut again under
-    their cap, starting the bisection at the uncapped one's bound (a cap only lowers what
-    fits, so no capped cut has a faster slowest stage)."""
-    if memo is None:
-        return _cut(_Layers(units, cfg.recompute), cfg, cap=cap, state_per_param=state_per_param,
-                    inflight=inflight)[0]
-    layers_key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp)
-    layers = memo.get(layers_key)
-    if layers is None:
-        layers = memo[layers_key] = _Layers(units, cfg.recompute)
-    key = layers_key + (cfg.pp, cfg.virtual_stages)
-    if key not in memo:
-        memo[key] = _cut(layers, cfg, cap=math.inf, state_per_param=0.0, inflight=(0,) * cfg.n_stages)
-    free, infeasible_below = memo[key]
-    if free is None:
-        return None  # too few layers for the stages: no cap changes that
-    rule = dict(cap=cap, state_per_param=state_per_param, inflight=inflight)
-    if all(layers.fits(i, j, s, **rule) for s, (i, j) in enumerate(free)):
-        return list(free)
-    # Every stage within the cap: their sum too, so state + the fewest in flight's activations
-    # of the whole model must fit in n_stages caps (a quick no for most configurations that fit
-    # no cut at all).
-    if state_per_param * layers.pre_p[-1] + min(inflight) * layers.pre_a[-1] > cfg.n_stages * cap:
-        return None
-    return _cut(layers, cfg, **rule, lo=infeasible_below)[0]
-
-
-def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, inflight: tuple[int, ...],
-         lo: float = 0.0) -> tuple[list[tuple[int, int]] | None, float]:
-    """:func:`_partition` without the memo; also a time bound at which no cut fits (``lo``, if
-    given, is one already known)."""
-    times, pre_t = layers.times, layers.pre_t
-    n, pp = layers.n, cfg.n_stages
-    if pp > n:
-        return None, math.inf
-
-    def fits(i: int, j: int, s: int) -> bool:
-        return layers.fits(i, j, s, cap=cap, state_per_param=state_per_param, inflight=inflight)
-
-    def greedy(bound: float) -> list[tuple[int, int]] | None:
-        cuts, i = [], 0
-        for s in range(pp):
-            if i == n:
-                break
-            # the longest stage from i within the bound and the memory (both monotone in j),
-            # found by bisection: the same j as stepping one layer at a time, in O(log n)
-            j = bisect.bisect_right(pre_t, pre_t[i] + bound, i + 1) - 1
-            while j < n and pre_t[j + 1] - pre_t[i] <= bound:
-                j += 1
-            while j > i and pre_t[j] - pre_t[i] > bound:
-                j -= 1
-            if j > i and not fits(i, j, s):
-                lo_j, hi_j = i, j  # fits(i, lo_j) (empty) holds, fits(i, hi_j) does not
-                while hi_j - lo_j > 1:
-                    mid_j = (lo_j + hi_j) // 2
-                    lo_j, hi_j = (mid_j, hi_j) if fits(i, mid_j, s) else (lo_j, mid_j)
-                j = lo_j
-            if j == i:
-                return None
-            cuts.append((i, j))
-            i = j
-        return cuts if i == n else None
-
-    lo, hi = max(max(times), lo), pre_t[-1]
-    best = greedy(hi * (1 + 1e-9))
-    if best is None:
-        return None, math.inf
-    for _ in range(60):
-        if hi - lo <= 1e-9 * max(hi, 1e-12):
-            break
-        mid = (lo + hi) / 2
-        cuts = greedy(mid)
-        if cuts is None:
-            lo = mid
-        else:
-            best, hi = cuts, mid
-    infeasible_below = lo
-    while len(best) < pp:  # use every stage: split the largest stage in two
-        k = max(range(len(best)), key=lambda x: (best[x][1] - best[x][0], -x))
-        i, j = best[k]
-        if j - i < 2:
-            return None, math.inf
-        mid = min(range(i + 1, j), key=lambda c: abs((pre_t[c] - pre_t[i]) - (pre_t[j] - pre_t[c])))
-        best[k:k + 1] = [(i, mid), (mid, j)]
-    best = _smooth(best, pre_t, fits)
-    if cfg.virtual_stages > 1:
-        best = _balance_ranks(best, pre_t, fits, cfg.pp)
-    if not all(fits(i, j, s) for s, (i, j) in enumerate(best)):
-        return None, math.inf
-    return best, infeasible_below
-
-
-def _balance_ranks(cuts: list[tuple[int, int]], pre_t: list[float], fits, pp: int) -> list[tuple[int, int]]:
-    """Interleaved cuts balanced per rank, not per stage: rank r runs stages r, r + pp, ...,
-    so its load is the sum of its chunks, and stage-balanced cuts of a layer count that does
-    not divide evenly can give one rank a long chunk in every round (6 layers on 2 ranks x 2
-    chunks: stage sizes 2,1,2,1 load the ranks 4:2; 2,1,1,2 load them 3:3).
-
-    Local search from the stage-balanced cuts: move one cut point by one layer while that
-    lowers the rank loads (sorted heaviest first, compared in that order; then the slowest
-    stage) and both stages it touches still fit. Each move strictly improves a finite
-    order, so it ends. Written here because it is a dozen lines over the partitioner's
-    own prefix sums and memory check; an exact min-max over ranks would be an ILP per
-    configuration."""
-    points = [i for i, _ in cuts] + [cuts[-1][1]]
-    n_stages = len(cuts)
-
-    def rounded(t: float) -> float:
-        return float(f"{t:.9g}")
-
-    def rank_sum(times: list[float], r: int) -> float:
-        total = 0.0  # in stage order, so a rank's sum is the same float however it is reached
-        for s in range(r, n_stages, pp):
-            total += times[s]
-        return total
-
-    def key(times: list[float], loads: list[float]) -> tuple:
-        return tuple(sorted(loads, reverse=True)) + (rounded(max(times)),)
-
-    times = [pre_t[points[s + 1]] - pre_t[points[s]] for s in range(n_stages)]
-    loads = [rounded(rank_sum(times, r)) for r in range(pp)]
-    current = key(times, loads)
-    while True:
-        best_move, best_key = None, current
-        for c in range(1, len(points) - 1):  # cut point c ends stage c - 1 and starts stage c
-            for step in (-1, 1):
-                at = points[c] + step
-                if not points[c - 1] < at < points[c + 1] or not (fits(points[c - 1], at, c - 1)
-                                                                   and fits(at, points[c + 1], c)):
-                    continue
-                trial_t = times.copy()
-                trial_t[c - 1] = pre_t[at] - pre_t[points[c - 1]]
-                trial_t[c] = pre_t[points[c + 1]] - pre_t[at]
-                trial_l = loads.copy()  # only the two ranks of the stages it touches change
-                for r in {(c - 1) % pp, c % pp}:
-                    trial_l[r] = rounded(rank_sum(trial_t, r))
-                k = key(trial_t, trial_l)
-                if k < best_key:
-                    best_move, best_key = (c, at, trial_t, trial_l), k
-        if best_move is None:
-            return [(points[s], points[s + 1]) for s in range(len(points) - 1)]
-        c, at, times, loads = best_move
-        points = points[:c] + [at] + points[c + 1:]
-        current = best_key
-
-
-def _smooth(cuts: list[tuple[int, int]], pre_t: list[float], fits) -> list[tuple[int, int]]:
-    """Even out the stages without raising the slowest one: the greedy packs the front
-    stages full, so re-cut aiming each stage at an equal share of the remaining time,
-    within the optimal bound; keep the greedy's cuts if that does not fit."""
-    n, pp = len(pre_t) - 1, len(cuts)
-    bound = max(pre_t[j] - pre_t[i] for i, j in cuts) * (1 + 1e-9)
-    out, i = [], 0
-    for s in range(pp):
-        left = pp - s
-        if left == 1:
-            j = n
-        else:
-            target = pre_t[i] + (pre_t[n] - pre_t[i]) / left
-            j = i + 1
-            while j < n - (left - 1) and pre_t[j + 1] - pre_t[i] <= bound and fits(i, j + 1, s) \
-                    and abs(pre_t[j + 1] - target) <= abs(pre_t[j] - target):
-                j += 1
-        out.append((i, j))
-        i = j
-    if all(pre_t[j] - pre_t[i] <= bound and fits(i, j, s) for s, (i, j) in enumerate(out)):
-        return out
-    return cuts
 
 
 def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixed: Fixed,

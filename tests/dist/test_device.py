@@ -143,7 +143,7 @@ def test_the_local_gpu_is_bound_before_the_first_collective(monkeypatch):
         calls.append(("init_process_group", device))
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(parallel, "_init_process_group", init)
+    monkeypatch.setattr(parallel, "init_process_group", init)
     model, inputs, loss_fn, target = gpt.build(size="tiny", batch=8)
     pm = autopar.parallelize(model, cluster="1x8xH100", loss_fn=loss_fn)
     assert pm.torch_device == torch.device("cuda", 3)

@@ -43,11 +43,11 @@ def _raw_world(rank, world, victim, stuck):
 
     import torch.distributed as dist
 
-    from autopar.parallel import _init_process_group, _peer_watch
+    from autopar.runtime.world import init_process_group, peer_watch
 
     timeout_s = TIMEOUT_S if stuck else KILLED_TIMEOUT_S
-    _init_process_group("cpu", KILLED_TIMEOUT_S)  # connecting may take long on a loaded machine
-    watch = _peer_watch(timeout_s)
+    init_process_group("cpu", KILLED_TIMEOUT_S)  # connecting may take long on a loaded machine
+    watch = peer_watch(timeout_s)
     t = torch.ones(4)
     with watch.guard("the first all-reduce"):
         dist.all_reduce(t)
