@@ -98,7 +98,8 @@ def _is_causal(node: fx.Node) -> bool:
     return False
 
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+"""Cost-model dtype names of the float dtypes it prices (anything else is priced as fp32)."""
 
 # Ops that alias their input without copying although their schema is not a view.
 _NO_COPY = {aten._unsafe_view.default, aten.detach.default, aten.alias.default}
@@ -233,5 +234,5 @@ def _dtype_name(val: Any) -> str:
     if isinstance(val, (tuple, list)):
         val = next((v for v in val if isinstance(v, torch.Tensor)), None)
     if isinstance(val, torch.Tensor):
-        return _DTYPE_NAMES.get(val.dtype, "fp32")
+        return DTYPE_NAMES.get(val.dtype, "fp32")
     return "fp32"

@@ -42,6 +42,7 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import expert_all_to_all_bytes, expert_all_to_all_s
 from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
+from autopar.passes.annotate import DTYPE_NAMES
 from autopar.passes.token_local import op_name
 
 __all__ = ["ExpertSite", "find_experts", "runnable_sites", "check_ep", "ep_options", "apply_ep", "experts_record"]
@@ -75,7 +76,6 @@ class ExpertSite:
     biases or another activation; planned and priced under ep only)."""
 
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _is_experts(node: fx.Node) -> bool:
@@ -142,7 +142,7 @@ def find_experts(gm: fx.GraphModule) -> list[ExpertSite]:
             n_experts=int(params[0].meta["val"].shape[0]), rows=int(val.shape[0]), width=int(val.shape[1]),
             elem_bytes=val.dtype.itemsize, params=tuple(p.meta[mk.TRACE].fqn for p in params),
             n_params=sum(p.meta["val"].numel() for p in params), expert_width=int(weights[0].meta["val"].shape[2]),
-            dtype=_DTYPE_NAMES.get(val.dtype, "fp32")))
+            dtype=DTYPE_NAMES.get(val.dtype, "fp32")))
     return sites + _grouped_sites(gm)
 
 
