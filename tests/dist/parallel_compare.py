@@ -184,6 +184,32 @@ def train_alongside(pm, reference: Reference, *, steps: int, run, run_reference)
     return losses
 
 
+def train_judged(pm, reference: Reference | None, *, steps: int, run, run_reference, skip=()):
+    """Train ``pm`` ``steps`` steps and judge it on one rank of the world.
+
+    The one-process references are the same on every rank, so one rank trains them (a world of
+    4 ranks trained them 4 times, a few CPU-s each): with ``reference`` (that rank) this returns
+    (raw losses, loss ``Gap`` per step, gradient gaps, parameter gaps) as :func:`train_alongside`
+    and :func:`errors`; without (the others) (raw losses, None, None, None), after the same steps
+    and the same collectives (every rank joins the gathers of the whole gradients and parameters).
+    Callers check every rank's raw losses equal the judged rank's: each rank's step returns the
+    loss all ranks agreed on."""
+    raw = []
+
+    def step(pm):
+        raw.append(float(run(pm)))
+        return raw[-1]
+
+    if reference is None:
+        for _ in range(steps):
+            step(pm)
+        pm.full_gradients(), pm.state_dict()  # (the collectives errors() joins, in its order)
+        return raw, None, None, None
+    losses = train_alongside(pm, reference, steps=steps, run=step, run_reference=run_reference)
+    grad_gaps, param_gaps = errors(pm, reference, skip)
+    return raw, losses, grad_gaps, param_gaps
+
+
 def errors(pm, reference: Reference, skip=()) -> tuple[dict[str, Gap], dict[str, Gap]]:
     """The ``Gap`` of the last gradients and of the parameters, per parameter name
     (collectives: every rank calls this)."""

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from autopar.testing import spawn_world, tp_only_cluster
-from parallel_compare import Reference, assert_matches, errors, train_alongside
+from parallel_compare import Reference, assert_matches, train_judged
 
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 STEPS = 3
@@ -79,7 +79,8 @@ def _build(model_name: str, tp: int):
 
 
 def _train(rank, world, configs):
-    """On every rank, for each (name, model, fixed): train 3 steps beside a local one-process reference."""
+    """On every rank, for each (name, model, fixed): train 3 steps; rank 0 also trains the one-process
+    reference alongside and judges (``train_judged``)."""
     sys.path.insert(0, EXAMPLES)
     import torch.distributed as dist
 
@@ -92,7 +93,8 @@ def _train(rank, world, configs):
         calls.clear()
         torch.manual_seed(0)
         model, inputs, loss_fn, target, n_experts, reference_loss = _build(model_name, fixed.get("tp", 1))
-        reference = Reference(model, _optimizer)
+        reference = Reference(model, _optimizer) if rank == 0 else None  # (judged on rank 0: train_judged)
+        n_tensors = sum(p.requires_grad for p in model.parameters())
         cluster = tp_only_cluster(f"1x{world}xcpu") if fixed.get("tp", 1) > 1 else f"1x{world}xcpu"
         pm = autopar.parallelize(model, cluster=cluster, loss_fn=loss_fn, optimizer=_optimizer, fixed=fixed)
 
@@ -100,12 +102,12 @@ def _train(rank, world, configs):
             step[0] += 1
             return pm.train_step(inputs, target) if target is not None else pm.train_step(inputs)
 
-        losses = train_alongside(pm, reference, steps=STEPS, run=run, run_reference=reference_loss)
-        grad_err, param_err = errors(pm, reference)
+        raw, losses, grad_err, param_err = train_judged(pm, reference, steps=STEPS, run=run,
+                                                        run_reference=reference_loss)
         code = pm.step_program.code
         ep = pm.plan.experts.get("ep", 1) if pm.plan.experts else 1
         report[name] = {
-            "losses": losses, "grad_err": grad_err, "param_err": param_err,
+            "raw": raw, "losses": losses, "grad_err": grad_err, "param_err": param_err,
             "mesh": pm.plan.mesh, "ep": ep, "n_experts": n_experts,
             "ep_ranks": dist.get_process_group_ranks(pm.params.ep_group) if ep > 1 else None,
             "replica_ranks": dist.get_process_group_ranks(pm.params.replica_group) if ep > 1 else None,
@@ -116,7 +118,7 @@ def _train(rank, world, configs):
             # the process group each experts op (forward and backward) of the program runs over
             "experts_groups": re.findall(r"autopar\.moe_experts(?:_backward)?\.default\([^\n]*, '([^']*)'\)", code),
             "ep_group_name": pm.params.ep_group.group_name if ep > 1 else "",
-            "n_tensors": len(grad_err),
+            "n_tensors": n_tensors,
             "all_to_alls": [(s - step[0] + STEPS, g, b) for s, g, b in calls],  # steps 1..STEPS
             "plan_experts": pm.plan.experts, "plan_all_to_all": pm.plan.communication.get("all_to_all", {}),
             "dp_all_gathers": [g for g in re.findall(r"all_gather_into_tensor\.default\([^,]+, \d+, '([^']*)'\)", code)
@@ -151,7 +153,9 @@ def test_moe_trains_like_one_process_with_each_rank_holding_its_experts(world):
         for rank, by_name in enumerate(results):
             r = by_name[name]
             where = f"{name} rank {rank}"
-            assert_matches(r["losses"], r["grad_err"], r["param_err"], where)
+            if rank == 0:  # rank 0 trained the references and judged (train_judged)
+                assert_matches(r["losses"], r["grad_err"], r["param_err"], where)
+            assert r["raw"] == results[0][name]["raw"], where  # every rank returned the judged losses
             ep, tp = fixed.get("ep", 1), fixed.get("tp", 1)
             assert r["ep"] == ep and r["mesh"] == {"pp": 1, "dp": size // tp, "tp": tp}, where
             if tp > 1:  # Megatron attention: q, k, v by heads, the output projection by its input

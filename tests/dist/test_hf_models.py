@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from autopar.testing import spawn_world, tp_friendly_cluster
-from parallel_compare import Reference, assert_matches, errors, train_alongside
+from parallel_compare import Reference, assert_matches, train_judged
 
 pytest.importorskip("transformers")
 
@@ -47,7 +47,8 @@ def _optimizer(params):
 
 
 def _train(rank, world, models, configs):
-    """On every rank: each model under each (name, cluster, fixed), 3 steps against a local reference."""
+    """On every rank: each model under each (name, cluster, fixed), 3 steps; rank 0 also trains the
+    one-process references alongside and judges."""
     sys.path.insert(0, EXAMPLES)
     import autopar
     import hf
@@ -57,14 +58,14 @@ def _train(rank, world, models, configs):
         for name, cluster, fixed in configs:
             torch.manual_seed(0)
             model, inputs, _, _ = hf.build(model=model_name, batch=8)
-            reference = Reference(model, _optimizer)
+            reference = Reference(model, _optimizer) if rank == 0 else None  # (judged on rank 0: train_judged)
             pm = autopar.parallelize(model, cluster=cluster, fixed=fixed, optimizer=_optimizer)
-            losses = train_alongside(pm, reference, steps=STEPS, run=lambda pm: pm.train_step(inputs),
-                                     run_reference=lambda ref, like: ref(**like(inputs)).loss)  # labels are in the inputs
-            grad_err, param_err = errors(pm, reference)
+            raw, losses, grad_err, param_err = train_judged(
+                pm, reference, steps=STEPS, run=lambda pm: pm.train_step(inputs),
+                run_reference=lambda ref, like: ref(**like(inputs)).loss)  # labels are in the inputs
             report[model_name, name] = {
-                "losses": losses, "grad_err": grad_err, "param_err": param_err,
-                "missing": sorted(set(dict(reference.fp32.named_parameters())) - set(grad_err)),
+                "raw": raw, "losses": losses, "grad_err": grad_err, "param_err": param_err,
+                "missing": sorted(set(dict(reference.fp32.named_parameters())) - set(grad_err)) if reference else [],
                 "mesh": pm.plan.mesh,
                 "params": {k: v for layer in pm.plan.layers.values() for k, v in layer["params"].items()},
                 # all-gathers over the dp group in the rank's program (the plan prices none)
@@ -82,12 +83,14 @@ def results():
 @pytest.mark.parametrize("config", [c[0] for c in CONFIGS])
 @pytest.mark.parametrize("model_name", MODELS)
 def test_two_ranks_match_single_process(results, model_name, config):
-    for rank_result in results:  # every rank saw the same losses and tensors
+    where = f"{model_name} {config}"
+    judged = results[0][model_name, config]  # rank 0 trained the references (train_judged)
+    assert not judged["missing"], f"{where}: no gradient for {judged['missing']}"
+    assert_matches(judged["losses"], judged["grad_err"], judged["param_err"], where)
+    for rank, rank_result in enumerate(results):  # every rank saw the judged losses
         r = rank_result[model_name, config]
-        where = f"{model_name} {config}"
         assert r["mesh"][config] == 2, (where, r["mesh"])
-        assert not r["missing"], f"{where}: no gradient for {r['missing']}"
-        assert_matches(r["losses"], r["grad_err"], r["param_err"], where)
+        assert r["raw"] == judged["raw"], (where, rank)
 
 
 def test_tp_shards_weights(results):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from autopar.testing import spawn_world, tp_friendly_cluster, tp_only_cluster
-from parallel_compare import Reference, assert_matches, errors, train_alongside
+from parallel_compare import Reference, assert_matches, train_judged
 
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 STEPS = 3
@@ -33,7 +33,8 @@ def _optimizer(params):
 
 
 def _train(rank, world, example, configs):
-    """On every rank: for each (name, cluster, fixed), train 3 steps and compare with a local reference."""
+    """On every rank: for each (name, cluster, fixed), train 3 steps; rank 0 also trains the one-process
+    reference alongside and judges (``train_judged``)."""
     sys.path.insert(0, EXAMPLES)
     import importlib
 
@@ -44,20 +45,19 @@ def _train(rank, world, example, configs):
     for name, cluster, fixed, *compiled in configs:
         torch.manual_seed(0)
         model, inputs, loss_fn, target = module.build(size="tiny", batch=8)
-        reference = Reference(model, _optimizer)
+        reference = Reference(model, _optimizer) if rank == 0 else None  # (judged on rank 0: train_judged)
+        n_tensors = sum(p.requires_grad for p in model.parameters())
         pm = autopar.parallelize(model, cluster=cluster, loss_fn=loss_fn, optimizer=_optimizer, fixed=fixed,
                                  compile=compiled[0] if compiled else True)
-        losses = train_alongside(pm, reference, steps=STEPS,
-                                 run=lambda pm: pm.train_step(inputs, target),
-                                 run_reference=lambda ref, like: loss_fn(ref(*like(inputs)), like(target)))
-        grad_err, param_err = errors(pm, reference)
+        raw, losses, grad_err, param_err = train_judged(
+            pm, reference, steps=STEPS, run=lambda pm: pm.train_step(inputs, target),
+            run_reference=lambda ref, like: loss_fn(ref(*like(inputs)), like(target)))
         pp = pm.plan.mesh["pp"]  # (the automatic plan may pipeline: compare with this rank's stages)
         mine = [st["predicted"]["memory_bytes"] for s, st in enumerate(pm.plan.stages)
                 if pp == 1 or s % pp == pm.pp_mesh.get_local_rank("pp")]
         stage = {k: sum(m[k] for m in mine) for k in mine[0]}
-        n_tensors = len(grad_err)
         report[name] = {
-            "losses": losses, "grad_err": grad_err, "param_err": param_err,
+            "raw": raw, "losses": losses, "grad_err": grad_err, "param_err": param_err,
             "mesh": pm.plan.mesh, "zero": pm.plan.zero, "ops": pm.plan.ops,
             "params": {k: v for layer in pm.plan.layers.values() for k, v in layer["params"].items()},
             "measured": pm.memory_bytes(), "predicted": stage, "n_tensors": n_tensors,
@@ -65,9 +65,11 @@ def _train(rank, world, example, configs):
     return report
 
 
-def _check(result, name):
-    r = result[name]
-    assert_matches(r["losses"], r["grad_err"], r["param_err"], name)
+def _check(results, rank, name):
+    r = results[rank][name]
+    if rank == 0:
+        assert_matches(r["losses"], r["grad_err"], r["param_err"], name)
+    assert r["raw"] == results[0][name]["raw"], (name, rank)  # every rank saw rank 0's (judged) losses
     # Live bytes equal the plan's prediction, up to the padding that makes dp chunks equal
     # (at most dp - 1 fp32 elements per tensor, twice for Adam's m and v).
     dp = r["mesh"]["dp"]
@@ -124,8 +126,8 @@ def four_ranks(request):
 @pytest.mark.parametrize("name", [c[0] for c in TWO])
 def test_two_ranks_match_single_process(two_ranks, name):
     example, results = two_ranks
-    for rank_result in results:  # every rank saw the same losses and tensors
-        _check(rank_result, name)
+    for rank in range(len(results)):
+        _check(results, rank, name)
 
 
 def test_two_ranks_plans_are_what_was_pinned(two_ranks):
@@ -146,8 +148,8 @@ def test_two_ranks_plans_are_what_was_pinned(two_ranks):
 @pytest.mark.parametrize("name", [c[0] for c in FOUR])
 def test_four_ranks_match_single_process(four_ranks, name):
     example, results = four_ranks
-    for rank_result in results:
-        _check(rank_result, name)
+    for rank in range(len(results)):
+        _check(results, rank, name)
 
 
 def test_four_ranks_mesh_is_2x2_megatron(four_ranks):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from autopar.testing import spawn_world, tp_friendly_cluster
-from parallel_compare import Reference, assert_matches, errors, train_alongside
+from parallel_compare import Reference, assert_matches, train_judged
 
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 STEPS = 3
@@ -39,7 +39,7 @@ def _optimizer(params):
 
 def _train(rank, world, configs):
     """Per config: compile once, then run each of its schedules for 3 steps (``set_schedule``
-    swaps the action lists, not the compiled stages), the reference training alongside."""
+    swaps the action lists, not the compiled stages), rank 0's references training alongside."""
     sys.path.insert(0, EXAMPLES)
     import importlib
 
@@ -52,23 +52,24 @@ def _train(rank, world, configs):
         module = importlib.import_module(example)
         torch.manual_seed(0)
         model, inputs, loss_fn, target = module.build(size="tiny", batch=8, **kwargs)
-        reference = Reference(model, _optimizer)
+        reference = Reference(model, _optimizer) if rank == 0 else None  # (judged on rank 0: train_judged)
         pm = autopar.parallelize(model, cluster=cluster, loss_fn=loss_fn, optimizer=_optimizer,
                                  fixed={**fixed, "schedule": schedules[0]})
         for i, kind in enumerate(schedules):
             if i:  # the first is the planned one (compiled on the first step)
                 pm.set_schedule(kind)
-                reference.load_state_dict(pm.state_dict())
-            losses = train_alongside(pm, reference, steps=STEPS,
-                                     run=lambda pm: pm.train_step(inputs, target),
-                                     run_reference=lambda ref, like: loss_fn(ref(*like(inputs)), like(target)))
-            grad_err, param_err = errors(pm, reference)
+                state = pm.state_dict()  # (gathers: every rank)
+                if reference is not None:
+                    reference.load_state_dict(state)
+            raw, losses, grad_err, param_err = train_judged(
+                pm, reference, steps=STEPS, run=lambda pm: pm.train_step(inputs, target),
+                run_reference=lambda ref, like: loss_fn(ref(*like(inputs)), like(target)))
             plan = pm.plan
             pp = plan.mesh["pp"]
             sched = make_schedule(kind, n_stages=pp, n_micro=plan.schedule["microbatches"],
                                   n_virtual=len(plan.stages) // pp)
             report[f"{name}_{kind}"] = {
-                "losses": losses, "grad_err": grad_err, "param_err": param_err,
+                "raw": raw, "losses": losses, "grad_err": grad_err, "param_err": param_err,
                 "mesh": plan.mesh, "schedule": plan.schedule, "n_stages": len(plan.stages),
                 "ran": list(pm.runner.log),
                 "expected": with_comm(sched, len(plan.stages))[pm.pp_mesh.get_local_rank("pp")],
@@ -77,8 +78,11 @@ def _train(rank, world, configs):
     return report
 
 
-def _check(r, name):
-    assert_matches(r["losses"], r["grad_err"], r["param_err"], name)
+def _check(results, rank, name):
+    r = results[rank][name]
+    if rank == 0:  # rank 0 trained the references and judged (train_judged)
+        assert_matches(r["losses"], r["grad_err"], r["param_err"], name)
+    assert r["raw"] == results[0][name]["raw"], (name, rank)  # every rank returned the judged losses
     assert r["ran"] == r["expected"], f"{name}: the rank ran {r['ran']}, the schedule says {r['expected']}"
 
 
@@ -121,16 +125,16 @@ def four_ranks():
 
 @pytest.mark.parametrize("name", _names(TWO))
 def test_two_ranks_match_single_process(two_ranks, name):
-    for r in two_ranks:
-        _check(r[name], name)
+    for rank, r in enumerate(two_ranks):
+        _check(two_ranks, rank, name)
         assert r[name]["mesh"]["pp"] == 2
         assert r[name]["n_stages"] == (4 if name.endswith("interleaved") else 2)
 
 
 @pytest.mark.parametrize("name", _names(FOUR))
 def test_four_ranks_match_single_process(four_ranks, name):
-    for r in four_ranks:
-        _check(r[name], name)
+    for rank in range(len(four_ranks)):
+        _check(four_ranks, rank, name)
 
 
 def test_pipelines_compose_with_dp_and_tp(four_ranks):
