@@ -218,7 +218,7 @@ def test_an_unusable_cache_entry_is_solved_again_and_replaced(llama_tp4, monkeyp
     assert json.loads(entry.read_text()) == good
 
 
-def test_solve_cache_off_or_unwritable_writes_nothing_and_still_solves(llama_tp4, monkeypatch, tmp_path):
+def test_solve_cache_off_or_unwritable_writes_nothing_and_still_solves(llama_tp4, monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "0")
     ilp._SOLVED.clear()
@@ -229,4 +229,6 @@ def test_solve_cache_off_or_unwritable_writes_nothing_and_still_solves(llama_tp4
     monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "1")
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(blocker))  # mip/ cannot be made under a file
     ilp._SOLVED.clear()
-    assert ilp.solve(llama_tp4).status == "OPTIMAL"
+    with caplog.at_level("WARNING", logger="autopar.planner.solve_cache"):
+        assert ilp.solve(llama_tp4).status == "OPTIMAL"
+    assert f"cannot keep solved MIPs in {blocker / 'mip'}" in caplog.text  # the user hears why, once

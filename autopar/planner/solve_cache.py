@@ -28,6 +28,7 @@ the model is built (the digest covers them), so a generic function memo would no
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -38,6 +39,8 @@ ENV_DIR = "AUTOPAR_CACHE_DIR"
 ENV_SWITCH = "AUTOPAR_SOLVE_CACHE"
 FORMAT = 1
 _FIELDS = ("choice", "status", "objective_s", "bound_s", "nodes", "node_limit", "limit")
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
 def enabled() -> bool:
@@ -95,5 +98,9 @@ def store(key: str, fields: dict) -> None:
         except BaseException:
             os.unlink(tmp)
             raise
-    except OSError:
-        pass  # a read-only or full disk only costs the next process a solve
+    except OSError as e:
+        # A read-only or full disk costs the next process a solve, nothing else: say so once per folder.
+        if str(folder) not in _warned:
+            _warned.add(str(folder))
+            log.warning("cannot keep solved MIPs in %s (%s); planning works, but other processes will solve "
+                        "them again: set %s to a writable folder, or %s=0", folder, e, ENV_DIR, ENV_SWITCH)
