@@ -36,17 +36,25 @@ noise fp32 makes summing terms of its size, which ``noise`` measures, not by rel
   pairwise summation; we see <= 1.6.
 - ADAM (parameters after steps): AdamW's update m/(sqrt(v) + eps) is normalised, so a
   gradient entry near zero turns noise into a parameter change of up to lr * noise / eps per
-  step (bounded by ~lr: |m/sqrt(v)| <= 1 for the first steps); which entries sit near zero
-  is luck, and one such entry can carry 90% of a tensor's error norm (BERT's LayerNorm
-  biases: err / noise = 5.5). Parameters therefore also get what the optimizer itself makes
-  of gradients that differ by their tolerance: a shadow copy of the fp64 parameters is
-  stepped by the same optimizer on ``g_fp64 + FACTOR * (g_fp32 - g_fp64)`` every step, and
-  |shadow - x_fp64| is added to the bound. With SGD this is lr * FACTOR * (the gradient
-  noise summed over the steps).
-  (eps = 1e-5 in the tests keeps that sensitivity, 1/eps, finite-sized: with the default
-  1e-8 a single entry could move by a whole lr.) Adam is scale-invariant, so a gradient
-  that is wrong by a constant factor leaves the parameters nearly unchanged: the gradient
-  comparison, not the parameter one, is what catches such a bug.
+  step (bounded by ~lr: |m/sqrt(v)| <= 1 for the first steps), and which entries sit near
+  zero, and where each run's rounding lands, is luck. So parameters also get what the
+  optimizer itself makes of the gradients the parallel run really had: a shadow copy of the
+  fp64 parameters is stepped by the same optimizer on the parallel run's (gathered) gradients
+  every step, and |shadow - x_fp64| is added to the bound. The parallel parameters are the
+  shadow's plus the fp32 rounding of the optimizer's arithmetic (within the fp32 process's own
+  noise): a correct optimizer step passes whatever its gradients' rounding was, a wrong one
+  (learning rate, a skipped entry or shard) misses by ~lr. Where the parallel gradients of a
+  step are not at hand (a step the reference takes alone, as the checkpoint tests do for the
+  side another world trained) the shadow steps on ``g_fp64 + FACTOR * (g_fp32 - g_fp64)``, a
+  model of them. (Before this, every step used that model; on an AMD EPYC host GPT under cp=2
+  put 10x the fp32 process's error on one LayerNorm-bias entry whose step-3 gradient was 2e-5,
+  while the tensor's gradient was within 2.3x its noise: the model said 4x, at that entry.)
+  With SGD the allowance is lr * |g_parallel - g_fp64| summed over the steps. (eps = 1e-5 in
+  the tests keeps the sensitivity, 1/eps, finite-sized: with the default 1e-8 a single entry
+  could move by a whole lr.) Adam is scale-invariant, so a gradient that is wrong by a
+  constant factor leaves the parameters nearly unchanged: the gradient comparison, not the
+  parameter one, is what catches such a bug; tests/dist/test_parallel_compare.py checks that
+  an optimizer bug fails the parameter comparison.
 
 A real engine error (a gradient scaled by 1.001, a dropped micro-batch) is ~8000 ulps or
 more: tests/dist/test_parallel_compare.py checks that the criterion rejects it and accepts
@@ -136,9 +144,12 @@ class Reference:
         self._shadow = {k: p.detach().clone() for k, p in self.fp64.named_parameters()}
         self._shadow_opt = optimizer(list(self._shadow.values()))
 
-    def step(self, loss_of) -> tuple[float, float]:
+    def step(self, loss_of, grads: dict[str, torch.Tensor] | None = None) -> tuple[float, float]:
         """One optimizer step of both models on ``loss_of(model, like)``, where ``like(x)``
-        casts the floating tensors of ``x`` to the model's dtype; their (fp32, fp64) losses."""
+        casts the floating tensors of ``x`` to the model's dtype; their (fp32, fp64) losses.
+        ``grads``: the parallel run's whole gradients of this step, by parameter name, which
+        the shadow steps on (module docstring); without them (or for a name missing there) the
+        shadow steps on the model of them."""
         losses = []
         for model, opt, dtype in ((self.fp32, self._opt32, torch.float32), (self.fp64, self._opt64, torch.float64)):
             opt.zero_grad()
@@ -149,7 +160,8 @@ class Reference:
         p32 = dict(self.fp32.named_parameters())
         for k, p64 in self.fp64.named_parameters():
             g64, g32 = p64.grad, p32[k].grad.double()
-            self._shadow[k].grad = g64 + FACTOR * (g32 - g64)
+            got = (grads or {}).get(k)
+            self._shadow[k].grad = got.detach().double() if got is not None else g64 + FACTOR * (g32 - g64)
         self._shadow_opt.step()
         return losses[0], losses[1]
 
@@ -179,7 +191,7 @@ def train_alongside(pm, reference: Reference, *, steps: int, run, run_reference)
     losses = []
     for _ in range(steps):
         loss = run(pm)
-        l32, l64 = reference.step(run_reference)
+        l32, l64 = reference.step(run_reference, pm.full_gradients())  # (a collective: every rank calls it)
         losses.append(gap(loss, l32, l64))
     return losses
 
@@ -203,6 +215,7 @@ def train_judged(pm, reference: Reference | None, *, steps: int, run, run_refere
     if reference is None:
         for _ in range(steps):
             step(pm)
+            pm.full_gradients()  # (the gather train_alongside makes every step)
         pm.full_gradients(), pm.state_dict()  # (the collectives errors() joins, in its order)
         return raw, None, None, None
     losses = train_alongside(pm, reference, steps=steps, run=step, run_reference=run_reference)

@@ -70,6 +70,7 @@ def _train(rank, world, configs):
         else:
             for _ in range(STEPS):
                 run(pm)
+                pm.full_gradients()  # (the gather train_alongside makes every step)
             pm.full_gradients(), pm.state_dict()
         cp, dp = pm.plan.context["cp"], pm.plan.mesh["dp"]
         me = pm.mesh.get_local_rank(0)

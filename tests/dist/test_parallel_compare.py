@@ -107,20 +107,63 @@ def test_adamw_training_with_an_engine_bug_fails(bug, fails):
         assert_matches(*_train(bug), bug)
 
 
-def test_adam_allowance_is_what_the_optimizer_makes_of_the_gradient_tolerance():
-    """With SGD the shadow parameters differ from the fp64 ones by lr * FACTOR * (summed noise)."""
+def test_adam_allowance_is_what_the_optimizer_makes_of_the_parallel_gradients():
+    """With SGD the shadow parameters differ from the fp64 ones by lr * (the parallel gradients'
+    errors, summed over the steps); without them, by lr * FACTOR * (the fp32 noise, summed)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     x, y = torch.randn(64, 8), torch.randn(64, 4)
-    reference = Reference(model, lambda p: torch.optim.SGD(p, lr=0.1))
-    g32, g64 = {}, {}
-    for _ in range(2):
-        reference.step(lambda m, like: ((m(like(x)) - like(y)) ** 2).mean())
-        for k, p in reference.fp32.named_parameters():
-            g32[k] = g32.get(k, 0) + p.grad.double()
-        for k, p in reference.fp64.named_parameters():
-            g64[k] = g64.get(k, 0) + p.grad
-    _, params = reference.gaps({k: p.grad for k, p in reference.fp32.named_parameters()},
-                               {k: p.detach() for k, p in reference.fp32.named_parameters()})
-    for k, g in params.items():
-        assert g.adam == pytest.approx(0.1 * FACTOR * float((g32[k] - g64[k]).norm()), rel=1e-6)
+    loss_of = lambda m, like: ((m(like(x)) - like(y)) ** 2).mean()  # noqa: E731
+    for given in (True, False):
+        reference = Reference(model, lambda p: torch.optim.SGD(p, lr=0.1))
+        expected = {}
+        for step in range(2):
+            grads = None
+            if given:  # the "parallel" gradients: the fp32 ones, perturbed
+                m = copy.deepcopy(reference.fp32)
+                loss_of(m, lambda t: t).backward()
+                grads = {k: p.grad * (1 + 1e-4 * (step + 1)) for k, p in m.named_parameters()}
+            reference.step(loss_of, grads)
+            for k, p in reference.fp64.named_parameters():
+                g32 = reference.fp32.get_parameter(k).grad.double()
+                got = grads[k].double() if given else p.grad + FACTOR * (g32 - p.grad)
+                expected[k] = expected.get(k, 0) + (got - p.grad)
+        _, params = reference.gaps({k: p.grad for k, p in reference.fp32.named_parameters()},
+                                   {k: p.detach() for k, p in reference.fp32.named_parameters()})
+        for k, g in params.items():
+            assert g.adam == pytest.approx(0.1 * float(expected[k].norm()), rel=1e-6), (given, k)
+
+
+class _WrongOptimizer(_Accumulating):
+    """Right gradients, a wrong optimizer step: the learning rate 1% off, or one entry left out."""
+
+    def __init__(self, model, optimizer, bug):
+        super().__init__(model, optimizer)
+        self.optimizer_bug = bug
+
+    def train_step(self, x, y):
+        before = self.model[0].weight.detach().clone()
+        for group in self.opt.param_groups:
+            group["lr"] = 1e-2 * (1.01 if self.optimizer_bug == "lr 1% off" else 1.0)
+        total = super().train_step(x, y)
+        if self.optimizer_bug == "one entry not stepped":
+            with torch.no_grad():
+                self.model[0].weight[3, 5] = before[3, 5]
+        return total
+
+
+@pytest.mark.parametrize("bug", ["lr 1% off", "one entry not stepped"])
+def test_an_optimizer_bug_fails_on_the_parameters(bug):
+    """The allowance covers what the optimizer makes of the run's own gradients, not a wrong step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+    x, y = torch.randn(256, 32), torch.randint(0, 16, (256,))
+    reference = Reference(model, _adamw)
+    pm = _WrongOptimizer(model, _adamw, bug)
+    train_alongside(pm, reference, steps=3, run=lambda pm: pm.train_step(x, y),
+                    run_reference=lambda ref, like: torch.nn.functional.cross_entropy(ref(like(x)), y))
+    _, params = errors(pm, reference)  # (later gradients differ as well: they see the wrong parameters)
+    with pytest.raises(AssertionError, match="parameter"):
+        assert_matches([], {}, params, bug)
+    g = params["0.weight"]
+    assert g.err > 3 * g.bound, g.describe()  # (measured: 5.6x for the learning rate, 20x for the entry)
