@@ -257,17 +257,22 @@ def _single_consumer(solver, k, e, g, x, by_p, nbytes, link, obj):
     by_q = defaultdict(list)
     for j, s in enumerate(dst.candidates):
         by_q[s.ins[e.dst_in]].append(x[e.dst][j])
+    return _pairwise(solver, k, f"{k}:{src.name}->{dst.name}", by_p, by_q, obj,
+                     lambda p, q: e.weight * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S)
+
+
+def _pairwise(solver, k, edge: str, by_p, by_q, obj, cost) -> float:
+    """The rows of one producer placement -> consumer placement choice priced ``cost(p, q)``
+    (objective units); its fixed cost when each side has one placement only."""
     if len(by_p) == 1 and len(by_q) == 1:  # nothing to choose on this edge
-        p, q = next(iter(by_p)), next(iter(by_q))
-        return e.weight * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S
+        return cost(next(iter(by_p)), next(iter(by_q)))
     pair = {}
     for p in by_p:
         for q in by_q:
             pair[p, q] = y = solver.NumVar(0.0, 1.0, f"y[{k},{p},{q}]")
-            c = e.weight * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S
+            c = cost(p, q)
             if c:
                 obj.append((y, c))
-    edge = f"{k}:{src.name}->{dst.name}"
     for p, lp in by_p.items():  # sum_q y[p,q] == sum(lp)
         _add_row(solver, 0.0, 0.0, f"reshard_out[{edge},{p}]",
                  [(pair[p, q], 1.0) for q in by_q] + _terms(lp, -1.0))
@@ -312,6 +317,117 @@ def _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj):
     return 0.0
 
 
+
+# -- chains: ops eliminated before the MIP ----------------------------------------------
+#
+# About 40% of a transformer's ops (Llama tiny at tp=2: 196 of 497) read one tensor that no
+# other op reads, and make one that only the next op reads (norm -> cast -> mul -> ...). Such an
+# op only links its neighbours' placements: for every placement p its producer may emit and q
+# its consumer may need, the cheapest way through a run of them (the reshards into, between and
+# out of them, plus their own costs) is a small dynamic program. So the MIP keeps one pairwise
+# edge per run, priced C[p][q], and the run's ops are chosen after solving by following the
+# argmins back. Exact (variable elimination on a path): the optimum is the same, and the MIP has
+# fewer variables and a relaxation at least as tight (the LP can no longer mix the run's ops'
+# candidates fractionally). Ties inside a run go to the lowest candidate index.
+
+
+@dataclass(frozen=True)
+class _Chain:
+    ops: tuple[int, ...]
+    """The eliminated ops, in order."""
+    edges: tuple  # (producer -> ops[0], ops[0] -> ops[1], ..., ops[-1] -> consumer): SEdge
+    cost: dict
+    """(p, q) -> the run's cheapest cost in objective units."""
+    back: dict
+    """(p, q) -> the run's candidate indices that reach it."""
+
+
+def _chains(problem: Problem, groups: list[list]) -> list[_Chain]:
+    g = problem.graph
+    ins, outs = defaultdict(list), defaultdict(list)
+    for e in g.edges:
+        ins[e.dst].append(e)
+        outs[e.src].append(e)
+    alone = {id(group[0]) for group in groups if len(group) == 1}  # edges whose tensor has one reader
+    restricted = {v for v, _ in problem.forbidden}
+
+    def inner(v: int) -> bool:
+        return (g.nodes[v].kind == "op" and v not in restricted and len(ins[v]) == 1 and len(outs[v]) == 1
+                and id(ins[v][0]) in alone and id(outs[v][0]) in alone)
+
+    chains = []
+    for v in range(len(g.nodes)):
+        if not inner(v) or inner(ins[v][0].src):
+            continue  # not an op of a run, or not the first of its run
+        ops, edges = [v], [ins[v][0]]
+        while inner(outs[ops[-1]][0].dst):
+            edges.append(outs[ops[-1]][0])
+            ops.append(edges[-1].dst)
+        edges.append(outs[ops[-1]][0])
+        chains.append(_run_costs(problem, tuple(ops), tuple(edges)))
+    return chains
+
+
+def _run_costs(problem: Problem, ops: tuple[int, ...], edges: tuple) -> _Chain:
+    g = problem.graph
+
+    def reshard(e, p: str, q: str) -> float:
+        nbytes = g.nodes[e.src].out_bytes[e.src_out](problem.batch)
+        link = _edge_link(problem, g.nodes[e.dst].kind)
+        return e.weight * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S
+
+    def own(v: int, s: Strategy) -> float:
+        return g.nodes[v].weight * node_cost_s(problem, v, s) / _UNIT_S
+
+    first, last = edges[0], edges[-1]
+    ps = dict.fromkeys(s.outs[first.src_out] for s in g.nodes[first.src].candidates)
+    qs = dict.fromkeys(s.ins[last.dst_in] for s in g.nodes[last.dst].candidates)
+    cost, back = {}, {}
+    for p in ps:
+        cands = g.nodes[ops[0]].candidates
+        best = [reshard(first, p, s.ins[first.dst_in]) + own(ops[0], s) for s in cands]
+        paths = [(j,) for j in range(len(cands))]
+        for e, v in zip(edges[1:], ops[1:]):
+            prev, cands = g.nodes[e.src].candidates, g.nodes[v].candidates
+            nxt, nxt_paths = [], []
+            for s in cands:
+                via = [best[i] + reshard(e, prev[i].outs[e.src_out], s.ins[e.dst_in]) for i in range(len(prev))]
+                i = min(range(len(via)), key=via.__getitem__)
+                nxt.append(via[i] + own(v, s))
+                nxt_paths.append(paths[i] + (len(nxt_paths),))
+            best, paths = nxt, nxt_paths
+        last_cands = g.nodes[ops[-1]].candidates
+        for q in qs:
+            through = [best[j] + reshard(last, last_cands[j].outs[last.src_out], q) for j in range(len(best))]
+            j = min(range(len(through)), key=through.__getitem__)
+            cost[p, q], back[p, q] = through[j], paths[j]
+    return _Chain(ops=ops, edges=edges, cost=cost, back=back)
+
+
+def _add_chain(solver, i: int, chain: _Chain, g: StrategyGraph, x, obj) -> float:
+    """The run's pairwise edge between its producer's and its consumer's placements."""
+    first, last = chain.edges[0], chain.edges[-1]
+    by_p, by_q = defaultdict(list), defaultdict(list)
+    for j, s in enumerate(g.nodes[first.src].candidates):
+        by_p[s.outs[first.src_out]].append(x[first.src][j])
+    for j, s in enumerate(g.nodes[last.dst].candidates):
+        by_q[s.ins[last.dst_in]].append(x[last.dst][j])
+    edge = f"run{i}:{g.nodes[first.src].name}->{g.nodes[last.dst].name}"
+    return _pairwise(solver, f"run{i}", edge, by_p, by_q, obj, lambda p, q: chain.cost[p, q])
+
+
+def _fill_chains(choice: tuple[int, ...], chains: list[_Chain], g: StrategyGraph) -> tuple[int, ...]:
+    """``choice`` with each run's ops set from its ends' chosen placements."""
+    out = list(choice)
+    for chain in chains:
+        first, last = chain.edges[0], chain.edges[-1]
+        p = g.nodes[first.src].candidates[out[first.src]].outs[first.src_out]
+        q = g.nodes[last.dst].candidates[out[last.dst]].ins[last.dst_in]
+        for v, j in zip(chain.ops, chain.back[p, q]):
+            out[v] = j
+    return tuple(out)
+
+
 # No time limit: with one, the answer depends on how busy the machine is (issue 17: T5's tp=8
 # MIP ran out of 20 s on a loaded machine). A node limit stops SCIP after the same work anywhere.
 NODE_LIMIT = 1000
@@ -346,8 +462,12 @@ solved on disk (:mod:`autopar.planner.solve_cache`)."""
 _SOLVED_MAX = 64
 
 
-def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLVER_BACKEND) -> Solution:
+def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLVER_BACKEND,
+          eliminate: bool = True) -> Solution:
     """Solve the ILP (deterministic: same problem, same answer, however loaded the machine).
+
+    With ``eliminate`` (the default) runs of single-reader ops leave the MIP and are chosen
+    after it (see "chains" above: exact, same optimum); False keeps every op in the MIP.
 
     The search stops after ``node_limit`` branch-and-bound nodes; the best solution found
     by then is returned with status FEASIBLE, its gap and ``limit="nodes"``. Raises
@@ -363,10 +483,16 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
     text = "\n".join(f"{k} = {v}" for k, v in settings.items())
     if settings and not solver.SetSolverSpecificParametersAsString(text):
         raise RuntimeError(f"{backend} rejected the settings {settings}")
-    x = []
+    groups = _tensor_groups(g)
+    chains = _chains(problem, groups) if eliminate else []
+    gone = {v for chain in chains for v in chain.ops}
+    x: list = []
     obj = []  # (variable, coefficient) of the objective, in the order the variables are made
     fixed_cost = 0.0
     for v, node in enumerate(g.nodes):
+        if v in gone:
+            x.append(None)
+            continue
         lits = [solver.IntVar(0.0, 0.0 if (v, i) in problem.forbidden else 1.0, f"x[{node.name},{i}]")
                 for i in range(len(node.candidates))]
         _add_row(solver, 1.0, 1.0, f"one_strategy[{node.name}]", _terms(lits, 1.0))
@@ -375,8 +501,10 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
             c = node.weight * node_cost_s(problem, v, s) / _UNIT_S
             if c:
                 obj.append((lits[i], c))
-    for k, group in enumerate(_tensor_groups(g)):
+    for k, group in enumerate(groups):
         e0 = group[0]
+        if e0.src in gone or e0.dst in gone:
+            continue  # (a run's edge: priced by the run)
         src = g.nodes[e0.src]
         nbytes = src.out_bytes[e0.src_out](problem.batch)
         link = _edge_link(problem, g.nodes[e0.dst].kind)
@@ -387,6 +515,8 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
             fixed_cost += _single_consumer(solver, k, e0, g, x, by_p, nbytes, link, obj)
         else:
             fixed_cost += _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj)
+    for i, chain in enumerate(chains):
+        fixed_cost += _add_chain(solver, i, chain, g, x, obj)
     objective = solver.Objective()
     objective.SetMinimization()
     for var, c in obj:  # each variable once
@@ -397,12 +527,16 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
     solver.ExportModelToProto(model)
     key = hashlib.sha256(model.SerializeToString(deterministic=True) + f"{backend}\n{text}\n{fixed_cost!r}\n".encode()
                          + solve_cache.salt()).digest()
+    # The key is the reduced MIP's: a run's ops are set again from its ends on every answer, memo
+    # and disk included (two problems may share a reduced MIP and differ inside a run).
     if key in _SOLVED:
         _SOLVED.move_to_end(key)
-        return replace(_SOLVED[key], wall_s=time.perf_counter() - start)
-    stored = solve_cache.load(key.hex(), [len(lits) for lits in x])
+        found = _SOLVED[key]
+        return replace(found, choice=_fill_chains(found.choice, chains, g), wall_s=time.perf_counter() - start)
+    stored = solve_cache.load(key.hex(), [len(n.candidates) for n in g.nodes])
     if stored is not None:
-        return _remember(key, Solution(**stored, wall_s=time.perf_counter() - start))
+        solution = Solution(**stored, wall_s=time.perf_counter() - start)
+        return _remember(key, replace(solution, choice=_fill_chains(solution.choice, chains, g)))
     status = solver.Solve()
     names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
              pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.UNBOUNDED: "UNBOUNDED"}
@@ -414,7 +548,8 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
                f"node_limit, or" if limit else f"is {name} after {nodes} branch-and-bound nodes; try")
         raise InfeasibleError(f"sharding ILP on an axis of {g.axis_size} ({len(g.nodes)} graph nodes) {why} "
                               f"another tensor-parallel degree (fixed={{'tp': ...}})")
-    choice = tuple(max(range(len(lits)), key=lambda i: lits[i].solution_value()) for lits in x)
+    choice = _fill_chains(tuple(0 if lits is None else max(range(len(lits)), key=lambda i: lits[i].solution_value())
+                                for lits in x), chains, g)
     objective = solver.Objective().Value() + fixed_cost
     bound = solver.Objective().BestBound() + fixed_cost if name != "OPTIMAL" else objective
     solution = Solution(choice=choice, status=name, objective_s=objective * _UNIT_S, bound_s=bound * _UNIT_S,

@@ -1,0 +1,73 @@
+"""Runs of single-reader ops leave the sharding MIP and are chosen after it (``ilp._chains``):
+variable elimination on a path, so the optimum is the one the whole MIP has, and the ops of a run
+get candidates whose recomputed cost is that optimum. Checked on Llama tiny's tensor-parallel
+MIPs, free and with sequence parallelism pinned each way (the forbidden sets the planner uses)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopar.cluster import parse_cluster
+from autopar.passes.strategies import build_strategy_graph
+from autopar.planner import ilp, make
+from autopar.planner.frontend import trace_pair
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import llama  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def solved_afresh(monkeypatch):
+    """Every solve here is SCIP's, not this process's memo or the disk cache."""
+    monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "0")
+    monkeypatch.setattr(ilp, "_SOLVED", type(ilp._SOLVED)())
+
+
+@pytest.fixture(scope="module")
+def traced():
+    cluster = parse_cluster("1x4xH100")
+    model, inputs, loss_fn, target = llama.build(size="tiny", batch=16, seq=128)
+    gm, gm2 = trace_pair(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target)
+    return cluster, gm, gm2
+
+
+def _problems(cluster, gm, gm2, tp):
+    sg = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False)
+    norms = make._norm_nodes(gm, sg)
+    out = {"free": frozenset()}
+    for sp in (False, True):
+        out[f"sp={sp}"] = frozenset((v, i) for v, rank in norms.items() for i, s in enumerate(sg.nodes[v].candidates)
+                                    if make.token_sharded(s.outs[0], rank) != sp)
+    link = cluster.link_for_group(tp, stride=1)
+    return sg, {k: ilp.build_problem(sg, batch=4, device=cluster.device, link=link, forbidden=f) for k, f in out.items()}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_runs_leave_the_mip_and_the_optimum_stays(traced, tp):
+    sg, problems = _problems(*traced, tp)
+    chains = ilp._chains(problems["free"], ilp._tensor_groups(sg))
+    ops = [v for c in chains for v in c.ops]
+    assert len(ops) == len(set(ops)) and len(ops) > 0.3 * len(sg.nodes)  # a third of the graph or more leaves
+    for name, problem in problems.items():
+        reduced = ilp.solve(problem)
+        whole = ilp.solve(problem, eliminate=False)
+        assert (reduced.status, whole.status) == ("OPTIMAL", "OPTIMAL"), name
+        assert reduced.objective_s == pytest.approx(whole.objective_s, rel=1e-9), name
+        # the runs' ops were set to candidates that cost what the MIP says, recomputed from scratch
+        assert ilp.evaluate(problem, reduced).total_s == pytest.approx(reduced.objective_s, rel=1e-9), name
+        assert all((v, i) not in problem.forbidden for v, i in enumerate(reduced.choice)), name
+
+
+def test_a_recalled_answer_has_its_runs_set(traced, monkeypatch, tmp_path):
+    """The memo and the disk cache hold the reduced MIP's answer; a recalled one gets its runs'
+    ops set from its ends again (the whole choice, as solved)."""
+    monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "1")
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    sg, problems = _problems(*traced, 2)
+    first = ilp.solve(problems["free"])
+    memo = ilp.solve(problems["free"])
+    ilp._SOLVED.clear()
+    disk = ilp.solve(problems["free"])
+    assert memo.choice == disk.choice == first.choice
+    assert ilp.evaluate(problems["free"], disk).total_s == pytest.approx(first.objective_s, rel=1e-9)
