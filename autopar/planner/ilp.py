@@ -33,6 +33,14 @@ made once serves every consumer that needs it. Either way an edge has at most
 |P_u| x |Q_v| <= 25 placement-pair variables (placement classes, not strategy
 pairs; the pairing itself is Alpa's, Zheng et al. 2022, sec. 4.2).
 
+Before the MIP is built, runs of ops that each read one tensor read by no other op
+and make one read only by the next op are eliminated (variable elimination on a
+path): a run u -> v_1 -> ... -> v_k -> w becomes one single-consumer edge from u to
+w whose R(p, q) is the run's cheapest cost (its reshards and its ops' own C) from
+u's placement p to w's placement q, and v_1..v_k are set after solving by following
+the argmins back from the chosen p and q. ``solve(..., eliminate=False)`` keeps
+every op in the MIP.
+
 Solver: SCIP through OR-tools' pywraplp (docs/design-notes.md says why not
 CP-SAT); single-threaded, with a node limit and no time limit, so the same model
 gives the same plan on a quiet or a loaded machine. Costs are in units of 1 us
