@@ -35,6 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     spec = importlib.util.spec_from_file_location(f"bench_{args.example}", ROOT / "examples" / f"{args.example}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (the trace imports the model's module by name)
     spec.loader.exec_module(module)
     kwargs = {"size": args.size, "batch": args.batch, **({"seq": args.seq} if args.seq else {})}
     model, inputs, loss_fn, target = module.build(**kwargs)
