@@ -1,8 +1,10 @@
-"""Runs of single-reader ops leave the sharding MIP and are chosen after it (``ilp._chains``):
+"""Runs of single-reader ops leave the sharding MIP and are chosen after it (``autopar.planner.runs``):
 variable elimination on a path, so the optimum is the one the whole MIP has, and the ops of a run
 get candidates whose recomputed cost is that optimum. Checked on Llama tiny's tensor-parallel
 MIPs, free and with sequence parallelism pinned each way (the forbidden sets the planner uses)."""
 
+import functools
+import json
 import sys
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import pytest
 
 from autopar.cluster import parse_cluster
 from autopar.passes.strategies import build_strategy_graph
-from autopar.planner import ilp, make
+from autopar.planner import ilp, make, runs
 from autopar.planner.frontend import trace_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -46,8 +48,10 @@ def _problems(cluster, gm, gm2, tp):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_runs_leave_the_mip_and_the_optimum_stays(traced, tp):
     sg, problems = _problems(*traced, tp)
-    chains = ilp._chains(problems["free"], ilp._tensor_groups(sg))
-    ops = [v for c in chains for v in c.ops]
+    free = problems["free"]
+    found = runs.find_runs(sg, ilp._tensor_groups(sg), set(), functools.partial(ilp._edge_cost, free),
+                           functools.partial(ilp._own_cost, free))
+    ops = [v for r in found for v in r.ops]
     assert len(ops) == len(set(ops)) and len(ops) > 0.3 * len(sg.nodes)  # a third of the graph or more leaves
     for name, problem in problems.items():
         reduced = ilp.solve(problem)
@@ -60,14 +64,22 @@ def test_runs_leave_the_mip_and_the_optimum_stays(traced, tp):
 
 
 def test_a_recalled_answer_has_its_runs_set(traced, monkeypatch, tmp_path):
-    """The memo and the disk cache hold the reduced MIP's answer; a recalled one gets its runs'
-    ops set from its ends again (the whole choice, as solved)."""
+    """The disk cache keys the reduced MIP; a recalled answer gets its runs' ops set from its ends
+    again, whatever the entry says for them (another problem may share the reduced MIP)."""
     monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "1")
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     sg, problems = _problems(*traced, 2)
-    first = ilp.solve(problems["free"])
-    memo = ilp.solve(problems["free"])
+    problem = problems["free"]
+    first = ilp.solve(problem)
+    found = runs.find_runs(sg, ilp._tensor_groups(sg), set(), functools.partial(ilp._edge_cost, problem),
+                           functools.partial(ilp._own_cost, problem))
+    inside = [v for r in found for v in r.ops if len(sg.nodes[v].candidates) > 1]
+    (entry,) = (tmp_path / "mip").glob("*.json")
+    stored = json.loads(entry.read_text())
+    for v in inside:  # another candidate for every op inside a run
+        stored["choice"][v] = (first.choice[v] + 1) % len(sg.nodes[v].candidates)
+    entry.write_text(json.dumps(stored))
     ilp._SOLVED.clear()
-    disk = ilp.solve(problems["free"])
-    assert memo.choice == disk.choice == first.choice
-    assert ilp.evaluate(problems["free"], disk).total_s == pytest.approx(first.objective_s, rel=1e-9)
+    recalled = ilp.solve(problem)
+    assert inside and recalled.choice == first.choice
+    assert ilp.evaluate(problem, recalled).total_s == pytest.approx(first.objective_s, rel=1e-9)

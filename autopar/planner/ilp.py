@@ -38,8 +38,8 @@ and make one read only by the next op are eliminated (variable elimination on a
 path): a run u -> v_1 -> ... -> v_k -> w becomes one single-consumer edge from u to
 w whose R(p, q) is the run's cheapest cost (its reshards and its ops' own C) from
 u's placement p to w's placement q, and v_1..v_k are set after solving by following
-the argmins back from the chosen p and q. ``solve(..., eliminate=False)`` keeps
-every op in the MIP.
+the argmins back from the chosen p and q. (:mod:`autopar.planner.runs`);
+``solve(..., eliminate=False)`` keeps every op in the MIP.
 
 Solver: SCIP through OR-tools' pywraplp (docs/design-notes.md says why not
 CP-SAT); single-threaded, with a node limit and no time limit, so the same model
@@ -53,6 +53,7 @@ recomputes its cost split from scratch, independently of the solver.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections import OrderedDict, defaultdict
@@ -67,6 +68,7 @@ from autopar.cost.devices import DeviceSpec
 from autopar.errors import InfeasibleError
 from autopar.passes.strategies import StrategyGraph, Strategy
 from autopar.planner import solve_cache
+from autopar.planner.runs import Run, fill_runs, find_runs
 
 __all__ = ["Problem", "Solution", "CostBreakdown", "LayerCost", "build_problem", "solve", "evaluate",
            "reshard_s", "node_cost_s"]
@@ -257,6 +259,18 @@ def _terms(variables, c: float) -> list:
     return [(v, c) for v in variables]
 
 
+def _edge_cost(problem: Problem, e, p: str, q: str) -> float:
+    """Edge ``e`` turning placement p into q, in objective units (its weight included)."""
+    g = problem.graph
+    nbytes = g.nodes[e.src].out_bytes[e.src_out](problem.batch)
+    return e.weight * reshard_s(p, q, nbytes, g.axis_size, _edge_link(problem, g.nodes[e.dst].kind))[0] / _UNIT_S
+
+
+def _own_cost(problem: Problem, v: int, s: Strategy) -> float:
+    """Op ``v`` running strategy ``s``, in objective units (its weight included)."""
+    return problem.graph.nodes[v].weight * node_cost_s(problem, v, s) / _UNIT_S
+
+
 def _single_consumer(solver, k, e, g, x, by_p, nbytes, link, obj):
     """Marginal (transportation) form: y is integral once x is, so y stays continuous.
     Adds the edge's rows, appends its (y, cost) objective terms to ``obj`` and returns its
@@ -326,114 +340,17 @@ def _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj):
 
 
 
-# -- chains: ops eliminated before the MIP ----------------------------------------------
-#
-# About 40% of a transformer's ops (Llama tiny at tp=2: 196 of 497) read one tensor that no
-# other op reads, and make one that only the next op reads (norm -> cast -> mul -> ...). Such an
-# op only links its neighbours' placements: for every placement p its producer may emit and q
-# its consumer may need, the cheapest way through a run of them (the reshards into, between and
-# out of them, plus their own costs) is a small dynamic program. So the MIP keeps one pairwise
-# edge per run, priced C[p][q], and the run's ops are chosen after solving by following the
-# argmins back. Exact (variable elimination on a path): the optimum is the same, and the MIP has
-# fewer variables and a relaxation at least as tight (the LP can no longer mix the run's ops'
-# candidates fractionally). Ties inside a run go to the lowest candidate index.
 
-
-@dataclass(frozen=True)
-class _Chain:
-    ops: tuple[int, ...]
-    """The eliminated ops, in order."""
-    edges: tuple  # (producer -> ops[0], ops[0] -> ops[1], ..., ops[-1] -> consumer): SEdge
-    cost: dict
-    """(p, q) -> the run's cheapest cost in objective units."""
-    back: dict
-    """(p, q) -> the run's candidate indices that reach it."""
-
-
-def _chains(problem: Problem, groups: list[list]) -> list[_Chain]:
-    g = problem.graph
-    ins, outs = defaultdict(list), defaultdict(list)
-    for e in g.edges:
-        ins[e.dst].append(e)
-        outs[e.src].append(e)
-    alone = {id(group[0]) for group in groups if len(group) == 1}  # edges whose tensor has one reader
-    restricted = {v for v, _ in problem.forbidden}
-
-    def inner(v: int) -> bool:
-        return (g.nodes[v].kind == "op" and v not in restricted and len(ins[v]) == 1 and len(outs[v]) == 1
-                and id(ins[v][0]) in alone and id(outs[v][0]) in alone)
-
-    chains = []
-    for v in range(len(g.nodes)):
-        if not inner(v) or inner(ins[v][0].src):
-            continue  # not an op of a run, or not the first of its run
-        ops, edges = [v], [ins[v][0]]
-        while inner(outs[ops[-1]][0].dst):
-            edges.append(outs[ops[-1]][0])
-            ops.append(edges[-1].dst)
-        edges.append(outs[ops[-1]][0])
-        chains.append(_run_costs(problem, tuple(ops), tuple(edges)))
-    return chains
-
-
-def _run_costs(problem: Problem, ops: tuple[int, ...], edges: tuple) -> _Chain:
-    g = problem.graph
-
-    def reshard(e, p: str, q: str) -> float:
-        nbytes = g.nodes[e.src].out_bytes[e.src_out](problem.batch)
-        link = _edge_link(problem, g.nodes[e.dst].kind)
-        return e.weight * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S
-
-    def own(v: int, s: Strategy) -> float:
-        return g.nodes[v].weight * node_cost_s(problem, v, s) / _UNIT_S
-
-    first, last = edges[0], edges[-1]
-    ps = dict.fromkeys(s.outs[first.src_out] for s in g.nodes[first.src].candidates)
-    qs = dict.fromkeys(s.ins[last.dst_in] for s in g.nodes[last.dst].candidates)
-    cost, back = {}, {}
-    for p in ps:
-        cands = g.nodes[ops[0]].candidates
-        best = [reshard(first, p, s.ins[first.dst_in]) + own(ops[0], s) for s in cands]
-        paths = [(j,) for j in range(len(cands))]
-        for e, v in zip(edges[1:], ops[1:]):
-            prev, cands = g.nodes[e.src].candidates, g.nodes[v].candidates
-            nxt, nxt_paths = [], []
-            for s in cands:
-                via = [best[i] + reshard(e, prev[i].outs[e.src_out], s.ins[e.dst_in]) for i in range(len(prev))]
-                i = min(range(len(via)), key=via.__getitem__)
-                nxt.append(via[i] + own(v, s))
-                nxt_paths.append(paths[i] + (len(nxt_paths),))
-            best, paths = nxt, nxt_paths
-        last_cands = g.nodes[ops[-1]].candidates
-        for q in qs:
-            through = [best[j] + reshard(last, last_cands[j].outs[last.src_out], q) for j in range(len(best))]
-            j = min(range(len(through)), key=through.__getitem__)
-            cost[p, q], back[p, q] = through[j], paths[j]
-    return _Chain(ops=ops, edges=edges, cost=cost, back=back)
-
-
-def _add_chain(solver, i: int, chain: _Chain, g: StrategyGraph, x, obj) -> float:
+def _add_run(solver, i: int, run: Run, g: StrategyGraph, x, obj) -> float:
     """The run's pairwise edge between its producer's and its consumer's placements."""
-    first, last = chain.edges[0], chain.edges[-1]
+    first, last = run.edges[0], run.edges[-1]
     by_p, by_q = defaultdict(list), defaultdict(list)
     for j, s in enumerate(g.nodes[first.src].candidates):
         by_p[s.outs[first.src_out]].append(x[first.src][j])
     for j, s in enumerate(g.nodes[last.dst].candidates):
         by_q[s.ins[last.dst_in]].append(x[last.dst][j])
     edge = f"run{i}:{g.nodes[first.src].name}->{g.nodes[last.dst].name}"
-    return _pairwise(solver, f"run{i}", edge, by_p, by_q, obj, lambda p, q: chain.cost[p, q])
-
-
-def _fill_chains(choice: tuple[int, ...], chains: list[_Chain], g: StrategyGraph) -> tuple[int, ...]:
-    """``choice`` with each run's ops set from its ends' chosen placements."""
-    out = list(choice)
-    for chain in chains:
-        first, last = chain.edges[0], chain.edges[-1]
-        p = g.nodes[first.src].candidates[out[first.src]].outs[first.src_out]
-        q = g.nodes[last.dst].candidates[out[last.dst]].ins[last.dst_in]
-        for v, j in zip(chain.ops, chain.back[p, q]):
-            out[v] = j
-    return tuple(out)
+    return _pairwise(solver, f"run{i}", edge, by_p, by_q, obj, lambda p, q: run.cost[p, q])
 
 
 # No time limit: with one, the answer depends on how busy the machine is (issue 17: T5's tp=8
@@ -475,7 +392,7 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
     """Solve the ILP (deterministic: same problem, same answer, however loaded the machine).
 
     With ``eliminate`` (the default) runs of single-reader ops leave the MIP and are chosen
-    after it (see "chains" above: exact, same optimum); False keeps every op in the MIP.
+    after it (:mod:`autopar.planner.runs`: exact, same optimum); False keeps every op in the MIP.
 
     The search stops after ``node_limit`` branch-and-bound nodes; the best solution found
     by then is returned with status FEASIBLE, its gap and ``limit="nodes"``. Raises
@@ -492,8 +409,9 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
     if settings and not solver.SetSolverSpecificParametersAsString(text):
         raise RuntimeError(f"{backend} rejected the settings {settings}")
     groups = _tensor_groups(g)
-    chains = _chains(problem, groups) if eliminate else []
-    gone = {v for chain in chains for v in chain.ops}
+    runs = (find_runs(g, groups, {v for v, _ in problem.forbidden}, functools.partial(_edge_cost, problem),
+                        functools.partial(_own_cost, problem)) if eliminate else [])
+    gone = {v for run in runs for v in run.ops}
     x: list = []
     obj = []  # (variable, coefficient) of the objective, in the order the variables are made
     fixed_cost = 0.0
@@ -506,7 +424,7 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
         _add_row(solver, 1.0, 1.0, f"one_strategy[{node.name}]", _terms(lits, 1.0))
         x.append(lits)
         for i, s in enumerate(node.candidates):
-            c = node.weight * node_cost_s(problem, v, s) / _UNIT_S
+            c = _own_cost(problem, v, s)
             if c:
                 obj.append((lits[i], c))
     for k, group in enumerate(groups):
@@ -523,8 +441,8 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
             fixed_cost += _single_consumer(solver, k, e0, g, x, by_p, nbytes, link, obj)
         else:
             fixed_cost += _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj)
-    for i, chain in enumerate(chains):
-        fixed_cost += _add_chain(solver, i, chain, g, x, obj)
+    for i, run in enumerate(runs):
+        fixed_cost += _add_run(solver, i, run, g, x, obj)
     objective = solver.Objective()
     objective.SetMinimization()
     for var, c in obj:  # each variable once
@@ -540,11 +458,11 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
     if key in _SOLVED:
         _SOLVED.move_to_end(key)
         found = _SOLVED[key]
-        return replace(found, choice=_fill_chains(found.choice, chains, g), wall_s=time.perf_counter() - start)
+        return replace(found, choice=fill_runs(found.choice, runs, g), wall_s=time.perf_counter() - start)
     stored = solve_cache.load(key.hex(), [len(n.candidates) for n in g.nodes])
     if stored is not None:
         solution = Solution(**stored, wall_s=time.perf_counter() - start)
-        return _remember(key, replace(solution, choice=_fill_chains(solution.choice, chains, g)))
+        return _remember(key, replace(solution, choice=fill_runs(solution.choice, runs, g)))
     status = solver.Solve()
     names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
              pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.UNBOUNDED: "UNBOUNDED"}
@@ -556,8 +474,8 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, backend: str = SOLV
                f"node_limit, or" if limit else f"is {name} after {nodes} branch-and-bound nodes; try")
         raise InfeasibleError(f"sharding ILP on an axis of {g.axis_size} ({len(g.nodes)} graph nodes) {why} "
                               f"another tensor-parallel degree (fixed={{'tp': ...}})")
-    choice = _fill_chains(tuple(0 if lits is None else max(range(len(lits)), key=lambda i: lits[i].solution_value())
-                                for lits in x), chains, g)
+    choice = fill_runs(tuple(0 if lits is None else max(range(len(lits)), key=lambda i: lits[i].solution_value())
+                                for lits in x), runs, g)
     objective = solver.Objective().Value() + fixed_cost
     bound = solver.Objective().BestBound() + fixed_cost if name != "OPTIMAL" else objective
     solution = Solution(choice=choice, status=name, objective_s=objective * _UNIT_S, bound_s=bound * _UNIT_S,
