@@ -308,3 +308,21 @@ def test_infeasible_message_counts_the_largest_op_and_names_it():
     assert "the largest single op (in <loss>) alone needs 100.0 GB" in str(err)
     small = _infeasible((need, cfg, ("layers.0", 1e8)), cluster, Fixed(), 0, 2, 2)
     assert "largest single op" not in str(small)  # said only where it decides
+
+
+def test_inflight_forms_equal_the_action_lists():
+    # _inflight answers every configuration without building its schedule; each form equals
+    # the count read off the lists (interleaved: built at min(m, 2p) micro-batches)
+    from autopar.cost.schedule import make_schedule
+    from autopar.planner.partition import _inflight, inflight_of
+
+    for kind in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
+        for p in range(1, 17):
+            for m in range(1, 3 * p + 5):
+                assert _inflight(kind, p, m) == inflight_of(make_schedule(kind, n_stages=p, n_micro=m), p), \
+                    (kind, p, m)
+    for p in range(2, 11):
+        for v in (2, 3, 4):
+            for m in range(p, 6 * p + 1, p):
+                want = inflight_of(make_schedule("interleaved", n_stages=p, n_micro=m, n_virtual=v), p * v)
+                assert _inflight("interleaved", p, m, v) == want, (p, m, v)

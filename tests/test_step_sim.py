@@ -9,7 +9,7 @@ import pytest
 from autopar.cost import comm
 from autopar.cost.schedule import one_f_one_b
 from autopar.cost.simulate import simulate, simulate_program, simulate_step
-from autopar.cost.step import GroupCost, Op, StageCost, StepSpec, TiedCost, lower_step
+from autopar.cost.step import GroupCost, Op, StageCost, StepSpec, TiedCost, lower_step, time_prefix
 
 LINK = comm.Link(bytes_per_s=1e9, latency_s=0.0)
 OTHER = comm.Link(bytes_per_s=1e9, latency_s=1e-12)  # a second link (different figures)
@@ -187,6 +187,51 @@ def test_every_schedule_and_zero_stage_runs_between_its_bounds(kind, pp, m, zero
         assert res.comm_s[r] >= max(op.seconds for op in program[r] if op.stream) - 1e-9  # dp = 4: buckets
     done = {op.name for _, op, _, _ in res.timeline}
     assert done == {op.name for ops in program.values() for op in ops}  # every op ran
+
+
+@pytest.mark.parametrize("kind, pp, m", [("gpipe", 2, 4), ("1f1b", 3, 7), ("interleaved", 2, 4), ("zb-h1", 4, 9),
+                                         ("zb-h2", 3, 8), ("1f1b", 1, 3), ("interleaved", 3, 6)])
+@pytest.mark.parametrize("zero, dp", [(0, 4), (1, 4), (1, 1), (2, 4), (3, 4)])
+@pytest.mark.parametrize("tied", [False, True])
+def test_search_timing_without_timeline_equals_the_event_engine(kind, pp, m, zero, dp, tied):
+    # the search's timing (the start of each rank timed in one pass, the rest by the engine)
+    # gives what the whole program through the engine gives, figure for figure: uneven stages,
+    # groups, buckets, activation and gradient transfers, a tied parameter, overlap slowdown
+    v = 2 if kind == "interleaved" else 1
+    groups = [[(1.0 + g + 0.3 * s, 0.5 * (s + 1) + 0.1 * g, 0.75 - 0.05 * s, (g + 1) * 4e8) for g in range(3)]
+              for s in range(pp * v)]
+    ties = (TiedCost(name="w", stages=(0, pp * v - 1), groups=(0, 2), nbytes=2e8, link=OTHER),) if tied else ()
+    stages = tuple(StageCost(groups=tuple(GroupCost(name=f"s{s}g{g}", f_s=f, b_s=b, w_s=w, bucket_bytes=n)
+                                          for g, (f, b, w, n) in enumerate(gs)),
+                             optimizer_s=0.3 + 0.01 * s, send_s=0.1 + 0.05 * s, send_back_s=0.2 - 0.01 * s)
+                   for s, gs in enumerate(groups))
+    s = StepSpec(schedule=kind, pp=pp, microbatches=m, zero=zero, dp=dp, stages=stages, dp_link=LINK,
+                 tied=ties, overlap_slowdown=1.2)
+    full, fast = simulate_step(s), simulate_step(s, timeline=False)
+    assert fast.step_time_s == pytest.approx(full.step_time_s, rel=1e-12)
+    assert fast.bubble_fraction == pytest.approx(full.bubble_fraction, rel=1e-9, abs=1e-12)
+    for field in ("busy_s", "comm_s", "hidden_s", "exposed_s"):
+        assert getattr(fast, field) == pytest.approx(getattr(full, field), rel=1e-12, abs=1e-12), field
+    assert fast.timeline == [] and full.timeline
+    prefix = time_prefix(s)
+    if zero >= 2 and dp > 1:
+        assert prefix is None  # collectives from the first backward (or forward) on: nothing to gain
+    else:
+        # everything up to each stage's last weight gradient is timed without the engine
+        timed = sum(prefix.done)
+        assert timed + len(prefix.tail) == len(prefix.done)
+        assert timed >= len(prefix.done) - pp * v * (2 * pp + 2)
+
+
+def test_search_timing_of_a_deep_pipeline_lowers_only_its_end():
+    # 16 ranks, 64 micro-batches, ZeRO-1: of 3072 actions the event engine sees only the ends
+    groups = [[(1.0, 1.0, 0.5, 1e8)] for _ in range(16)]
+    s = spec(groups, zero=1, dp=8, m=64, pp=16, kind="zb-h1", opt=0.1, send=0.05)
+    prefix = time_prefix(s)
+    assert len(prefix.done) == 3 * 64 * 16 and len(prefix.tail) < 0.2 * len(prefix.done)
+    lowered = sum(len(ops) for ops in lower_step(s, prefix=prefix).values())
+    assert lowered < 0.1 * sum(len(ops) for ops in lower_step(s).values())
+    assert simulate_step(s, timeline=False).step_time_s == pytest.approx(simulate_step(s).step_time_s, rel=1e-12)
 
 
 def test_cheap_estimate_of_exposed_dp_time():

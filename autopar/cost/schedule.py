@@ -26,17 +26,20 @@ References:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 __all__ = [
     "KINDS",
     "SCHEDULE_KINDS",
     "Action",
+    "cached_schedule",
     "format_grid",
     "gpipe",
     "interleaved_1f1b",
     "make_schedule",
     "one_f_one_b",
     "parse_action",
+    "timing_order",
     "validate_schedule",
     "with_comm",
     "zb_h1",
@@ -246,6 +249,57 @@ def make_schedule(kind: str, *, n_stages: int, n_micro: int, n_virtual: int = 1)
             f"schedule {kind!r} has one chunk per rank; got n_virtual={n_virtual}, use 'interleaved'"
         )
     return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2}[kind](n_stages, n_micro)
+
+
+@lru_cache(maxsize=256)
+def cached_schedule(kind: str, n_stages: int, n_micro: int, n_virtual: int = 1) -> Schedule:
+    """:func:`make_schedule`, built once per shape: the planner reads the same lists for memory,
+    bounds and timing thousands of times. Callers must not change the lists."""
+    return make_schedule(kind, n_stages=n_stages, n_micro=n_micro, n_virtual=n_virtual)
+
+
+Wait = tuple[int, int, int]
+"""(index of the needed action in the order, cut its input crosses or -1 on the same rank,
+1 for a gradient sent back / 0 for an activation)."""
+
+
+@lru_cache(maxsize=64)
+def timing_order(kind: str, n_ranks: int, n_micro: int, n_virtual: int = 1) -> tuple[tuple[int, Action, tuple[Wait, ...]], ...]:
+    """Every action of ``kind``'s schedule once, as ``(rank, action, waits)``, in an order where
+    each comes after the actions it needs and after the one before it on its rank. The actions
+    are those of :func:`cached_schedule` (the same objects).
+
+    Timing passes walk this instead of running an event loop: an action's start is its rank's
+    free time or an input's end (plus the cut's transfer), whichever is later, and both are
+    known when it is reached (``autopar.planner.bounds.bare_pipeline_ends``,
+    ``autopar.cost.step.time_prefix``)."""
+    sched = cached_schedule(kind, n_ranks, n_micro, n_virtual)
+    n_stages = n_ranks * n_virtual
+    where: dict[_Key, int] = {}
+    out: list[tuple[int, Action, tuple[Wait, ...]]] = []
+    pos = [0] * n_ranks
+    left = sum(len(sched[r]) for r in range(n_ranks))
+    while left:
+        moved = False
+        for r in range(n_ranks):
+            acts = sched[r]
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                needs = _needs(a, n_stages)
+                if any(key not in where for key in needs):
+                    break
+                waits = tuple((where[key], -1 if key[1] % n_ranks == r else min(key[1], a.stage), int(key[0] != "F"))
+                              for key in needs)
+                for key in _provides(a):
+                    where[key] = len(out)
+                out.append((r, a, waits))
+                pos[r] += 1
+                left -= 1
+                moved = True
+        if not moved:  # make_schedule's lists are validated: this is a bug, not an input error
+            raise RuntimeError(f"{kind} schedule for {n_ranks} ranks, {n_micro} micro-batches, v={n_virtual} "
+                               f"deadlocks")
+    return tuple(out)
 
 
 # ---------------------------------------------------------------- validation

@@ -42,12 +42,12 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 from autopar.cost import comm
-from autopar.cost.schedule import Action, _lockstep, _needs, _provides, make_schedule
+from autopar.cost.schedule import Action, timing_order
 from autopar.zero_def import stage as zero_stage
 from autopar.zero_def import step_collective_counts
 
 __all__ = ["OVERLAP_SLOWDOWN", "GroupCost", "StageCost", "TiedCost", "StepSpec", "Op", "COMPUTE_KINDS",
-           "COLLECTIVE_KINDS", "FUSED_BACKWARD", "lower_step", "group_dp_s", "estimate_exposed_s"]
+           "COLLECTIVE_KINDS", "FUSED_BACKWARD", "Prefix", "lower_step", "time_prefix", "group_dp_s", "estimate_exposed_s"]
 
 OVERLAP_SLOWDOWN = 1.3
 """Compute runs this many times slower while a collective overlaps it on the same GPU
@@ -197,22 +197,93 @@ def _times(g: GroupCost, kind: str) -> float:
     return {"F": g.f_s, "B": g.b_s, "W": g.w_s, "BW": g.b_s + g.w_s}[kind]
 
 
-def lower_step(spec: StepSpec) -> dict[int, list[Op]]:
-    """The step program of ``spec``: one list of :class:`Op` per pipeline rank (see the module doc)."""
+@dataclass(frozen=True)
+class Prefix:
+    """The actions each rank runs before its first collective can be in flight, timed in one pass
+    (:func:`time_prefix`); indices are into :func:`autopar.cost.schedule.timing_order`."""
+
+    done: bytearray
+    """1 for an action timed here."""
+    tail: tuple[int, ...]
+    """The other actions, in the order: :func:`lower_step` lowers these."""
+    ends: dict[str, float]
+    """End of each timed action an op of the rest waits for, by its op name."""
+    free: tuple[float, ...]
+    """Per rank, when its compute stream finishes the timed actions (0.0: none)."""
+    busy: tuple[float, ...]
+    """Per rank, the compute time of its timed actions."""
+
+
+def time_prefix(spec: StepSpec) -> Prefix | None:
+    """Time the start of the step program without lowering it, where that gives the event
+    engine's answer: on each rank, the actions before the first one that issues a collective.
+
+    Until a rank issues a collective its compute runs at full speed, so an action starts when
+    its rank is free and each input has arrived (the producer's end, plus the cut's transfer
+    across ranks: the SEND starts at the producer's end and the RECV ends with it) and lasts
+    its stage's time, as :func:`autopar.cost.simulate.simulate_program` would time it. The
+    timed set is closed under inputs (an action whose input is not timed is not either), so
+    nothing outside it can move it. At ZeRO 0 and 1 the first collective comes with a stage's
+    last weight gradient, so nearly the whole pipeline is timed here and only each rank's end
+    goes through the event engine; at ZeRO 2 and 3 collectives start with the first backward
+    or forward, and this returns None (nothing to gain)."""
+    _check_spec(spec)
+    z = zero_stage(spec.zero) if spec.dp > 1 else None
+    if z is not None and (z.param_gather == "per_use" or z.grad_reduce_every_microbatch):
+        return None
+    pp, m, v = spec.pp, spec.microbatches, spec.virtual_stages
+    order = timing_order(spec.schedule, pp, m, v)
+    stop = set(_last_grads(order, len(spec.stages)).values())
+    dur = {kind: [sum(_times(g, kind) for g in st.groups) for st in spec.stages] for kind in ("F", "B", "W", "BW")}
+    cut_s = ([st.send_s for st in spec.stages], [st.back_s for st in spec.stages])
+    done = bytearray(len(order))
+    end = [0.0] * len(order)
+    free, busy = [0.0] * pp, [0.0] * pp
+    open_ = [True] * pp
+    tail = []
+    for i, (r, a, waits) in enumerate(order):
+        if open_[r]:
+            t = free[r]
+            for j, cut, back in waits:
+                if not done[j]:
+                    break
+                e = end[j] if cut < 0 else end[j] + cut_s[back][cut]
+                if e > t:
+                    t = e
+            else:
+                if i not in stop:
+                    d = dur[a.kind][a.stage]
+                    end[i] = free[r] = t + d
+                    busy[r] += d
+                    done[i] = 1
+                    continue
+            open_[r] = False
+        tail.append(i)
+    ends = {str(order[j][1]): end[j] for i in tail for j, _, _ in order[i][2] if done[j]}
+    return Prefix(done=done, tail=tuple(tail), ends=ends, free=tuple(free), busy=tuple(busy))
+
+
+def lower_step(spec: StepSpec, *, prefix: Prefix | None = None) -> dict[int, list[Op]]:
+    """The step program of ``spec``: one list of :class:`Op` per pipeline rank (see the module doc).
+
+    With ``prefix`` (:func:`time_prefix`), the actions it timed are left out: an op that waits
+    for one of them waits for its name (which ``prefix.ends`` times) plus the cut's transfer
+    where the input crosses ranks, in place of the SEND/RECV pair."""
     _check_spec(spec)
     zero_stage(spec.zero)  # a bad stage fails here with zero_def's message
     pp, m, n_stages = spec.pp, spec.microbatches, len(spec.stages)
-    sched = make_schedule(spec.schedule, n_stages=pp, n_micro=m, n_virtual=spec.virtual_stages)
+    v = spec.virtual_stages
+    order = timing_order(spec.schedule, pp, m, v)
     z = zero_stage(spec.zero) if spec.dp > 1 else None
     gather = z is not None and z.param_gather == "per_use"
-    provider = {key: a for acts in sched.values() for a in acts for key in _provides(a)}
-    last_grad = {}  # stage -> the last action on its rank that makes its weight gradients
-    for acts in sched.values():
-        for a in acts:
-            if a.kind in ("W", "BW"):
-                last_grad[a.stage] = a
-    reduce_at = {a for acts in sched.values() for a in acts if a.kind in ("W", "BW") and z is not None
-                 and (z.grad_reduce_every_microbatch or last_grad[a.stage] == a)}
+    last_grad = _last_grads(order, n_stages)  # stage -> index of the last action that makes its weight gradients
+
+    def is_last(a: Action) -> bool:
+        return order[last_grad[a.stage]][1] == a
+
+    def reduces(a: Action) -> bool:
+        return a.kind in ("W", "BW") and z is not None and (z.grad_reduce_every_microbatch or is_last(a))
+
     tied_at: dict[tuple[int, int], TiedCost] = {}  # (stage, group) -> the tied parameter it holds a copy of
     for t in spec.tied:
         if len({s % pp for s in t.stages}) > 1:  # copies on one rank add up locally
@@ -223,8 +294,8 @@ def lower_step(spec: StepSpec) -> dict[int, list[Op]]:
     def split(a: Action) -> bool:
         if a.kind in ("F", "B"):
             return gather
-        tied_here = last_grad[a.stage] == a and any(s == a.stage for s, _ in tied_at)
-        return gather or a in reduce_at or tied_here
+        tied_here = any(s == a.stage for s, _ in tied_at) and is_last(a)
+        return gather or reduces(a) or tied_here
 
     memo: dict[tuple[int, str, int], list[tuple[str, int, float]]] = {}
 
@@ -235,8 +306,8 @@ def lower_step(spec: StepSpec) -> dict[int, list[Op]]:
             if not split(a):
                 memo[key] = [(str(a), -1, sum(_times(g, a.kind) for g in groups))]
             else:
-                order = range(len(groups)) if a.kind == "F" else reversed(range(len(groups)))
-                memo[key] = [(f"{a}.g{g}", g, _times(groups[g], a.kind)) for g in order]
+                order_ = range(len(groups)) if a.kind == "F" else reversed(range(len(groups)))
+                memo[key] = [(f"{a}.g{g}", g, _times(groups[g], a.kind)) for g in order_]
         return memo[key]
 
     priced: dict[tuple[str, float], float] = {}  # repeated layers: one pricing per collective and size
@@ -249,48 +320,67 @@ def lower_step(spec: StepSpec) -> dict[int, list[Op]]:
                   stream=stream, collective=collective, group_size=spec.dp, nbytes=nbytes, link=spec.dp_link)
 
     program: dict[int, list[Op]] = {r: [] for r in range(pp)}
-    for step in _lockstep(sched, n_stages):  # one global order, so RECVs sit where their SENDs are issued
-        for rank, a in step:
-            ops, groups = program[rank], spec.stages[a.stage].groups
-            waits = []
-            for key in _needs(a, n_stages):
-                kind, s, i = key
-                if s % pp == rank:
-                    waits.append((pieces(provider[key])[-1][0], 0.0))
-                else:
-                    waits.append((f"{s}RECV_{'F' if kind == 'F' else 'B'}{i}", 0.0))
-            parts = pieces(a)
-            unshard = gather and a.kind != "W"
-            phase = "F" if a.kind == "F" else "B"
+    done = prefix.done if prefix is not None else None
+    # walk an order in which every action comes after its inputs, so each RECV is placed before the op that reads it
+    for i in (prefix.tail if prefix is not None else range(len(order))):
+        rank, a, needs = order[i]
+        ops, groups = program[rank], spec.stages[a.stage].groups
+        waits = []
+        for j, cut, back in needs:
+            p = order[j][1]
+            if done is not None and done[j]:
+                delay = 0.0 if cut < 0 else spec.stages[cut].back_s if back else spec.stages[cut].send_s
+                waits.append((str(p), delay))
+            elif cut < 0:
+                waits.append((pieces(p)[-1][0], 0.0))
+            else:
+                waits.append((f"{p.stage}RECV_{'B' if back else 'F'}{p.microbatch}", 0.0))
+        parts = pieces(a)
+        unshard = gather and a.kind != "W"
+        phase = "F" if a.kind == "F" else "B"
 
-            def unshard_op(g: int) -> Op:
-                return dp_op("UNSHARD", f"{a.stage}UNSHARD_{phase}{a.microbatch}.g{g}", "all_gather",
-                             groups[g].bucket_bytes, "dp.gather", (), a, g)
+        def unshard_op(g: int) -> Op:
+            return dp_op("UNSHARD", f"{a.stage}UNSHARD_{phase}{a.microbatch}.g{g}", "all_gather",
+                         groups[g].bucket_bytes, "dp.gather", (), a, g)
 
-            for n, (name, g, seconds) in enumerate(parts):
-                piece_waits = list(waits) if n == 0 else []
-                if unshard and groups[g].bucket_bytes > 0:
-                    if n == 0:  # the first group's gather; each later one is issued as the piece before starts
-                        ops.append(unshard_op(g))
-                    piece_waits.append((f"{a.stage}UNSHARD_{phase}{a.microbatch}.g{g}", 0.0))
-                ops.append(Op(name, a.kind, seconds, tuple(piece_waits), stage=a.stage, microbatch=a.microbatch,
-                              group=g, action=a))
-                if n + 1 == len(parts):  # the output goes to the next rank before any collective
-                    _add_p2p(ops, program, a, name, spec, n_stages)
-                if unshard and n + 1 < len(parts) and groups[parts[n + 1][1]].bucket_bytes > 0:
-                    ops.append(unshard_op(parts[n + 1][1]))
-                if a in reduce_at and g >= 0 and groups[g].bucket_bytes > 0:
-                    ops.append(dp_op("REDUCE_GRAD", f"{a.stage}REDUCE_GRAD{a.microbatch}.g{g}", z.grad_collective,
-                                     groups[g].bucket_bytes, "dp.reduce", [(name, 0.0)], a, g))
-                t = tied_at.get((a.stage, g)) if last_grad[a.stage] == a else None
-                if t is not None:
-                    ranks = tuple(sorted({x % pp for x in t.stages}))
-                    ops.append(Op(f"TIED_REDUCE {t.name}", "TIED_REDUCE",
-                                  comm.all_reduce_s(t.nbytes, len(ranks), t.link), ((name, 0.0),),
-                                  stage=a.stage, group=g, stream="tied", collective="all_reduce",
-                                  group_size=len(ranks), nbytes=t.nbytes, link=t.link, ranks=ranks))
-    _add_optimizer(program, sched, spec, z, last_grad, reduce_at, tied_at)
+        reduce_here = reduces(a)
+        for n, (name, g, seconds) in enumerate(parts):
+            piece_waits = list(waits) if n == 0 else []
+            if unshard and groups[g].bucket_bytes > 0:
+                if n == 0:  # the first group's gather; each later one is issued as the piece before starts
+                    ops.append(unshard_op(g))
+                piece_waits.append((f"{a.stage}UNSHARD_{phase}{a.microbatch}.g{g}", 0.0))
+            ops.append(Op(name, a.kind, seconds, tuple(piece_waits), stage=a.stage, microbatch=a.microbatch,
+                          group=g, action=a))
+            if n + 1 == len(parts):  # the output goes to the next rank before any collective
+                _add_p2p(ops, program, a, name, spec, n_stages)
+            if unshard and n + 1 < len(parts) and groups[parts[n + 1][1]].bucket_bytes > 0:
+                ops.append(unshard_op(parts[n + 1][1]))
+            if reduce_here and g >= 0 and groups[g].bucket_bytes > 0:
+                ops.append(dp_op("REDUCE_GRAD", f"{a.stage}REDUCE_GRAD{a.microbatch}.g{g}", z.grad_collective,
+                                 groups[g].bucket_bytes, "dp.reduce", [(name, 0.0)], a, g))
+            t = tied_at.get((a.stage, g)) if (a.stage, g) in tied_at and is_last(a) else None
+            if t is not None:
+                ranks = tuple(sorted({x % pp for x in t.stages}))
+                ops.append(Op(f"TIED_REDUCE {t.name}", "TIED_REDUCE",
+                              comm.all_reduce_s(t.nbytes, len(ranks), t.link), ((name, 0.0),),
+                              stage=a.stage, group=g, stream="tied", collective="all_reduce",
+                              group_size=len(ranks), nbytes=t.nbytes, link=t.link, ranks=ranks))
+    _add_optimizer(program, spec, z, [order[last_grad[s]][1] for s in range(n_stages)], last_grad, reduces, tied_at)
     return program
+
+
+def _last_grads(order, n_stages: int) -> dict[int, int]:
+    """Per stage, the index in ``order`` (:func:`autopar.cost.schedule.timing_order`) of the last
+    action that makes its weight gradients (W or BW): each rank's list keeps its order there."""
+    last: dict[int, int] = {}
+    for i in range(len(order) - 1, -1, -1):
+        a = order[i][1]
+        if a.kind in ("W", "BW") and a.stage not in last:
+            last[a.stage] = i
+            if len(last) == n_stages:
+                break
+    return last
 
 
 def _add_p2p(ops: list[Op], program: dict[int, list[Op]], a: Action, done: str, spec: StepSpec,
@@ -314,17 +404,17 @@ def _add_p2p(ops: list[Op], program: dict[int, list[Op]], a: Action, done: str, 
                                        stage=peer_stage, microbatch=a.microbatch))
 
 
-def _add_optimizer(program, sched, spec: StepSpec, z, last_grad, reduce_at, tied_at) -> None:
+def _add_optimizer(program, spec: StepSpec, z, last, last_index, reduces, tied_at) -> None:
     """Each rank steps its stages after its last compute, in the order their backward ended;
     a stage's step waits for its last gradient reductions (a stream runs them in issue order,
     so the earlier ones are done too) and its tied all-reduces; stages 1/2 then gather each
     bucket back."""
-    for rank, acts in sched.items():
+    for rank in program:
         ops = program[rank]
-        for s in sorted({a.stage for a in acts}, key=lambda s: acts.index(last_grad[s])):
-            a, groups = last_grad[s], spec.stages[s].groups
+        for s in sorted(range(rank, len(spec.stages), spec.pp), key=lambda s: last_index[s]):
+            a, groups = last[s], spec.stages[s].groups
             waits = [(f"{s}REDUCE_GRAD{a.microbatch}.g{g}", 0.0) for g, grp in enumerate(groups)
-                     if a in reduce_at and grp.bucket_bytes > 0]
+                     if reduces(a) and grp.bucket_bytes > 0]
             waits += [(f"TIED_REDUCE {tied_at[s, g].name}", 0.0) for g in range(len(groups)) if (s, g) in tied_at]
             ops.append(Op(f"{s}OPT", "OPT", spec.stages[s].optimizer_s, tuple(waits), stage=s))
             if z is not None and z.param_gather == "after_step":

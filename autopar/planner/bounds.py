@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cluster import Cluster
 from autopar.cost import comm
-from autopar.cost.schedule import _needs, _provides, make_schedule
+from autopar.cost.schedule import cached_schedule, timing_order
 from autopar import zero_def
 
 if TYPE_CHECKING:
@@ -34,11 +34,10 @@ compute copy is a separate cast (read 4, write 2: once per step at ZeRO 0-2, bef
 gather at ZeRO 3), not counted here."""
 
 
-@lru_cache(maxsize=256)
 def _schedule(kind: str, pp: int, m: int, v: int = 1):
-    """The action lists of ``kind`` (built once per shape: the search reads them for memory
-    and simulates them for time, and nothing changes them)."""
-    return make_schedule(kind, n_stages=pp, n_micro=m, n_virtual=v)
+    """The action lists of ``kind`` (:func:`autopar.cost.schedule.cached_schedule`: the search reads
+    them for memory and simulates them for time, and nothing changes them)."""
+    return cached_schedule(kind, pp, m, v)
 
 
 def _unit_times(u: Unit, recompute: str) -> tuple[float, float, float, float]:
@@ -277,40 +276,11 @@ _CODES = {"F": 0, "B": 1, "W": 2, "BW": 3}
 
 @lru_cache(maxsize=64)
 def _bare_program(kind: str, pp: int, m: int, v: int) -> tuple[tuple, ...]:
-    """``kind``'s action lists compiled for :func:`bare_pipeline_ends`: every action once, in an
-    order where each comes after the actions it waits for and after the one before it on its
-    rank, as ``(rank, stage, kind code, waits)`` with waits ``((index, cut, back), ...)``: the
-    index of the action it needs in this order, the cut its input crosses (-1 on the same
-    rank) and whether that input is a gradient sent back (1) or an activation (0).
-
-    Built once per shape (the memo of the search reuses it for every cut and every ZeRO
-    stage of that shape) so that timing one pipeline is a single pass over plain tuples."""
-    sched = _schedule(kind, pp, m, v)
-    n_stages = pp * v
-    where: dict[tuple, int] = {}  # dependency key -> index in the order
-    out: list[tuple] = []
-    pos = [0] * pp
-    left = sum(len(sched[r]) for r in range(pp))
-    while left:
-        moved = False
-        for r in range(pp):
-            acts = sched[r]
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                needs = _needs(a, n_stages)
-                if any(key not in where for key in needs):
-                    break
-                waits = tuple((where[key], -1 if key[1] % pp == r else min(key[1], a.stage), int(key[0] != "F"))
-                              for key in needs)
-                for key in _provides(a):
-                    where[key] = len(out)
-                out.append((r, a.stage, _CODES[a.kind], waits))
-                pos[r] += 1
-                left -= 1
-                moved = True
-        if not moved:  # make_schedule's lists are validated: this is a bug, not an input error
-            raise RuntimeError(f"{kind} schedule for pp={pp} m={m} v={v} deadlocks")
-    return tuple(out)
+    """:func:`autopar.cost.schedule.timing_order` as ``(rank, stage, kind code, waits)`` tuples
+    for :func:`bare_pipeline_ends` (built once per shape: the search's memo reuses it for every
+    cut and ZeRO stage of that shape), so that timing one pipeline is a single pass over plain
+    tuples."""
+    return tuple((r, a.stage, _CODES[a.kind], waits) for r, a, waits in timing_order(kind, pp, m, v))
 
 
 def bare_pipeline_ends(kind: str, *, pp: int, microbatches: int, f_s: Sequence[float], b_s: Sequence[float],

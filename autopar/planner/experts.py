@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-import torch
 from torch import fx
 
 from autopar.cluster import Cluster

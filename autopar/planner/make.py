@@ -125,6 +125,23 @@ def _frozen_heap():
         gc.unfreeze()
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """No cyclic garbage collection during the outer search. It builds millions of small,
+    acyclic, mostly long-lived objects (action lists of every schedule shape, timing orders,
+    candidates), which reference counting frees; each full pass of the collector walks all of
+    them again (Llama 405B on 1024x8xH100: search 15.8 -> 10.9 CPU-s). Collection resumes
+    after; a caller that disabled the collector itself is left alone."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _tp_options(cluster: Cluster, fixed: Fixed) -> list[int]:
     if fixed.tp is not None:
         if cluster.devices_per_node % fixed.tp or cluster.world_size % fixed.tp:
@@ -240,7 +257,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
             cache[tp, mbs, sp, ep, cp] = units
         return cache[tp, mbs, sp, ep, cp]
 
-    with progress("searching meshes, cuts and schedules"):
+    with progress("searching meshes, cuts and schedules"), _collector_paused():
         sp_options: dict[int, tuple[bool, ...]] = defaultdict(tuple)
         for tp, sp in sorted(solved):
             sp_options[tp] += (sp,)

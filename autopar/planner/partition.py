@@ -28,13 +28,35 @@ __all__ = []  # internal to the planner
 
 @lru_cache(maxsize=4096)
 def _inflight(kind: str, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
-    """Per stage, the peak number of its micro-batches whose activations it holds
-    (from its F to its W), read off the action lists."""
-    sched = _schedule(kind, pp, m, v)
-    live = [0] * (pp * v)
-    peaks = [0] * (pp * v)
-    for rank in range(pp):
-        for a in sched[rank]:
+    """Per stage, the peak number of its micro-batches whose activations it holds (from its F
+    to its W or BW).
+
+    The search asks this of every configuration, most of which are never timed, so the
+    schedules' own warm-up depths give it without building their action lists
+    (:mod:`autopar.cost.schedule`): GPipe holds all ``m``; 1F1B runs ``p - s - 1`` forwards
+    before stage s's first backward, so it holds ``min(p - s, m)``; ZB-H1 adds its W's lag of
+    ``s`` micro-batches, ``min(p, m)`` on every stage; ZB-H2 fills every stage to its cap of
+    ``2p - 1``. The interleaved schedule's count is read off its lists, built at ``min(m, 2p)``
+    micro-batches: its warm-up (at most ``2(p - 1) + (v - 1) p`` forwards) ends within the first
+    ``2p`` micro-batches of each chunk and the steady state repeats it. tests/test_search.py
+    checks every form against the lists over a range of shapes."""
+    if kind == "gpipe":
+        return (m,) * pp
+    if kind == "1f1b":
+        return tuple(min(pp - s, m) for s in range(pp))
+    if kind == "zb-h1":
+        return (min(pp, m),) * pp
+    if kind == "zb-h2":
+        return (min(2 * pp - 1, m),) * pp
+    return inflight_of(_schedule(kind, pp, min(m, 2 * pp) if kind == "interleaved" else m, v), pp * v)
+
+
+def inflight_of(sched, n_stages: int) -> tuple[int, ...]:
+    """Per stage, the peak number of micro-batches between its F and its W or BW in ``sched``'s lists."""
+    live = [0] * n_stages
+    peaks = [0] * n_stages
+    for acts in sched.values():
+        for a in acts:
             if a.kind == "F":
                 live[a.stage] += 1
                 peaks[a.stage] = max(peaks[a.stage], live[a.stage])

@@ -589,7 +589,7 @@ def _simulate(c: Candidate, cluster: Cluster, memo: dict | None = None, *, spec:
     spec = spec or step_spec(c, cluster)
     res = memo.get(spec) if memo is not None else None
     if res is None:
-        res = simulate_step(spec)
+        res = simulate_step(spec, timeline=False)  # the report redraws the timeline from the plan
         if memo is not None:
             memo[spec] = res
     cuts = tuple(st.send_s for st in spec.stages[:-1])
