@@ -326,13 +326,15 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
         return len(top) >= keep and bound_s > top[-1].step_time_s * (1 + 1e-5)
 
     rank = _rank_key(lambda c: c.step_time_s)
-    # Best first over one queue of lower bounds, three kinds of entry: a mesh shape, when
-    # popped, queues its configurations (schedule, chunks, ZeRO, recompute) under their
-    # bounds before cutting; a configuration, when popped, is partitioned and queued as a
-    # candidate under the bound of its cuts; a candidate, when popped, is simulated. The
-    # first entry whose bound is beaten ends the search: every entry left has a bound at
-    # least as large. Each entry's bound is at least its parent's, so nothing is lost.
-    SHAPE, CONFIG, CANDIDATE, SIMULATE = 0, 1, 2, 3
+    # Best first over one queue of lower bounds: a mesh shape, when popped, queues its
+    # configurations (schedule, chunks, ZeRO, recompute) under their bounds before cutting; a
+    # configuration, when popped, is partitioned and queued under the compute bound of its
+    # cuts; popped, that adds the dp link's bound (which reads the schedule's action lists:
+    # left for the few that get this far) and queues it as a candidate; a candidate, when
+    # popped, gets the bare pipeline's bound, and then is simulated. The first entry whose
+    # bound is beaten ends the search: every entry left has a bound at least as large. Each
+    # entry's bound is at least its parent's, so nothing is lost.
+    SHAPE, CONFIG, LINK, CANDIDATE, SIMULATE = 0, 1, 2, 3, 4
     bare: dict[tuple, tuple[float, ...]] = {}  # bare pipeline simulations -> per-rank end of compute
     queue = [(bound, SHAPE, k) for k, (bound, *_) in enumerate(shapes)]
     heapq.heapify(queue)
@@ -344,7 +346,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
         if beaten(bound):
             left = [e[1] for e in queue] + [level]
             counts["shapes_pruned"] = left.count(SHAPE)
-            counts["cuts_pruned"] = left.count(CONFIG) + left.count(CANDIDATE) + left.count(SIMULATE)
+            counts["cuts_pruned"] = sum(left.count(x) for x in (CONFIG, LINK, CANDIDATE, SIMULATE))
             break
         if level == CANDIDATE and pending[k][2].pp > 1:
             # Sharpen the bound with the bare pipeline (no collectives, no pieces: far cheaper than the
@@ -385,10 +387,15 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             if key not in prefixes:
                 prefixes[key] = _prefix_sums(units, cfg.recompute)
             pending[k] = (units, cuts, cfg, inflight)
-            cut_bound = _cuts_bound_s(prefixes[key], cuts, cfg, cluster=cluster, precision=precision,
-                                      dp_prefix=dp_prefix(cfg.tp, cfg.sp, cfg.microbatch_size, cfg.zero, cfg.dp,
-                                                          cfg.microbatches, cfg.ep, cfg.cp))
-            heapq.heappush(queue, (max(bound, cut_bound), CANDIDATE, k))
+            cut_bound = _cuts_bound_s(prefixes[key], cuts, cfg, cluster=cluster, precision=precision)
+            heapq.heappush(queue, (max(bound, cut_bound), LINK, k))
+        elif level == LINK:
+            units, cuts, cfg, inflight = pending[k]
+            link_bound = _cuts_bound_s(prefixes[cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp],
+                                       cuts, cfg, cluster=cluster, precision=precision,
+                                       dp_prefix=dp_prefix(cfg.tp, cfg.sp, cfg.microbatch_size, cfg.zero, cfg.dp,
+                                                           cfg.microbatches, cfg.ep, cfg.cp))
+            heapq.heappush(queue, (max(bound, link_bound), CANDIDATE, k))
         else:
             _, tp, sp, pp, dp, mbs, m, ep, cp = shapes[k]
             units = units_at(tp, mbs, sp, ep, cp)
