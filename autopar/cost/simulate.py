@@ -4,7 +4,10 @@
 its list in order and FIFO collective streams, with overlap, link sharing and the compute
 slowdown under overlap (rules in its docstring). :func:`simulate_step` lowers a
 :class:`autopar.cost.step.StepSpec` (the planner's, or one stored in a plan) and times it;
-the planner's step time and the plan's ``predicted`` come from it.
+the planner's step time and the plan's ``predicted`` come from it. The search calls it with
+``timeline=False``: each rank's actions before its first collective are timed in one pass
+(:func:`autopar.cost.step.time_prefix`) and only the rest goes through the event engine, with
+the same figures and no timeline.
 
 :func:`simulate` times a bare pipeline schedule on the same engine: an action starts at
 ``max(rank free, inputs done (+ p2p_s when an input comes from another rank))``,

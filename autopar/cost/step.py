@@ -306,8 +306,8 @@ def lower_step(spec: StepSpec, *, prefix: Prefix | None = None) -> dict[int, lis
             if not split(a):
                 memo[key] = [(str(a), -1, sum(_times(g, a.kind) for g in groups))]
             else:
-                order_ = range(len(groups)) if a.kind == "F" else reversed(range(len(groups)))
-                memo[key] = [(f"{a}.g{g}", g, _times(groups[g], a.kind)) for g in order_]
+                group_order = range(len(groups)) if a.kind == "F" else reversed(range(len(groups)))
+                memo[key] = [(f"{a}.g{g}", g, _times(groups[g], a.kind)) for g in group_order]
         return memo[key]
 
     priced: dict[tuple[str, float], float] = {}  # repeated layers: one pricing per collective and size
