@@ -263,7 +263,7 @@ Wait = tuple[int, int, int]
 1 for a gradient sent back / 0 for an activation)."""
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=32)  # (a deep pipeline's order holds ~10^5 entries: keep few)
 def timing_order(kind: str, n_ranks: int, n_micro: int, n_virtual: int = 1) -> tuple[tuple[int, Action, tuple[Wait, ...]], ...]:
     """Every action of ``kind``'s schedule once, as ``(rank, action, waits)``, in an order where
     each comes after the actions it needs and after the one before it on its rank. The actions
