@@ -179,10 +179,8 @@ def simulate_step(spec: StepSpec, *, timeline: bool = True) -> StepResult:
     if prefix is None:
         res = simulate_program(lower_step(spec), overlap_slowdown=spec.overlap_slowdown)
         return res if timeline else replace(res, timeline=[])
-    program = lower_step(spec, prefix=prefix)
-    if not spec.overlap_slowdown >= 1:
-        raise ValueError(f"overlap_slowdown must be >= 1, got {spec.overlap_slowdown!r}")
-    res = _Engine(program, spec.overlap_slowdown, known=prefix.ends, free=prefix.free).run()
+    # (time_prefix checked the spec, overlap_slowdown >= 1 included)
+    res = _Engine(lower_step(spec, prefix=prefix), spec.overlap_slowdown, known=prefix.ends, free=prefix.free).run()
     step_time_s = max(res.step_time_s, *prefix.free)
     busy = tuple(b + p for b, p in zip(res.busy_s, prefix.busy))
     capacity = len(busy) * step_time_s
@@ -241,11 +239,11 @@ class _Engine:
                 if name not in names:
                     raise ValueError(f"{op} waits for {name}, which no rank's list holds")
                 self.dependents.setdefault(name, []).append((i, delay))
-        if free is not None:
-            first = {}
+        if free is not None:  # each rank's first compute op waits for its stream
+            seen: set[int] = set()
             for i, (r, op) in enumerate(self.flat):
-                if op.kind in COMPUTE_KINDS and r not in first:
-                    first[r] = i
+                if op.kind in COMPUTE_KINDS and r not in seen:
+                    seen.add(r)
                     self.ready[i] = max(self.ready[i], free[r])
         self.start_of: dict[int, int] = {}
         first = 0
