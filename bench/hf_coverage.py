@@ -6,7 +6,7 @@
     python bench/hf_coverage.py --kinds causal --every 1          # every causal-LM architecture
     python bench/hf_coverage.py --only gpt2,llama,t5 --train gpt2,llama
     python bench/hf_coverage.py --out coverage.jsonl             # one JSON line per architecture
-    python bench/hf_coverage.py --jobs 1 --timeout 120           # 1 worker process, 120 CPU seconds each at most
+    python bench/hf_coverage.py --jobs 1 --timeout 120           # 1 architecture at a time, 120 CPU seconds each at most
 
 For every architecture in transformers' causal-LM, masked-LM, seq2seq and
 image-classification auto mappings (every ``--every``-th of each mapping, in the mapping's
@@ -27,13 +27,14 @@ Each architecture lands in one of:
   config or constructor refused it, or it stayed above 50M parameters): not autopar's;
 - over time: planning used more than ``--timeout`` CPU seconds (no verdict either way).
   The budget is CPU time, not wall time, so a verdict does not depend on how loaded the
-  machine is. It is checked when Python regains control: a long call into C++ (a MIP solve,
-  a torch kernel) finishes first (Falcon-Mamba stopped at 98 CPU seconds of its 60).
+  machine is, and the kernel enforces it (``RLIMIT_CPU``), so a long call into C++ (a SCIP
+  solve, a trace) is stopped on time too.
 
-Architectures are planned by ``--jobs`` worker processes (default 2, one per core here),
-each importing torch, transformers and autopar once and planning one architecture after
-another. Each row says the wall and CPU seconds that architecture took (CPU: the worker's
-``time.process_time``, building the model included).
+Each architecture is planned in its own child process forked from the bench (torch,
+transformers and autopar imported once, the tracer warmed up by one plan of GPT-2), at most
+``--jobs`` at a time (default 2, one per core here). Each row says the wall and CPU seconds
+that architecture took (CPU: the child's, building the model included). Solved MIPs are not
+kept on disk (``AUTOPAR_SOLVE_CACHE=0``) unless ``--cache``: a second run costs what the first did.
 
 ``--train A,B`` then runs those planned architectures on 2 gloo ranks under dp=2 and tp=2
 against the same model in one process (2 steps; losses, gradients and parameters judged by
@@ -42,12 +43,16 @@ against the same model in one process (2 steps; losses, gradients and parameters
 
 import argparse
 import json
+import math
+import os
+import resource
+import select
 import signal
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -101,37 +106,14 @@ def build(kind: str, model_type: str, class_name: str, device: str = "meta"):
     return model, inputs
 
 
-class _OverTime(BaseException):
-    """Raised by the CPU-time alarm in the middle of planning (a BaseException: torch's and
-    the model's own ``except Exception`` handlers must not swallow it)."""
-
-
-_RETRY_S = 0.1
-"""After the budget runs out, the alarm fires again every this many CPU seconds: an exception
-raised while Python runs a weakref or garbage-collector callback is printed and dropped (seen
-in CI: gpt_neo went on to plan), so one alarm is not enough."""
-_fired = [False]
-_armed = [False]
-"""Whether the alarm may raise: cleared first thing when planning ends, so a repeat alarm that
-lands while the row is being finished (seen: inside the ``finally`` that stops the timer,
-killing the worker) is ignored."""
-
-
-def _alarm(signum, frame):
-    if not _armed[0]:
-        return
-    _fired[0] = True
-    raise _OverTime
-
-
 def _error_line(e: BaseException) -> str:
     return str(e).splitlines()[0][:300] if str(e) else ""
 
 
-def plan_one(kind: str, model_type: str, class_name: str, timeout_s: float = 0) -> dict:
+def plan_one(kind: str, model_type: str, class_name: str, on_built: Callable[[], None] | None = None) -> dict:
     """One architecture's row: outcome, the error's first line or the mesh, wall and CPU
-    seconds. With ``timeout_s`` > 0 (main thread only), planning stops once this process has
-    used that many CPU seconds on it (``ITIMER_PROF``: user + system time of all its threads)."""
+    seconds (this process's, model build included). ``on_built`` runs between the build and
+    the plan (the bench's children start their CPU budget there)."""
     row = {"kind": kind, "model_type": model_type, "class": class_name}
     start, cpu = time.perf_counter(), time.process_time()
 
@@ -143,28 +125,17 @@ def plan_one(kind: str, model_type: str, class_name: str, timeout_s: float = 0) 
         model, inputs = build(kind, model_type, class_name)
     except Exception as e:  # the architecture's own code refused the tiny config: not autopar's
         return timed(outcome="not tiny", error=f"{type(e).__name__}: {_error_line(e)}")
-    if timeout_s > 0:
-        handler = signal.signal(signal.SIGPROF, _alarm)
-        _fired[0], _armed[0] = False, True
-        signal.setitimer(signal.ITIMER_PROF, timeout_s, _RETRY_S)
+    if on_built is not None:
+        on_built()
     try:
         plan = autopar.plan(model, inputs, cluster="1x8xH100")
-        if _fired[0]:  # every alarm was dropped before planning ended: still over the budget
-            raise _OverTime
         fields = dict(outcome="planned", mesh=plan.mesh)
-    except _OverTime:
-        fields = dict(outcome="over time", error=f"still planning after {timeout_s:g} CPU seconds")
     except AutoparError as e:
         fields = dict(outcome="refused", error=f"{type(e).__name__}: {str(e)[:400]}")
     except Exception as e:
         tb = traceback.extract_tb(e.__traceback__)
         inner = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(tb) if "/autopar/" in f.filename), "")
         fields = dict(outcome="crashed", error=f"{type(e).__name__} at {inner}: {_error_line(e)}")
-    finally:
-        _armed[0] = False
-        if timeout_s > 0:
-            signal.setitimer(signal.ITIMER_PROF, 0)
-            signal.signal(signal.SIGPROF, handler)
     return timed(**fields)
 
 
@@ -175,30 +146,81 @@ def _quiet() -> None:
     transformers.logging.set_verbosity_error()
 
 
-def _plan_job(job: tuple[str, str, str, float]) -> dict:
+def _cpu_limit(timeout_s: float) -> Callable[[], None]:
+    """Start the budget: the kernel stops this process once it has used ``timeout_s`` more CPU
+    seconds (``RLIMIT_CPU``: SIGXCPU at the soft limit, which kills, SIGKILL a second later),
+    wherever it is, a SCIP solve or a torch kernel included. (Whole seconds: rounded up.)"""
+    def start() -> None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        soft = math.ceil(usage.ru_utime + usage.ru_stime + timeout_s)
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 1))
+    return start
+
+
+def _child(job: tuple[str, str, str], timeout_s: float, out: int) -> None:
+    """In a forked child: plan one architecture, write its row to ``out``, exit (never return
+    into the parent's code: an exception here must not run the parent's ``finally`` blocks)."""
     try:
-        return plan_one(*job)
-    except _OverTime:  # the alarm landed between the end of planning and the disarm: over time all the same
-        _armed[0] = False
-        signal.setitimer(signal.ITIMER_PROF, 0)
-        kind, model_type, class_name, timeout_s = job
-        return {"kind": kind, "model_type": model_type, "class": class_name, "outcome": "over time",
-                "error": f"still planning after {timeout_s:g} CPU seconds"}
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # (SIGXCPU dumps core by default)
+        row = plan_one(*job, on_built=_cpu_limit(timeout_s) if timeout_s > 0 else None)
+        os.write(out, json.dumps(row).encode())
+    except BaseException as e:  # noqa: BLE001 (a bug of the bench itself: report it, do not hang)
+        os.write(out, json.dumps({"outcome": "crashed", "error": f"bench: {type(e).__name__}: {e}"[:300]}).encode())
+    finally:
+        os._exit(0)
 
 
-def plan_all(rows: list[tuple[str, str, str]], *, jobs: int, timeout_s: float) -> Iterator[dict]:
-    """Rows in the order of ``rows``, planned by ``jobs`` worker processes (1: in this one)."""
-    work = [(*r, timeout_s) for r in rows]
-    if jobs <= 1:
-        yield from map(_plan_job, work)
-        return
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+def _dead_row(job: tuple[str, str, str], status: int, cpu_s: float, wall_s: float, timeout_s: float) -> dict:
+    """The row of a child that died before writing one: over its budget, or killed by a signal."""
+    kind, model_type, class_name = job
+    row = {"kind": kind, "model_type": model_type, "class": class_name, "seconds": round(wall_s, 1),
+           "cpu_s": round(cpu_s, 1)}
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    if sig in (signal.SIGXCPU, signal.SIGKILL) and timeout_s > 0 and cpu_s >= timeout_s:
+        return {**row, "outcome": "over time", "error": f"still planning after {timeout_s:g} CPU seconds"}
+    why = f"killed by {signal.Signals(sig).name}" if sig else f"exited with status {os.WEXITSTATUS(status)}"
+    return {**row, "outcome": "crashed", "error": f"the process planning it was {why} without a row"}
 
-    # (not multiprocessing.Pool: a worker that dies leaves Pool.imap waiting for ever; the
-    # executor raises BrokenProcessPool instead)
-    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_quiet) as pool:
-        yield from pool.map(_plan_job, work)
+
+def plan_all(rows: list[tuple[str, str, str]], *, jobs: int, timeout_s: float, warm: bool = False) -> Iterator[dict]:
+    """Rows in the order of ``rows``. Each architecture is planned in its own child process,
+    forked from this one (torch, transformers and autopar imported once; with ``warm``, after one
+    plan of GPT-2 here, so each child skips the tracer's first-use cost), at most ``jobs`` at a
+    time. A child gets ``timeout_s`` CPU seconds after building its model (0: no limit), enforced
+    by the kernel; a child that dies (a segfault in native code, the out-of-memory killer) costs
+    its row, not the run. Why not a pool of long-lived workers: a budget checked from Python (a
+    signal handler) waits until a long SCIP solve or trace call returns (Falcon-Mamba ran to 138
+    CPU-s of a 60 s budget), and a worker killed mid-row breaks the whole pool."""
+    if warm and rows:
+        plan_one("causal", "gpt2", "GPT2LMHeadModel")
+    pending = list(enumerate(rows))
+    running: dict[int, tuple[int, int, float]] = {}  # read end -> (child pid, row index, start)
+    done: dict[int, dict] = {}
+    emitted = 0
+    while emitted < len(rows):
+        while pending and len(running) < max(1, jobs):
+            i, job = pending.pop(0)
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(r)
+                _child(job, timeout_s, w)
+            os.close(w)
+            running[r] = (pid, i, time.perf_counter())
+        ready, _, _ = select.select(list(running), [], [])
+        for r in ready:
+            data = b""
+            while chunk := os.read(r, 65536):  # (the child writes its row, then exits: EOF)
+                data += chunk
+            os.close(r)
+            pid, i, start = running.pop(r)
+            _, status, usage = os.wait4(pid, 0)
+            cpu_s = usage.ru_utime + usage.ru_stime
+            done[i] = (json.loads(data) if data else
+                       _dead_row(rows[i], status, cpu_s, time.perf_counter() - start, timeout_s))
+        while emitted in done:
+            yield done.pop(emitted)
+            emitted += 1
 
 
 def _optimizer(params):
@@ -248,17 +270,20 @@ def main() -> None:
                     help="plan every N-th architecture of each mapping (1: all of them)")
     ap.add_argument("--train", default="", help="comma-separated planned model types to run on 2 gloo ranks")
     ap.add_argument("--out", default=None, help="append one JSON line per architecture to this file")
-    ap.add_argument("--jobs", type=int, default=2, help="worker processes planning architectures side by side")
+    ap.add_argument("--jobs", type=int, default=2, help="architectures planned side by side (one process each)")
     ap.add_argument("--timeout", type=float, default=TIMEOUT_CPU_S,
                     help="CPU seconds one architecture may plan (0: no limit)")
+    ap.add_argument("--cache", action="store_true", help="keep solved MIPs on disk (a re-run then skips them)")
     args = ap.parse_args()
+    if not args.cache:
+        os.environ["AUTOPAR_SOLVE_CACHE"] = "0"
     _quiet()
     only = set(args.only.split(",")) if args.only else None
     rows = architectures(args.kinds.split(","), only, args.every)
     print(f"{len(rows)} architectures; planning each on 1x8xH100 ({args.jobs} job(s))", flush=True)
     start = time.perf_counter()
     results = []
-    for row in plan_all(rows, jobs=args.jobs, timeout_s=args.timeout):
+    for row in plan_all(rows, jobs=args.jobs, timeout_s=args.timeout, warm=len(rows) > 1):
         results.append(row)
         detail = row.get("mesh") or row.get("error", "")
         print(f"{row['kind']:8} {row['model_type']:28} {row['outcome']:9} {row['seconds']:6.1f}s "
