@@ -171,8 +171,14 @@ _TINY_FIELDS = {
     ("num_key_value_heads", "num_kv_heads"): 2,
     ("intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim"): 128,
     ("head_dim", "d_kv"): 16,
+    # rotary and multi-head latent attention sizes follow the smaller heads (GPT-J's and
+    # CodeGen's rotary_dim of 64 against heads of 16 broke their own shapes, as did DeepSeek-V3's
+    # 64-wide rope part)
+    ("rotary_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"): 16,
+    ("kv_lora_rank", "q_lora_rank"): 32,
     ("num_local_experts", "num_experts", "n_routed_experts"): 4,
     ("num_experts_per_tok", "moe_topk", "top_k"): 2,
+    ("n_group", "topk_group"): 1,  # (expert groups for routing: 8 groups of 4 experts would be empty)
     ("vocab_size",): 512,
     ("image_size",): 32,
     ("patch_size",): 8,
@@ -184,6 +190,15 @@ _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_tok
 _LAYER_FIELDS = next(names for names in _TINY_FIELDS if "num_hidden_layers" in names)
 
 
+def _field(config, name: str):
+    """``config.name``, or None where unset or where the config refuses a global read (Gemma 4's
+    per-layer ``head_dim`` raises unless read through one layer's config)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # (transformers' AmbiguousGlobalPerLayerAttributeError and kin)
+        return None
+
+
 def _tiny_kwargs(default, *, layers: bool) -> dict:
     """The size fields of ``default`` (a config) to change, sub-configs included."""
     kwargs = {}
@@ -191,22 +206,22 @@ def _tiny_kwargs(default, *, layers: bool) -> dict:
         if names is _LAYER_FIELDS and not layers:
             continue
         for name in names:
-            have = getattr(default, name, None)
+            have = _field(default, name)
             if isinstance(have, int) and not isinstance(have, bool) and have > value:
                 kwargs[name] = value
-    n_layers = getattr(default, "num_hidden_layers", None)
+    n_layers = _field(default, "num_hidden_layers")
     if layers and isinstance(n_layers, int) and n_layers > 2:  # per-layer lists (layer_types) follow the count
         for name, have in default.to_dict().items():
             if isinstance(have, list) and len(have) == n_layers and name not in kwargs:
                 kwargs[name] = have[:2]
-    heads, kv_heads = getattr(default, "num_attention_heads", None), getattr(default, "num_key_value_heads", None)
-    if getattr(default, "kv_lora_rank", None) and heads == kv_heads and "num_key_value_heads" in kwargs:
+    heads, kv_heads = _field(default, "num_attention_heads"), _field(default, "num_key_value_heads")
+    if _field(default, "kv_lora_rank") and heads == kv_heads and "num_key_value_heads" in kwargs:
         # multi-head latent attention (DeepSeek-V2/V3 and kin) expands keys and values to every
         # attention head: its key/value head count must stay equal to the head count
         kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", heads)
-    vocab = kwargs.get("vocab_size", getattr(default, "vocab_size", None))
+    vocab = kwargs.get("vocab_size", _field(default, "vocab_size"))
     for name in _TOKEN_IDS:
-        have = getattr(default, name, None)
+        have = _field(default, name)
         if isinstance(vocab, int) and isinstance(have, int) and have >= vocab:
             kwargs[name] = 0
     for name, sub in vars(default).items():  # text_config, vision_config, ...

@@ -109,3 +109,26 @@ def test_tiny_config_key_value_heads(coverage, config_name, heads, kv_heads):
     GLM-4 MoE lite) expands keys and values to every head, so there they stay equal."""
     config = coverage.hf.tiny_config(getattr(coverage.transformers, config_name))
     assert (config.num_attention_heads, config.num_key_value_heads) == (heads, kv_heads)
+
+
+@pytest.mark.parametrize("config_name, sizes", [
+    ("GPTJConfig", {"rotary_dim": 16, "n_head": 4, "n_embd": 64}),  # rotary part no wider than a head
+    ("CodeGenConfig", {"rotary_dim": 16}),
+    ("DeepseekV3Config", {"qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "kv_lora_rank": 32,
+                          "q_lora_rank": 32, "n_group": 1, "topk_group": 1}),
+    ("AXK1Config", {"n_group": 1, "topk_group": 1, "n_routed_experts": 4}),  # groups of a non-empty expert set
+])
+def test_tiny_config_scales_rotary_latent_and_group_sizes(coverage, config_name, sizes):
+    """Sizes that must follow the smaller heads and expert count: left at their defaults they broke
+    the architectures' own shapes (GPT-J, CodeGen, DeepSeek-V3 and AXK1 were refused for it)."""
+    config = coverage.hf.tiny_config(getattr(coverage.transformers, config_name))
+    assert {k: getattr(config, k) for k in sizes} == sizes
+
+
+def test_tiny_config_survives_a_config_that_refuses_global_reads(coverage):
+    """Gemma 4 raises on a global read of its per-layer head_dim; tiny_config reads around it."""
+    cls = getattr(coverage.transformers, "Gemma4TextConfig", None)
+    if cls is None:
+        pytest.skip("this transformers has no Gemma 4")
+    config = coverage.hf.tiny_config(cls)
+    assert config.num_hidden_layers == 2 and config.hidden_size == 64
