@@ -112,6 +112,26 @@ def test_inputs_that_do_not_fit():
     assert f": {te.BAD_INPUTS}: RuntimeError: " in message and "[4, 5] X [8, 8]" in message, message
 
 
+class Float32Buffer(_Base):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", torch.ones(1, 8, 8))
+
+    def forward(self, x):
+        return torch.bmm(self.lin(x), self.mask.expand(x.shape[0], 8, 8)).sum()  # a bf16 activation against a float32 buffer
+
+
+def test_mixed_dtypes_name_the_precision_policy():
+    """Under bf16-mixed the parameters are cast and buffers are not (as FSDP2 does): a model that
+    multiplies the two is told so, with the precision to pick, not to check its inputs."""
+    with pytest.raises(TraceError) as excinfo:
+        trace_joint(Float32Buffer(), (torch.randn(4, 2, 8),), param_dtype=torch.bfloat16)
+    message = str(excinfo.value)
+    assert f": {te.MIXED_DTYPES}: " in message and f"{HERE}:{_line_of('against a float32 buffer')}" in message, message
+    assert "precision='fp32'" in message and "\n" not in message, message
+    trace_joint(Float32Buffer(), (torch.randn(4, 2, 8),))  # in fp32 it traces
+
+
 def test_exception_of_the_users_code_is_theirs():
     message = _refusal(Raises(), (torch.randn(4, 8),))
     assert message.startswith(f"{Path(__file__)}:{_line_of('raise ValueError')}: ValueError: expects 3-d inputs")

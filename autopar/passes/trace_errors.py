@@ -44,6 +44,7 @@ UNSUPPORTED_PYTHON = "Python that TorchDynamo cannot trace"
 IMPORT_ERROR = "import error"
 CACHE_OBJECT = "cache object"
 BAD_INPUTS = "inputs that do not fit the model"
+MIXED_DTYPES = "two dtypes met in one op"
 _FIXES = {
     DATA_DEPENDENT: ("a Python branch, shape or number depends on a tensor's values (`if t.sum() > 0:`, "
                      "`.item()`, `.tolist()`, `int(t)`); compute it with tensor ops (torch.where, masks) or "
@@ -58,6 +59,10 @@ _FIXES = {
                    "config.use_cache=False and pass no past_key_values"),
     BAD_INPUTS: ("check that the example inputs and target have the number, shapes and dtypes that the "
                  "model's forward and the loss_fn expect"),
+    MIXED_DTYPES: ("under precision='bf16-mixed' (the default on GPU clusters) parameters and inputs run in "
+                   "bf16 while buffers and tensors made in forward keep float32, as with FSDP2's "
+                   "MixedPrecisionPolicy, and this line combines the two; plan with precision='fp32', or "
+                   "cast in forward (`.to(x.dtype)`)"),
 }
 
 
@@ -73,6 +78,8 @@ def _cause(text: str, root: BaseException | None, chain: list[BaseException], so
     if any(k in text for k in ("no fake impl", "no meta impl", "NotImplementedError", "does not have a meta",
                                "fake tensor mode", "Could not run")):
         return UNSUPPORTED_OP
+    if re.search(r"expected scalar type [\w.]+ but found [\w.]+|must have the same dtype|to have the same dtype", text):
+        return MIXED_DTYPES  # (checked before BAD_INPUTS: the inputs may be fine, the precision policy is not)
     if isinstance(root, TypeError) or any(type(c).__name__ == "TorchRuntimeError" for c in chain):
         return BAD_INPUTS
     return UNSUPPORTED_PYTHON
