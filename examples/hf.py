@@ -207,6 +207,9 @@ def _tiny_kwargs(default, *, layers: bool) -> dict:
             continue
         for name in names:
             have = _field(default, name)
+            derived = getattr(type(default), name, None)
+            if isinstance(derived, property) and derived.fset is None:
+                continue  # (computed from other fields, as xLSTM's v_head_dim: it follows them)
             if isinstance(have, int) and not isinstance(have, bool) and have > value:
                 kwargs[name] = value
     n_layers = _field(default, "num_hidden_layers")

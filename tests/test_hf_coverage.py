@@ -132,3 +132,10 @@ def test_tiny_config_survives_a_config_that_refuses_global_reads(coverage):
         pytest.skip("this transformers has no Gemma 4")
     config = coverage.hf.tiny_config(cls)
     assert config.num_hidden_layers == 2 and config.hidden_size == 64
+
+
+def test_tiny_config_leaves_derived_sizes_to_follow(coverage):
+    """A size the config computes (Falcon's head_dim: a property without a setter) is not passed:
+    it follows the scaled fields (passing it made the config refuse itself: 'not tiny')."""
+    config = coverage.hf.tiny_config(coverage.transformers.FalconConfig)
+    assert (config.hidden_size, config.num_attention_heads, config.head_dim) == (64, 4, 16)
