@@ -234,6 +234,24 @@ def test_hf_eager_experts_are_a_trace_error_that_names_grouped_mm():
     assert "\n" not in message
 
 
+def test_moe_without_other_implementations_is_not_told_to_pick_one():
+    """JetMoE routes tokens with ``.tolist()`` in its own code, which has no experts_implementation
+    to switch: the error names the data-dependent line and the generic fix, not grouped_mm."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    config = transformers.JetMoeConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                       num_key_value_heads=1, kv_channels=16, intermediate_size=32,
+                                       vocab_size=64, num_local_experts=2, num_experts_per_tok=1, use_cache=False)
+    model = transformers.JetMoeForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(TraceError) as excinfo:
+        trace_joint(model, {"input_ids": ids, "labels": ids})
+    message = str(excinfo.value)
+    assert "modeling_jetmoe.py" in message and "data-dependent control flow" in message, message
+    assert "grouped_mm" not in message and "\n" not in message, message
+
+
 def test_forward_module_paths_are_real_submodules():
     (model, *_), gm = traced("gpt", collapse_repeats=False)
     modules = dict(model.named_modules())

@@ -131,8 +131,10 @@ def trace_error(e: BaseException, model_name: str) -> Exception:
     what = f" (op {op.group(1)})" if op else ""
     cause = _cause(text, root, chain, source)
     fix = _FIXES[cause]
-    if frames and "/transformers/" in frames[-1][0] and "expert" in source:
-        # Hugging Face's "eager" experts loop in Python over the experts that received tokens
+    if frames and "/transformers/" in frames[-1][0] and "expert" in source and \
+            "use_experts_implementation" in "".join(linecache.getlines(frames[-1][0])):
+        # Hugging Face's "eager" experts loop in Python over the experts that received tokens; the
+        # file offers other implementations (JetMoE's own routing, with .tolist(), offers none)
         fix = ("for this Hugging Face mixture-of-experts model, load it with "
                "experts_implementation='grouped_mm' (the default), which runs all experts as one grouped matmul")
     if cause == DATA_DEPENDENT and "layerdrop" in source.lower():
