@@ -1,8 +1,7 @@
 """Hugging Face coverage: which architectures autopar plans, built as users build them.
 
-    python bench/hf_coverage.py                                  # every 5th architecture (68), 10-12 min of 2 cores
-    python bench/hf_coverage.py --every 4                        # every 4th (83): the README's table
-    python bench/hf_coverage.py --every 1                        # every architecture (327; about 50-60 min of 2 cores)
+    python bench/hf_coverage.py                                  # every 5th architecture (68 of 327)
+    python bench/hf_coverage.py --every 1                        # every architecture: the README's table (22 min on 2 cores)
     python bench/hf_coverage.py --kinds causal --every 1          # every causal-LM architecture
     python bench/hf_coverage.py --only gpt2,llama,t5 --train gpt2,llama
     python bench/hf_coverage.py --out coverage.jsonl             # one JSON line per architecture
@@ -10,8 +9,7 @@
 
 For every architecture in transformers' causal-LM, masked-LM, seq2seq and
 image-classification auto mappings (every ``--every``-th of each mapping, in the mapping's
-order: 5 by default, a sample that keeps every mapping and fits 15 minutes of this 2-core
-machine): take its default config, scale its size fields down
+order: 5 by default, a sample that keeps every mapping): take its default config, scale its size fields down
 (``examples/hf.py``'s ``tiny_config``: 2 layers, hidden 64, 4 heads, vocab 512, ...; nothing
 else changes, so caches, dropout and the attention implementation stay as configured),
 build it with ``AutoModelFor*.from_config`` on ``meta``, and plan it on 1x8xH100 with
