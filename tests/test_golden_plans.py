@@ -81,7 +81,7 @@ def _cases():
             yield pytest.param(name, spec, id=f"{name}-{spec}")
 
 
-@pytest.mark.parametrize("name, spec", _cases())
+@pytest.mark.parametrize("name, spec", list(_cases()))
 def test_plan_matches_golden(name, spec):
     plan = plan_for(name, spec)
     assert plan.mesh["pp"] * plan.mesh["dp"] * plan.mesh["tp"] == parse_cluster(spec).world_size
