@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from autopar.plan import Plan
 
 __all__ = ["assert_plan_matches", "update_golden_requested", "spawn_world", "RankOutcome", "free_port", "fast_cluster",
-           "tp_friendly_cluster", "tp_only_cluster"]
+           "tp_friendly_cluster", "tp_only_cluster", "forget_planner_memos"]
 
 UPDATE_ENV = "AUTOPAR_UPDATE_GOLDEN"
 
@@ -83,6 +83,21 @@ def assert_plan_matches(plan: Plan, golden: str | os.PathLike, *, rtol: float = 
     raise AssertionError(
         f"plan differs from golden plan {path}\n{diff.render(old_label='golden', new_label='plan', limit=limit)}\n"
         f"(if the change is intended, rerun with --autopar-update-golden or {UPDATE_ENV}=1 and commit the file)")
+
+
+def forget_planner_memos() -> None:
+    """Empty the planner's in-process memos (solved MIPs, schedules, timing orders: what a second
+    plan in this process would reuse), so a benchmark's next plan costs what a first one does."""
+    import functools
+
+    from autopar.planner import ilp
+
+    ilp._SOLVED.clear()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("autopar"):
+            for obj in list(vars(module).values()):
+                if isinstance(obj, functools._lru_cache_wrapper):
+                    obj.cache_clear()
 
 
 def free_port() -> int:

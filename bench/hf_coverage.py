@@ -63,6 +63,7 @@ from transformers.models.auto import modeling_auto  # noqa: E402
 import autopar  # noqa: E402
 import hf  # noqa: E402
 from autopar.errors import AutoparError  # noqa: E402
+from autopar.testing import forget_planner_memos  # noqa: E402
 
 KINDS = {  # kind -> (auto mapping of model_type -> class name, inputs kind of examples/hf.py)
     "causal": (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "causal"),
@@ -191,6 +192,7 @@ def plan_all(rows: list[tuple[str, str, str]], *, jobs: int, timeout_s: float, w
     CPU-s of a 60 s budget), and a worker killed mid-row breaks the whole pool."""
     if warm and rows:
         plan_one("causal", "gpt2", "GPT2LMHeadModel")
+        forget_planner_memos()  # (or GPT-2's own row would find its MIPs solved)
     pending = list(enumerate(rows))
     running: dict[int, tuple[int, int, float]] = {}  # read end -> (child pid, row index, start)
     done: dict[int, dict] = {}

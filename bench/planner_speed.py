@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import autopar  # noqa: E402
+from autopar.testing import forget_planner_memos  # noqa: E402
 
 
 def _example(name):
@@ -56,27 +57,13 @@ TARGETS = [  # issue 16: automatic plans in < 5 s, < 30 s and < 30 s on a quiet 
 ]
 
 
-def _forget():
-    """Empty the planner's in-process memos (what a second plan in one process would reuse)."""
-    import functools
-
-    from autopar.planner import ilp
-
-    ilp._SOLVED.clear()
-    for name, module in list(sys.modules.items()):
-        if name.startswith("autopar"):
-            for obj in list(vars(module).values()):
-                if isinstance(obj, functools._lru_cache_wrapper):
-                    obj.cache_clear()
-
-
 def run(label, example, kwargs, cluster, repeat):
     nodes, per_node, _ = cluster.split("x")
     world = int(nodes) * int(per_node)
     rows = []
     for _ in range(repeat):
         model, inputs, loss_fn, target = _example(example).build(batch=max(8, world), **kwargs)
-        _forget()
+        forget_planner_memos()
         start, cpu = time.perf_counter(), time.process_time()
         plan = autopar.plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target)
         rows.append((time.perf_counter() - start, plan, time.process_time() - cpu))
