@@ -164,7 +164,10 @@ def _child(job: tuple[str, str, str], timeout_s: float, out: int) -> None:
         row = plan_one(*job, on_built=_cpu_limit(timeout_s) if timeout_s > 0 else None)
         os.write(out, json.dumps(row).encode())
     except BaseException as e:  # noqa: BLE001 (a bug of the bench itself: report it, do not hang)
-        os.write(out, json.dumps({"outcome": "crashed", "error": f"bench: {type(e).__name__}: {e}"[:300]}).encode())
+        kind, model_type, class_name = job
+        os.write(out, json.dumps({"kind": kind, "model_type": model_type, "class": class_name, "seconds": 0.0,
+                                  "cpu_s": round(time.process_time(), 1), "outcome": "crashed",
+                                  "error": f"bench: {type(e).__name__}: {e}"[:300]}).encode())
     finally:
         os._exit(0)
 

@@ -82,6 +82,18 @@ def test_a_child_killed_by_a_signal_costs_its_row_only(coverage, monkeypatch):
             assert by_type[t]["outcome"] == "planned" and by_type[t]["mesh"]["name"] == class_name, by_type
 
 
+def test_an_error_of_the_bench_itself_is_a_whole_row(coverage, monkeypatch):
+    """Whatever escapes plan_one in a child (here a KeyboardInterrupt) comes back as a crashed row
+    with every field main() prints, not as a hang or a half row."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(coverage, "plan_one", interrupted)
+    (row,) = coverage.plan_all(coverage.architectures(["causal"], {"gpt2"}, 1), jobs=1, timeout_s=60)
+    assert row["outcome"] == "crashed" and "KeyboardInterrupt" in row["error"], row
+    assert {"kind", "model_type", "class", "seconds", "cpu_s"} <= set(row), row
+
+
 def test_tiny_config_is_tiny(coverage):
     model, inputs = coverage.build("causal", "gpt_neo", "GPTNeoForCausalLM")
     assert sum(p.numel() for p in model.parameters()) < 1_000_000
