@@ -159,13 +159,15 @@ def _cpu_limit(timeout_s: float) -> Callable[[], None]:
 def _child(job: tuple[str, str, str], timeout_s: float, out: int) -> None:
     """In a forked child: plan one architecture, write its row to ``out``, exit (never return
     into the parent's code: an exception here must not run the parent's ``finally`` blocks)."""
+    start = time.perf_counter()
     try:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # (SIGXCPU dumps core by default)
         row = plan_one(*job, on_built=_cpu_limit(timeout_s) if timeout_s > 0 else None)
         os.write(out, json.dumps(row).encode())
     except BaseException as e:  # noqa: BLE001 (a bug of the bench itself: report it, do not hang)
         kind, model_type, class_name = job
-        os.write(out, json.dumps({"kind": kind, "model_type": model_type, "class": class_name, "seconds": 0.0,
+        os.write(out, json.dumps({"kind": kind, "model_type": model_type, "class": class_name,
+                                  "seconds": round(time.perf_counter() - start, 1),
                                   "cpu_s": round(time.process_time(), 1), "outcome": "crashed",
                                   "error": f"bench: {type(e).__name__}: {e}"[:300]}).encode())
     finally:
@@ -187,7 +189,8 @@ def _dead_row(job: tuple[str, str, str], status: int, cpu_s: float, wall_s: floa
 def plan_all(rows: list[tuple[str, str, str]], *, jobs: int, timeout_s: float, warm: bool = False) -> Iterator[dict]:
     """Rows in the order of ``rows``. Each architecture is planned in its own child process,
     forked from this one (torch, transformers and autopar imported once; with ``warm``, after one
-    plan of GPT-2 here, so each child skips the tracer's first-use cost), at most ``jobs`` at a
+    plan of GPT-2 here, so each child skips the tracer's first-use cost; the planner's memos are
+    then emptied, so no row finds its MIPs solved), at most ``jobs`` at a
     time. A child gets ``timeout_s`` CPU seconds after building its model (0: no limit), enforced
     by the kernel; a child that dies (a segfault in native code, the out-of-memory killer) costs
     its row, not the run. Why not a pool of long-lived workers: a budget checked from Python (a

@@ -235,7 +235,9 @@ def _tiny_kwargs(default, *, layers: bool) -> dict:
 
 def tiny_config(config_cls, **extra):
     """``config_cls``'s default config with its size fields scaled down (2 layers, hidden 64, 4
-    heads of 16, ffn 128, vocab 512, 4 experts; sub-configs too) and nothing else changed;
+    heads of 16, ffn 128, vocab 512, 4 experts in 1 routing group, rotary and latent-attention
+    widths of 16 and 32; sub-configs too) and nothing else changed; sizes the config computes
+    (read-only properties) follow the others;
     key/value heads become 2, or stay as many as the heads in multi-head latent attention;
     per-layer lists follow the layer count and token ids that fall outside the smaller
     vocabulary become 0. Fields the default leaves unset (None, such as GPT-2's n_inner)

@@ -113,9 +113,9 @@ def test_inputs_that_do_not_fit():
 
 
 class Float32Buffer(_Base):
-    def __init__(self):
+    def __init__(self, dtype=torch.float32):
         super().__init__()
-        self.register_buffer("mask", torch.ones(1, 8, 8))
+        self.register_buffer("mask", torch.ones(1, 8, 8, dtype=dtype))
 
     def forward(self, x):
         return torch.bmm(self.lin(x), self.mask.expand(x.shape[0], 8, 8)).sum()  # a bf16 activation against a float32 buffer
@@ -130,6 +130,13 @@ def test_mixed_dtypes_name_the_precision_policy():
     assert f": {te.MIXED_DTYPES}: " in message and f"{HERE}:{_line_of('against a float32 buffer')}" in message, message
     assert "precision='fp32'" in message and "\n" not in message, message
     trace_joint(Float32Buffer(), (torch.randn(4, 2, 8),))  # in fp32 it traces
+
+
+def test_a_dtype_clash_without_half_precision_is_not_blamed_on_the_policy():
+    """A float64 buffer against float32 activations clashes in any precision: the error must not
+    send the user to precision='fp32'."""
+    message = _refusal(Float32Buffer(torch.float64), (torch.randn(4, 2, 8),))
+    assert te.MIXED_DTYPES not in message and "precision=" not in message, message
 
 
 def test_exception_of_the_users_code_is_theirs():

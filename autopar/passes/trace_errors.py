@@ -78,8 +78,11 @@ def _cause(text: str, root: BaseException | None, chain: list[BaseException], so
     if any(k in text for k in ("no fake impl", "no meta impl", "NotImplementedError", "does not have a meta",
                                "fake tensor mode", "Could not run")):
         return UNSUPPORTED_OP
-    if re.search(r"expected scalar type [\w.]+ but found [\w.]+|must have the same dtype|to have the same dtype", text):
-        return MIXED_DTYPES  # (checked before BAD_INPUTS: the inputs may be fine, the precision policy is not)
+    if re.search(r"expected scalar type [\w.]+ but found [\w.]+|same dtype", text) and \
+            re.search(r"bfloat16|BFloat16|float16|Half", text):
+        # (before BAD_INPUTS: the inputs may be fine, the precision policy is not; a mismatch with
+        # no half-precision side, float64 against float32 say, is not the policy's and stays BAD_INPUTS)
+        return MIXED_DTYPES
     if isinstance(root, TypeError) or any(type(c).__name__ == "TorchRuntimeError" for c in chain):
         return BAD_INPUTS
     return UNSUPPORTED_PYTHON
