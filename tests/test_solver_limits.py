@@ -102,11 +102,11 @@ def no_root_cuts(monkeypatch):
 
 
 def test_node_limit_returns_the_best_solution_with_its_gap(llama_tp4, no_root_cuts):
-    full = ilp.solve(llama_tp4)
+    full = ilp.solve(llama_tp4, gap=0)  # (gap 0: a proven optimum, so branching is needed)
     assert (full.status, full.limit, full.gap) == ("OPTIMAL", None, 0.0)
     assert full.nodes > 1  # it had to branch, so one node is not enough
 
-    stopped = ilp.solve(llama_tp4, node_limit=1)
+    stopped = ilp.solve(llama_tp4, node_limit=1, gap=0)
     assert (stopped.status, stopped.limit, stopped.nodes, stopped.node_limit) == ("FEASIBLE", "nodes", 1, 1)
     assert stopped.bound_s <= full.objective_s <= stopped.objective_s
     assert stopped.gap == pytest.approx((stopped.objective_s - stopped.bound_s) / stopped.objective_s)
@@ -116,13 +116,25 @@ def test_node_limit_returns_the_best_solution_with_its_gap(llama_tp4, no_root_cu
     # and the limit is work, not time: the same problem stops at the same solution every time
     # (solved afresh, not recalled from this process's memo of solved MIPs)
     ilp._SOLVED.clear()
-    again = ilp.solve(llama_tp4, node_limit=1)
+    again = ilp.solve(llama_tp4, node_limit=1, gap=0)
     assert (again.choice, again.objective_s, again.bound_s, again.nodes) == \
         (stopped.choice, stopped.objective_s, stopped.bound_s, stopped.nodes)
 
 
+def test_the_gap_tolerance_stops_within_it_of_the_optimum(llama_tp4, no_root_cuts):
+    exact = ilp.solve(llama_tp4, gap=0)
+    loose = ilp.solve(llama_tp4, gap=0.05)
+    assert (loose.status, loose.limit, loose.gap_limit) == ("OPTIMAL", None, 0.05)  # (within its tolerance)
+    assert loose.nodes < exact.nodes  # it stopped before proving
+    # what it records is what SCIP proved: the bound lies below the true optimum, and the answer
+    # costs at most its gap above the bound (so at most 5% above the optimum)
+    assert loose.bound_s <= exact.objective_s * (1 + 1e-9) and loose.objective_s >= exact.objective_s * (1 - 1e-9)
+    assert loose.gap <= 0.05 and loose.objective_s <= exact.objective_s * 1.05
+    assert ilp.evaluate(llama_tp4, loose).total_s == pytest.approx(loose.objective_s, rel=1e-6)
+
+
 def test_plan_says_when_the_node_limit_stopped_the_mip(monkeypatch, no_root_cuts, caplog):
-    monkeypatch.setattr(make, "solve", functools.partial(ilp.solve, node_limit=1))
+    monkeypatch.setattr(make, "solve", functools.partial(ilp.solve, node_limit=1, gap=0))
     model, inputs, loss_fn, target = llama.build(**LIMITED_BUILD)
     with caplog.at_level("WARNING", logger="autopar.planner.make"):
         plan = autopar.plan(model, inputs, cluster="1x4xH100", loss_fn=loss_fn, example_target=target,
@@ -140,8 +152,10 @@ def test_default_plan_records_an_optimal_mip_within_the_limit():
     plan = autopar.plan(model, inputs, cluster="1x4xH100", loss_fn=loss_fn, example_target=target,
                         fixed={"tp": 4})
     solver = plan.solver
-    assert (solver["status"], solver["limit"], solver["gap"], solver["node_limit"]) == \
-        ("OPTIMAL", None, 0.0, ilp.NODE_LIMIT)
+    assert (solver["status"], solver["limit"], solver["node_limit"], solver["gap_limit"]) == \
+        ("OPTIMAL", None, ilp.NODE_LIMIT, ilp.MIP_GAP)
+    assert 0 <= solver["gap"] <= ilp.MIP_GAP
+    assert f"sharding MIP OPTIMAL (gap {solver['gap']:.2%}, within its 1% tolerance)" in render_summary(plan)
     assert 1 <= solver["nodes"] <= ilp.NODE_LIMIT
 
 

@@ -37,8 +37,8 @@ __all__ = ["ENV_DIR", "ENV_SWITCH", "enabled", "directory", "load", "store"]
 
 ENV_DIR = "AUTOPAR_CACHE_DIR"
 ENV_SWITCH = "AUTOPAR_SOLVE_CACHE"
-FORMAT = 1
-_FIELDS = ("choice", "status", "objective_s", "bound_s", "nodes", "node_limit", "limit")
+FORMAT = 2  # 2: the gap tolerance is stored (gap_limit)
+_FIELDS = ("choice", "status", "objective_s", "bound_s", "nodes", "node_limit", "gap_limit", "limit")
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
