@@ -194,6 +194,43 @@ def test_memoised_capped_cuts_equal_fresh_ones():
     assert seen == {True, False}  # both outcomes were exercised
 
 
+def test_cuts_reach_the_exhaustive_slowest_stage():
+    """The partitioner's bisection (which jumps its ends to stage times the packing met) finds
+    the slowest stage that enumerating every contiguous partition finds, under memory caps from
+    roomy to infeasible, with uneven layers and ties."""
+    import itertools
+    import random
+
+    rng = random.Random(11)
+    for trial in range(40):
+        n, pp = rng.randint(3, 9), rng.randint(2, 4)
+        if pp > n:
+            continue
+        ties = trial % 3 == 0  # equal layers: many partitions share the optimum
+        units = [replace(u, f_s=u.f_s * (1.0 if ties else rng.uniform(0.2, 3.0)),
+                         act_bytes=u.act_bytes * rng.uniform(0.5, 2.0)) for u in _units(n)]
+        cfg = S.Config(tp=1, pp=pp, dp=1, microbatch_size=1, microbatches=4, zero=0, recompute="none",
+                       schedule="1f1b", virtual_stages=1)
+        layers = P._Layers(units, "none")
+        inflight = P._inflight("1f1b", pp, 4)
+        per_layer = 16 * units[0].n_params + 4 * units[0].act_bytes
+        for scale in (1e3, 3.0, 2.0, 1.2):
+            rule = dict(cap=scale * per_layer, state_per_param=16, inflight=inflight)
+            best = None
+            for inner in itertools.combinations(range(1, n), pp - 1):
+                ends = (0, *inner, n)
+                cuts = list(zip(ends, ends[1:]))
+                if all(layers.fits(i, j, k, **rule) for k, (i, j) in enumerate(cuts)):
+                    slowest = max(layers.pre_t[j] - layers.pre_t[i] for i, j in cuts)
+                    best = slowest if best is None else min(best, slowest)
+            got = P._partition(units, cfg, **rule)
+            assert (got is None) == (best is None), (trial, scale)
+            if got is not None:
+                assert len(got) == pp and got[0][0] == 0 and got[-1][1] == n
+                assert all(layers.fits(i, j, k, **rule) for k, (i, j) in enumerate(got))
+                assert max(layers.pre_t[j] - layers.pre_t[i] for i, j in got) == pytest.approx(best, rel=1e-9)
+
+
 def test_range_max_equals_slices():
     import random
 

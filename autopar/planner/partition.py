@@ -152,8 +152,8 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
 
 def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, inflight: tuple[int, ...],
          lo: float = 0.0) -> tuple[list[tuple[int, int]] | None, float]:
-    """:func:`_partition` without the memo; also a time bound at which no cut fits (``lo``, if
-    given, is one already known)."""
+    """:func:`_partition` without the memo; also a time bound below which no cut fits (``lo``,
+    if given, is one already known)."""
     times, pre_t = layers.times, layers.pre_t
     n, pp = layers.n, cfg.n_stages
     if pp > n:
@@ -162,8 +162,10 @@ def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, in
     def fits(i: int, j: int, s: int) -> bool:
         return layers.fits(i, j, s, cap=cap, state_per_param=state_per_param, inflight=inflight)
 
-    def greedy(bound: float) -> list[tuple[int, int]] | None:
-        cuts, i = [], 0
+    def greedy(bound: float) -> tuple[list[tuple[int, int]] | None, float]:
+        """(the cuts, or None), and the smallest stage time above ``bound`` that the packing
+        met: every bound below that one packs the same way (memory does not depend on it)."""
+        cuts, i, nxt = [], 0, math.inf
         for s in range(pp):
             if i == n:
                 break
@@ -174,6 +176,8 @@ def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, in
                 j += 1
             while j > i and pre_t[j] - pre_t[i] > bound:
                 j -= 1
+            if j < n:
+                nxt = min(nxt, pre_t[j + 1] - pre_t[i])
             if j > i and not fits(i, j, s):
                 lo_j, hi_j = i, j  # fits(i, lo_j) (empty) holds, fits(i, hi_j) does not
                 while hi_j - lo_j > 1:
@@ -181,24 +185,29 @@ def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, in
                     lo_j, hi_j = (mid_j, hi_j) if fits(i, mid_j, s) else (lo_j, mid_j)
                 j = lo_j
             if j == i:
-                return None
+                return None, nxt
             cuts.append((i, j))
             i = j
-        return cuts if i == n else None
+        return (cuts if i == n else None), nxt
 
     lo, hi = max(max(times), lo), pre_t[-1]
-    best = greedy(hi * (1 + 1e-9))
+    best, _ = greedy(hi * (1 + 1e-9))
     if best is None:
         return None, math.inf
+    # Bisection on the bound, with two jumps that keep it exact and shorten it (Llama 70B's
+    # search cut 900 times, about 60 packings each): a packing that fits has a slowest stage
+    # at most the bound tried, and that is the new upper end (the same packing again); one
+    # that does not fit raises the lower end to the smallest stage time it met above the
+    # bound, since every bound below that packs the same way.
     for _ in range(60):
         if hi - lo <= 1e-9 * max(hi, 1e-12):
             break
         mid = (lo + hi) / 2
-        cuts = greedy(mid)
+        cuts, nxt = greedy(mid)
         if cuts is None:
-            lo = mid
+            lo = max(mid, min(nxt, hi))
         else:
-            best, hi = cuts, mid
+            best, hi = cuts, max(pre_t[j] - pre_t[i] for i, j in cuts)
     infeasible_below = lo
     while len(best) < pp:  # use every stage: split the largest stage in two
         k = max(range(len(best)), key=lambda x: (best[x][1] - best[x][0], -x))
