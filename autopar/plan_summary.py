@@ -184,7 +184,7 @@ def solver_words(solver: dict[str, Any]) -> str:
     of 1000 branch-and-bound nodes)"; plan files from before the limit was recorded lack its keys."""
     words = f"sharding MIP {solver['status']} (gap {solver['gap']:.2%}"
     if solver.get("gap_limit") and solver.get("limit") is None:
-        words += f", within its {solver['gap_limit']:.0%} tolerance"
+        words += f", within its {100 * solver['gap_limit']:g}% tolerance"
     if solver.get("limit") == "nodes":
         words += f"; stopped at its limit of {solver['node_limit']} branch-and-bound nodes"
     return words + ")"
