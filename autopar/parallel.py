@@ -80,9 +80,9 @@ from autopar.runtime.device import bind_local_device, local_device
 from autopar.runtime.context import check_cp_runnable
 from autopar.runtime.expert import check_ep_runnable
 from autopar.runtime.pipelined import PipelineBuild
+from autopar.runtime.tp_buckets import contiguous_stride
 from autopar.runtime.world import (check_world, init_process_group, peer_watch, resolve_device,
                                   share_rng_state)
-from autopar.runtime.zero import contiguous_stride
 
 log = logging.getLogger(__name__)
 

@@ -118,7 +118,7 @@ def program_collectives(gm: torch.fx.GraphModule, *, group_names: dict[str, str]
 
 
 def _census(pm, pp_rank) -> dict:
-    from autopar.runtime.zero import tp_buckets
+    from autopar.runtime.tp_buckets import tp_buckets
 
     groups = {pm.mesh.get_group(i).group_name: axis for i, axis in enumerate(("dp", "tp"))}
     program: dict[str, dict[str, dict]] = {}

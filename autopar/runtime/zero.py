@@ -94,9 +94,9 @@ from autopar.passes.meta_keys import GradReturn
 from autopar.passes.shard import placement
 from autopar.runtime.device import mesh_device
 from autopar.runtime.memtrack import LiveBytes
+from autopar.runtime.tp_buckets import _piece_numel, _piece_shape, contiguous_stride, tp_buckets
 
-__all__ = ["MAX_INFLIGHT_REDUCES", "OptimizerShard", "ShardedParams", "StateBytes", "TpBucket", "contiguous_stride",
-           "tp_buckets"]
+__all__ = ["MAX_INFLIGHT_REDUCES", "OptimizerShard", "ShardedParams", "StateBytes"]
 
 # torch 2.13 renamed these (the old names warn); 2.11 has only the old ones.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -659,49 +659,3 @@ def _add_padded(rows: torch.Tensor, col: int, e: _Entry, grad: torch.Tensor, zer
         rows[:full_rows, col: col + e.chunk].add_(flat[: full_rows * e.chunk].view(full_rows, e.chunk))
     if rest:
         rows[full_rows, col: col + rest].add_(flat[full_rows * e.chunk:])
-
-
-
-@dataclass(frozen=True)
-class TpBucket:
-    """One collective on the tp axis per step: the gradients it returns to their parameters."""
-
-    kind: str
-    """"all_reduce" or "all_gather"."""
-    dtype: torch.dtype
-    grads: tuple[GradReturn, ...]
-
-    @property
-    def nbytes(self) -> int:
-        """Whole-gradient bytes, as the plan prices them (the all-gather's padding aside)."""
-        return sum(r.nbytes for r in self.grads)
-
-
-def tp_buckets(returns: Sequence[GradReturn], dtypes: dict[str, torch.dtype]) -> list[TpBucket]:
-    """The gradient returns grouped into one bucket per (collective, dtype), in their order."""
-    groups: dict[tuple[str, torch.dtype], list[GradReturn]] = {}
-    for r in returns:
-        groups.setdefault((r.kind, dtypes[r.fqn]), []).append(r)
-    return [TpBucket(kind=kind, dtype=dtype, grads=tuple(rs)) for (kind, dtype), rs in groups.items()]
-
-
-def _piece_shape(r: GradReturn, tp: int, k: int) -> tuple[int, ...]:
-    """Shape of tp rank ``k``'s piece of ``r`` (torch.chunk's split, as DTensor's Shard)."""
-    size = r.shape[r.dim]
-    chunk = math.ceil(size / tp)
-    shape = list(r.shape)
-    shape[r.dim] = max(0, min(chunk, size - k * chunk))
-    return tuple(shape)
-
-
-def _piece_numel(r: GradReturn, tp: int, k: int) -> int:
-    return math.prod(_piece_shape(r, tp, k))
-
-
-def contiguous_stride(shape) -> tuple[int, ...]:
-    """Row-major strides of ``shape``."""
-    stride, acc = [], 1
-    for d in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= d
-    return tuple(reversed(stride))

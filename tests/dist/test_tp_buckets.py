@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from autopar.passes.meta_keys import GradReturn
-from autopar.runtime.zero import _piece_shape, tp_buckets
+from autopar.runtime.tp_buckets import _piece_shape, tp_buckets
 from autopar.testing import spawn_world
 
 SHAPES = {"a": (5, 3), "b": (1,), "c": (4, 2), "d": (3,)}
