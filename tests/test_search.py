@@ -325,6 +325,40 @@ def test_dp_link_bound_is_a_lower_bound_and_binds_when_communication_dominates()
     assert {z for z, _ in binds} == {0, 1, 2, 3} and (True in {v for _, v in binds}), binds
 
 
+def test_overlap_bound_is_a_lower_bound_and_binds_under_zero_3(monkeypatch):
+    """Compute slows while collectives overlap it (cost.step.OVERLAP_SLOWDOWN): with dp
+    collectives about as long as the compute, the bound that counts this slowdown stays below
+    every simulated step (configuration bound before the cuts, cut bound, candidate bound),
+    and for one stage per rank under ZeRO 3 it is sharper than the bound without it."""
+    from autopar.planner import bounds as B
+
+    cluster = parse_cluster("4x8xH100")
+    units = _units(8, f_s=2e-3, params=4e8)
+    ranked, _ = _search(units, cluster=cluster, fixed={"tp": 8}, batch=32, keep=10**9, tp=(8,))
+    sharper = 0
+    for c in ranked:
+        cfg = c.config
+        scaled = [replace(u, f_s=u.f_s * cfg.microbatch_size / 8, b_s=u.b_s * cfg.microbatch_size / 8,
+                          w_s=u.w_s * cfg.microbatch_size / 8, n_params=u.n_params / 8) for u in units]
+        link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
+        dp_s = S._dp_comm_prefix(scaled, zero=cfg.zero, dp=cfg.dp, link=link, microbatches=cfg.microbatches,
+                                 precision="mixed")[-1]
+        config_bound = S._config_bound_s(S._work_s(scaled, cfg.recompute), sum(u.n_params for u in scaled),
+                                         zero=cfg.zero, m=cfg.microbatches, pp=cfg.pp, dp=cfg.dp, link=link,
+                                         precision="mixed", cluster=cluster, dp_comm_s=dp_s,
+                                         virtual_stages=cfg.virtual_stages)
+        with_slowdown = S.lower_bound_s(c, cluster)
+        assert config_bound <= c.step_time_s * (1 + 1e-12), (cfg, config_bound, c.step_time_s)
+        assert with_slowdown <= c.step_time_s * (1 + 1e-12), (cfg, with_slowdown, c.step_time_s)
+        with monkeypatch.context() as m:
+            m.setattr(B, "OVERLAP_SLOWDOWN", 1.0)
+            without = S.lower_bound_s(c, cluster)
+        assert without <= with_slowdown
+        if cfg.pp == 1 and cfg.zero == 3 and cfg.dp > 1:
+            sharper += with_slowdown > without * 1.05
+    assert sharper >= 2, sharper
+
+
 def test_infeasible_message_counts_the_largest_op_and_names_it():
     # A stage cannot hold less than its biggest op's working set: an even split's need must
     # include it (it once reported 9 GB for a 405B plan at 128k tokens whose loss op alone

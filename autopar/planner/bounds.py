@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from autopar.cluster import Cluster
 from autopar.cost import comm
 from autopar.cost.schedule import cached_schedule, timing_order
+from autopar.cost.step import OVERLAP_SLOWDOWN
 from autopar import zero_def
 
 if TYPE_CHECKING:
@@ -53,8 +54,25 @@ def _unit_times(u: Unit, recompute: str) -> tuple[float, float, float, float]:
 # _simulate returns (tests/test_search.py checks this on every configuration of a small
 # search): a bound that did would prune the optimum. They read the same terms as the time
 # function (the step program of autopar.cost.step): each rank's pipeline actions one after
-# the other, then its optimizer steps. The gradient collectives are left out, since the step
-# program overlaps them with the backward; compute only slows while they overlap it.
+# the other, then its optimizer steps. The gradient collectives overlap the backward in the
+# step program; what they cost is bounded through the link (_comm_bound_s) and through the
+# compute they slow (_overlap_bound_s).
+
+
+def _overlap_bound_s(work_s: float, comm_s: float, head_s: float = 0.0) -> float:
+    """A lower bound on a rank's step time from the slowdown of compute under collectives.
+
+    The rank's compute stream has ``work_s`` of work at full speed (every F, B, W and optimizer
+    step); its collectives take ``comm_s`` each alone on the link. In the step program
+    (:func:`autopar.cost.simulate.simulate_program`) compute runs at ``1 / s`` (s =
+    ``OVERLAP_SLOWDOWN``) while any collective of the rank is in flight, and the collectives,
+    sharing the link, are in flight ``X >= comm_s`` together. Say the first starts at ``t1``,
+    when ``D`` of the work is done; compute starts no earlier than ``head_s`` and runs at most
+    at full speed, so ``t1 >= head_s + D``. In ``X`` at most ``X / s`` of work gets done, the rest
+    outside it after ``t1``: ``T >= head_s + D + X + max(0, work_s - D - X / s)``, which grows in
+    D and in X; at ``D = 0, X = comm_s`` it is the bound. (It is convex in ``(work_s, comm_s)``,
+    so the bound at a rank average is below the busiest rank's.)"""
+    return head_s + comm_s + max(0.0, work_s - comm_s / OVERLAP_SLOWDOWN)
 
 
 def _work_s(units: Sequence[Unit], recompute: str) -> float:
@@ -77,10 +95,12 @@ def _config_bound_s(work_s: float, n_params: float, *, zero: int, m: int, pp: in
     ``dp_comm_s`` is every layer group's dp collectives of a step, each alone on the link
     (:func:`_dp_comm_prefix`'s total): the busiest rank's link carries at least the average
     share of them (:func:`_comm_bound_s`), and with one stage per rank its optimizer step
-    follows them."""
+    follows them; and the compute they slow (:func:`_overlap_bound_s` at the rank averages,
+    below the busiest rank's by convexity)."""
     share = n_params / pp
     opt = _optimizer_s(share / zero_def.state_shards(zero, dp)[2], cluster)
-    return max(m * work_s / pp + opt, dp_comm_s / pp + (opt if virtual_stages == 1 else 0.0))
+    return max(m * work_s / pp + opt, dp_comm_s / pp + (opt if virtual_stages == 1 else 0.0),
+               _overlap_bound_s(m * work_s / pp + opt, dp_comm_s / pp))
 
 
 def _dp_collective_s(nbytes: float, *, zero: int, dp: int, link: comm.Link, microbatches: int) -> float:
@@ -155,7 +175,9 @@ def _comm_bound_s(cfg: Config, *, f_s: Sequence[float], b_s: Sequence[float], w_
     ``head``, the first micro-batch's forward through the stages before). After the last:
     with one stage per rank, its optimizer step (it waits for the reductions; ZeRO 1/2 gather
     only after it, so the link idles meanwhile); with several, under ZeRO 0/3 the optimizer
-    step of the stage whose reduction ended last, at least the rank's shortest."""
+    step of the stage whose reduction ended last, at least the rank's shortest. Also the
+    compute the collectives slow on each rank (:func:`_overlap_bound_s`: every F, B, W and
+    optimizer step of its stages, after ``head`` unless ZeRO 3 gathers meanwhile)."""
     pp, v = cfg.pp, cfg.virtual_stages
     if cfg.dp == 1:
         return 0.0
@@ -172,7 +194,10 @@ def _comm_bound_s(cfg: Config, *, f_s: Sequence[float], b_s: Sequence[float], w_
             tail = min(opt_s[s] for s in mine)
         else:
             tail = 0.0
-        best = max(best, (head if cfg.zero != 3 else 0.0) + start + sum(dp_s[s] for s in mine) + tail)
+        wait = head if cfg.zero != 3 else 0.0
+        comm_s = sum(dp_s[s] for s in mine)
+        work_s = sum(cfg.microbatches * (f_s[s] + b_s[s] + w_s[s]) + opt_s[s] for s in mine)
+        best = max(best, wait + start + comm_s + tail, _overlap_bound_s(work_s, comm_s, wait))
         head += f_s[r]
     return best
 
