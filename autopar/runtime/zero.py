@@ -24,9 +24,10 @@ Buckets. The parameters are grouped as the planner groups layers (one group per 
 dtype. Each bucket is one collective: a gradient bucket is issued, asynchronously
 (``async_op=True``), as soon as its group's gradients of the micro-batch are final
 (:meth:`ShardedParams.add_grad`; at stages 0-1 only after the last micro-batch), so it
-runs while the rest of the backward computes. At most :data:`MAX_INFLIGHT_REDUCES`
-buckets are in flight: issuing one more first waits for the oldest, which bounds the
-send buffers at stages 2-3 to a few layer groups (no full-size gradient exists there).
+runs while the rest of the backward computes. At most
+:data:`~autopar.runtime.zero_reduce.MAX_INFLIGHT_REDUCES` buckets are in flight: issuing
+one more first waits for the oldest, which bounds the send buffers at stages 2-3 to a few
+layer groups (no full-size gradient exists there).
 :meth:`ShardedParams.finish_step` waits for the rest before the optimizer reads them.
 
 Stage 3 gathers one group at a time (:meth:`ShardedParams.unshard`) right before its
@@ -43,6 +44,11 @@ collective per (kind, dtype) of the group (:meth:`ShardedParams.finish_tp`).
 ``live`` (a :class:`~autopar.runtime.memtrack.LiveBytes`) tracks every buffer this class
 allocates by kind (params, grads, gathered weights, collective buffers) until its storage
 is freed, so tests read the step's real peak.
+
+The code: this module holds the storage, the compute view and inspection;
+:mod:`autopar.runtime.zero_reduce` the gradient path (buckets accumulated, reduced, waited
+for) and :mod:`autopar.runtime.zero_gather` the gathers (stage 3 per use, stages 1-2 after
+the optimizer, whole tensors), both mixins of :class:`ShardedParams`.
 
 Weights come from rank 0's copy of the model (``distribute_tensor`` with source rank
 0), so every rank starts from exactly the single-device model's values. A parameter on
@@ -94,16 +100,11 @@ from autopar.passes.meta_keys import GradReturn
 from autopar.passes.shard import placement
 from autopar.runtime.device import mesh_device
 from autopar.runtime.memtrack import LiveBytes
-from autopar.runtime.tp_buckets import _piece_numel, _piece_shape, contiguous_stride, tp_buckets
+from autopar.runtime.tp_buckets import contiguous_stride
+from autopar.runtime.zero_gather import ZeroGather
+from autopar.runtime.zero_reduce import ZeroReduce
 
-__all__ = ["MAX_INFLIGHT_REDUCES", "OptimizerShard", "ShardedParams", "StateBytes"]
-
-# torch 2.13 renamed these (the old names warn); 2.11 has only the old ones.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-MAX_INFLIGHT_REDUCES = 2
-"""Gradient buckets in flight at once; one more waits for the oldest first."""
+__all__ = ["OptimizerShard", "ShardedParams", "StateBytes"]
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ class _Bucket:
         return self.width * (1 if zero == 0 else dp) * self.entries[0].opt_param.element_size()
 
 
-class ShardedParams:
+class ShardedParams(ZeroGather, ZeroReduce):
     """The rank's parameters under a plan's tp placements and ZeRO stage (see the module docstring).
 
     ``groups`` lists the layer groups' parameter names in forward order (default: one
@@ -325,243 +326,6 @@ class ShardedParams:
                                         stride=contiguous_stride(self.entries[fqn].shape))
                 for fqn, local in self.local_params().items()}
 
-    # -- stage 3: gather a group before its use -------------------------------
-
-    def unshard(self, group: int, key: str = "", next_key: str | None = None,
-                next_group: int | None = None) -> tuple[torch.Tensor, ...]:
-        """Stage 3: group ``group``'s parameters whole on dp (tp shards), in ``groups`` order.
-
-        Waits for the gather issued ahead under ``key`` (or issues it now), then issues the
-        gather of ``next_group`` under ``next_key`` (the group the program reads next), so it
-        runs during this group's compute (prefetch of one group).
-        """
-        pending = self._gathers.pop(key, None) or self._start_gather(group)
-        out = self._finish_gather(pending)
-        if next_group is not None and next_key not in self._gathers:
-            self._gathers[next_key] = self._start_gather(next_group)
-        return tuple(out[f] for f in self.groups[group])
-
-    def _start_gather(self, group: int, source: str = "slice", compute: bool = True, kind: str = "gathered") -> list:
-        """Issue the all-gather of each bucket of ``group`` (of ``slice`` or the reduced ``grad``);
-        ``compute``: of the parameters as the program reads them (cast to param_dtype first).
-        ``kind``: what the gathered tensors are counted as in :attr:`live` (the receive buffer
-        itself where :meth:`_finish_gather` hands out views of it, else "buffers")."""
-        started = []
-        for b in self.buckets[group]:
-            dtype = self._cast(b.entries[0]) if compute else b.dtype
-            send = torch.cat([getattr(e, source).reshape(-1) for e in b.entries]).to(dtype) if b.entries else None
-            viewed = len(b.entries) == 1 or self.dp == 1  # _finish_gather's views of the buffer, not copies
-            recv = self.live.track(torch.empty(self.dp * b.width, dtype=dtype, device=self.device),
-                                   kind if viewed else "buffers")
-            work = _all_gather(recv, send, group=self.dp_group, async_op=True)
-            if not self.overlap:
-                self._wait_gather(work)
-            started.append((work, recv, b))
-        return started
-
-    def _wait_gather(self, work) -> None:
-        with self.guard(f"parameter all-gather over dp group {self._dp_ranks}", self._dp_ranks):
-            work.wait()
-
-    def _finish_gather(self, started: list, kind: str = "gathered") -> dict[str, torch.Tensor]:
-        out = {}
-        for work, recv, b in started:
-            self._wait_gather(work)
-            table = recv.view(self.dp, b.width)
-            for e, col in zip(b.entries, b.col):
-                # a bucket of several parameters: reshape copies the parameter's columns out of the
-                # (dp, width) table (the table dies with the last copy); of one parameter (or dp = 1)
-                # it is a view of the receive buffer, kept as it is (at most dp - 1 padding elements
-                # per parameter): a copy would hold the parameter twice until the buffer is freed
-                whole = table[:, col: col + e.chunk].reshape(-1)[: e.numel].view(e.local_shape)
-                out[e.fqn] = self.live.track(whole, kind)
-        return out
-
-    # -- gradients ------------------------------------------------------------
-
-    def begin_step(self, n_micro: int) -> None:
-        """Start a step of ``n_micro`` micro-batches: zero the gradient buffers."""
-        self._n_micro = n_micro
-        self._seen: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._counts: dict[tuple[int, int], int] = {}
-        self._done = [0] * len(self.groups)  # micro-batches whose gradients a group has received
-        self.live.reset_peak()
-        for bs in self.buckets:
-            for b in bs:
-                if self.stage.full_grad_buffer:
-                    if b.full is None:
-                        rows = 1 if self.zero == 0 else self.dp
-                        b.full = self.live.track(torch.zeros(rows * b.width, dtype=b.dtype, device=self.device),
-                                                 "grads")
-                    else:
-                        b.full.zero_()
-                if self.zero == 1:  # the reduced slice lands in this rank's row of the full buffer
-                    b.grad = b.full.view(self.dp, b.width)[self.dp_rank]
-                elif self.zero >= 2:
-                    if b.grad is None:
-                        b.grad = self.live.track(torch.zeros(b.width, dtype=b.dtype, device=self.device), "grads")
-                    else:
-                        b.grad.zero_()
-                for e, col in zip(b.entries, b.col):
-                    e.grad = (b.full[col: col + e.numel].view(e.local_shape) if self.zero == 0
-                              else b.grad[col: col + e.chunk])
-                    e.opt_param.grad = e.grad
-        self._cast_params()  # the masters the last optimizer step (or a checkpoint) wrote
-
-    def add_grad(self, fqn: str, grad: torch.Tensor, microbatch: int) -> None:
-        """This rank's addend of ``fqn``'s gradient for ``microbatch``; once its layer group has
-        all of them, the group's buckets are reduced (asynchronously)."""
-        g = self.group_of[fqn]
-        seen = self._seen.setdefault((g, microbatch), {})
-        seen[fqn] = grad if fqn not in seen else seen[fqn] + grad
-        self._counts[(g, microbatch)] = self._counts.get((g, microbatch), 0) + 1
-        if self._counts[(g, microbatch)] == sum(self.addends[f] for f in self.groups[g]):
-            self._group_ready(g, self._seen.pop((g, microbatch)))
-
-    def begin_microbatch(self, microbatch: int) -> None:
-        """The micro-batch the program about to run computes (for :meth:`grads_ready`)."""
-        self._microbatch = microbatch
-
-    def grads_ready(self, group: int, fqns: tuple[str, ...], *grads: torch.Tensor) -> None:
-        """REDUCE_GRAD, called from inside the program: :meth:`add_grad` of each, this micro-batch."""
-        for fqn, grad in zip(fqns, grads):
-            self.add_grad(fqn, grad, self._microbatch)
-
-    def _group_ready(self, g: int, grads: dict[str, torch.Tensor]) -> None:
-        self._done[g] += 1
-        grads = self.finish_tp(grads, [self.tp_returns[f] for f in grads if f in self.tp_returns])
-        if self.stage.grad_reduce_every_microbatch:
-            self._issue_reduce(g, grads)
-            return
-        for b in self.buckets[g]:  # stages 0-1: accumulate into the full buffer, reduce after the last
-            rows = b.full.view(1 if self.zero == 0 else self.dp, b.width)
-            for e, col in zip(b.entries, b.col):
-                _add_padded(rows, col, e, grads[e.fqn], self.zero)
-        if self._done[g] == self._n_micro:
-            self._issue_reduce(g, None)
-
-    def _issue_reduce(self, g: int, grads: dict[str, torch.Tensor] | None) -> None:
-        """Issue the dp collective of each bucket of group ``g``: from ``grads`` (one
-        micro-batch, stages 2-3) or from the accumulated full buffer (stages 0-1)."""
-        for b in self.buckets[g]:
-            if len(self._inflight) >= MAX_INFLIGHT_REDUCES:
-                self._wait_oldest()
-            wire = self._reduce(b.dtype)  # a bf16 reduction sends a bf16 copy, widened when it lands
-            if self.zero == 0:
-                done = None
-                group = self.replica_group if b.expert else self.dp_group
-                if dist.get_world_size(group) == 1:
-                    work = None
-                elif wire == b.dtype:
-                    work = dist.all_reduce(b.full, group=group, async_op=True)
-                else:
-                    send = self.live.track(b.full.to(wire), "buffers")
-                    work = dist.all_reduce(send, group=group, async_op=True)
-                    done = (lambda b=b, send=send: b.full.copy_(send))
-            else:
-                if grads is None:
-                    send = b.full if wire == b.dtype else self.live.track(b.full.to(wire), "buffers")
-                elif len(b.entries) == 1 and b.entries[0].numel == self.dp * b.width:
-                    # one parameter, no padding: its gradient already is the (dp, width) layout, so it
-                    # is sent as it is (cast to the wire dtype if need be), not copied into a new buffer
-                    send = self.live.track(grads[b.entries[0].fqn].reshape(-1).to(wire), "buffers")
-                else:
-                    send = self.live.track(torch.zeros(self.dp * b.width, dtype=wire, device=self.device),
-                                           "buffers")
-                    rows = send.view(self.dp, b.width)
-                    for e, col in zip(b.entries, b.col):
-                        _add_padded(rows, col, e, grads[e.fqn], self.zero)
-                recv = self.live.track(torch.empty(b.width, dtype=wire, device=self.device), "buffers")
-                work = _reduce_scatter(recv, send, group=self.dp_group, async_op=True)
-                if grads is None:  # stage 1: into this rank's row of the full buffer, once the send is done
-                    done = (lambda b=b, recv=recv: b.grad.copy_(recv))
-                else:  # stages 2-3: accumulated into the held slice
-                    done = (lambda b=b, recv=recv, send=send: b.grad.add_(recv))
-            if work is not None:
-                self._inflight.append((work, done))
-                if not self.overlap:
-                    self._wait_oldest()
-            elif done is not None:
-                done()
-
-    def _wait_oldest(self) -> None:
-        work, done = self._inflight.pop(0)
-        with self.guard(f"gradient reduction over dp group {self._dp_ranks}", None):  # any rank may be the dead one
-            work.wait()
-        if done is not None:
-            done()
-
-    def finish_step(self) -> None:
-        """Wait for every gradient bucket in flight; the optimizer may then read the gradients."""
-        while self._inflight:
-            self._wait_oldest()
-        missing = [self.groups[g][0] for g, n in enumerate(self._done) if n != self._n_micro]
-        if missing or self._seen:
-            raise AssertionError(f"gradients of {missing or sorted(self._seen)} were not all produced this step "
-                                 f"({self._done} of {self._n_micro} micro-batches per group)")
-
-    def reduce_gradients(self, partials: dict[str, torch.Tensor], *,
-                         tp_returns: Sequence[GradReturn] = ()) -> None:
-        """One micro-batch's addends of every parameter (``n_micro=1``): the whole step's
-        reduction at once (the interpreted path and tests; the compiled step reduces
-        group by group while the backward runs)."""
-        self.set_tp_returns(tp_returns)
-        self.begin_step(1)
-        for fqn, g in partials.items():
-            for _ in range(self.addends[fqn]):
-                self.add_grad(fqn, g / self.addends[fqn], 0)
-        self.finish_step()
-
-    def finish_tp(self, partials: dict[str, torch.Tensor], returns: Sequence[GradReturn]) -> dict[str, torch.Tensor]:
-        """The tp collectives the program left to the runtime, one per bucket of :func:`tp_buckets`:
-        Partial addends summed (all-reduce), Shard(dim) pieces gathered whole (all-gather)."""
-        returns = [r for r in returns if r.fqn in partials]
-        if not returns:
-            return partials
-        out = dict(partials)
-        tp, group = self.mesh.size(self.tp_dim), self.mesh.get_group(self.tp_dim)
-        dtypes = {r.fqn: self._reduce(partials[r.fqn].dtype) for r in returns}  # summed in the reduce dtype
-        for bucket in tp_buckets(returns, dtypes):
-            if bucket.kind == "all_reduce":
-                flat = torch.cat([partials[r.fqn].reshape(-1).to(bucket.dtype) for r in bucket.grads])
-                dist.all_reduce(flat, group=group)
-                offset = 0
-                for r in bucket.grads:
-                    n = partials[r.fqn].numel()
-                    out[r.fqn] = flat[offset: offset + n].view(r.shape)
-                    offset += n
-                continue
-            # all-gather: every rank sends its torch.chunk piece of each gradient, padded to the largest
-            widths = [_piece_numel(r, tp, 0) for r in bucket.grads]  # rank 0 holds the largest piece
-            send = torch.zeros(sum(widths), dtype=bucket.dtype, device=self.device)
-            offset = 0
-            for r, w in zip(bucket.grads, widths):
-                piece = partials[r.fqn].reshape(-1)
-                send[offset: offset + piece.numel()] = piece
-                offset += w
-            recv = torch.empty(tp * send.numel(), dtype=send.dtype, device=self.device)
-            _all_gather(recv, send, group=group)
-            table = recv.view(tp, send.numel())
-            offset = 0
-            for r, w in zip(bucket.grads, widths):
-                pieces = [table[k, offset: offset + _piece_numel(r, tp, k)].view(_piece_shape(r, tp, k))
-                          for k in range(tp)]
-                out[r.fqn] = torch.cat(pieces, dim=r.dim)
-                offset += w
-        return out
-
-
-    def after_step(self) -> None:
-        """Stages 1-2: all-gather the updated slices back into the full parameters, one bucket per group."""
-        if self.stage.param_gather != "after_step":
-            return
-        pending = self._start_gather(0, compute=False, kind="buffers") if self.groups else []
-        for g in range(len(self.groups)):  # one group gathered ahead, as stage 3's prefetch
-            ahead = self._start_gather(g + 1, compute=False, kind="buffers") if g + 1 < len(self.groups) else []
-            for fqn, whole in self._finish_gather(pending, "buffers").items():  # copied in at once
-                self.entries[fqn].full_local().copy_(whole)
-            pending = ahead
-
     def optimizer_params(self) -> list[nn.Parameter]:
         return [e.opt_param for e in self.entries.values()]
 
@@ -603,36 +367,6 @@ class ShardedParams:
                     grads += held.numel() * held.element_size()
         return StateBytes(params=params, grads=grads, optimizer=opt)
 
-    def full_tensor(self, fqn: str) -> torch.Tensor:
-        """The whole parameter, gathered over dp and tp (a collective: call on every rank)."""
-        e = self.entries[fqn]
-        local = self._gather_one(e.slice, e) if self.zero == 3 else e.full_local()
-        return self._whole(fqn, DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
-                                                   shape=e.shape, stride=contiguous_stride(e.shape)).full_tensor())
-
-    def full_grad(self, fqn: str) -> torch.Tensor:
-        """The whole reduced gradient (a collective: call on every rank)."""
-        e = self.entries[fqn]
-        local = e.grad if self.zero == 0 else self._gather_one(e.grad, e)
-        return self._whole(fqn, DTensor.from_local(local, self.mesh, self._placements(e), run_check=False,
-                                                   shape=e.shape, stride=contiguous_stride(e.shape)).full_tensor())
-
-    def _whole(self, fqn: str, part: torch.Tensor) -> torch.Tensor:
-        """An expert parameter's (or gradient's) ep parts, gathered along dim 0 (in ep-group rank
-        order, which is the experts' order); any other tensor as it is."""
-        if fqn not in self.experts or self.ep_group is None or dist.get_world_size(self.ep_group) == 1:
-            return part
-        recv = torch.empty((dist.get_world_size(self.ep_group) * part.numel(),), dtype=part.dtype, device=part.device)
-        _all_gather(recv, part.reshape(-1).contiguous(), group=self.ep_group)
-        return recv.view(-1, *part.shape[1:])
-
-    def _gather_one(self, piece: torch.Tensor, e: _Entry) -> torch.Tensor:
-        """This parameter's dp chunks (``piece`` on this rank) gathered into its whole tp shard."""
-        recv = torch.empty(self.dp * e.chunk, dtype=piece.dtype, device=self.device)
-        _all_gather(recv, piece.reshape(-1).contiguous(), group=self.dp_group)
-        return recv[: e.numel].view(e.local_shape)
-
-
 def _complete_groups(groups, trainable: list[str]) -> list[tuple[str, ...]]:
     """``groups`` restricted to ``trainable``, in order; parameters in no group form a last one."""
     if groups is None:
@@ -646,16 +380,3 @@ def _complete_groups(groups, trainable: list[str]) -> list[tuple[str, ...]]:
             out.append(mine)
     rest = tuple(f for f in trainable if f not in placed)
     return out + ([rest] if rest else [])
-
-
-def _add_padded(rows: torch.Tensor, col: int, e: _Entry, grad: torch.Tensor, zero: int) -> None:
-    """Add ``grad`` (e's local shape) into its place in a (rows, width) bucket layout."""
-    if zero == 0:
-        rows[0, col: col + e.numel].add_(grad.reshape(-1))
-        return
-    flat = grad.reshape(-1)
-    full_rows, rest = divmod(e.numel, e.chunk) if e.chunk else (0, 0)
-    if full_rows:
-        rows[:full_rows, col: col + e.chunk].add_(flat[: full_rows * e.chunk].view(full_rows, e.chunk))
-    if rest:
-        rows[full_rows, col: col + rest].add_(flat[full_rows * e.chunk:])

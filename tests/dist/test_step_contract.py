@@ -37,7 +37,7 @@ EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 def _install_recorder(log: list, on: list):
     import torch.distributed as dist
 
-    from autopar.runtime import zero
+    from autopar.runtime import zero_gather, zero_reduce
 
     def ranks(group):
         return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
@@ -58,8 +58,9 @@ def _install_recorder(log: list, on: list):
         return recorded
 
     dist.all_reduce = wrap(dist.all_reduce, "all_reduce", 0)
-    zero._all_gather = wrap(zero._all_gather, "all_gather", 0)  # bytes of the gathered output
-    zero._reduce_scatter = wrap(zero._reduce_scatter, "reduce_scatter", 1)  # bytes of the whole input
+    zero_gather._all_gather = wrap(zero_gather._all_gather, "all_gather", 0)  # bytes of the gathered output
+    zero_reduce._all_gather = wrap(zero_reduce._all_gather, "all_gather", 0)  # (finish_tp's, on tp)
+    zero_reduce._reduce_scatter = wrap(zero_reduce._reduce_scatter, "reduce_scatter", 1)  # bytes of the whole input
     dist.isend = wrap_p2p(dist.isend, "send")
     dist.irecv = wrap_p2p(dist.irecv, "recv")
 
