@@ -79,6 +79,28 @@ def test_plan_made_under_load_is_byte_identical_to_a_quiet_one():
         pytest.fail("the plan made under load differs from the quiet one:\n" + "\n".join(list(lines)[:40]))
 
 
+def test_mips_solved_side_by_side_give_the_plan_solved_one_at_a_time(monkeypatch):
+    """planner.make._solve_all runs the tp degrees' MIPs in threads (SCIP releases the GIL);
+    with four workers the plan file is byte-identical to the one solved one MIP at a time."""
+    import threading
+
+    model, inputs, loss_fn, target = gpt.build(**BUILD)
+    names = []
+    solve = ilp.pywraplp.Solver.Solve
+    monkeypatch.setattr(ilp.pywraplp.Solver, "Solve",
+                        lambda self, *a: names.append(threading.current_thread().name) or solve(self, *a))
+    plans = {}
+    for cores in (1, 4):
+        monkeypatch.setattr(make, "_cores", lambda: cores)
+        ilp._SOLVED.clear()
+        names.clear()
+        plans[cores] = autopar.plan(model, inputs, cluster=CLUSTER, loss_fn=loss_fn,
+                                    example_target=target).to_json()
+        threaded = {n for n in names if n.startswith("autopar-mip")}
+        assert len(names) >= 4 and (threaded if cores > 1 else not threaded), (cores, names)
+    assert plans[1] == plans[4]
+
+
 LIMITED_BUILD = dict(size="tiny", batch=16, seq=128)  # llama tiny
 
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field, replace
@@ -393,6 +394,7 @@ re-solve it, which took 20-50 CPU-s for Llama tiny at tp=2. Same model, same ans
 deterministic under a node limit, so the memo changes no plan. Other processes find what this one
 solved on disk (:mod:`autopar.planner.solve_cache`)."""
 _SOLVED_MAX = 64
+_SOLVED_LOCK = threading.Lock()  # the planner solves several MIPs at once in threads (planner.make._solve_all)
 
 
 def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, gap: float = MIP_GAP, backend: str = SOLVER_BACKEND,
@@ -465,9 +467,11 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, gap: float = MIP_GA
                          + solve_cache.salt()).digest()
     # The key is the reduced MIP's: a run's ops are set again from its ends on every answer, memo
     # and disk included (two problems may share a reduced MIP and differ inside a run).
-    if key in _SOLVED:
-        _SOLVED.move_to_end(key)
-        found = _SOLVED[key]
+    with _SOLVED_LOCK:
+        found = _SOLVED.get(key)
+        if found is not None:
+            _SOLVED.move_to_end(key)
+    if found is not None:
         return replace(found, choice=fill_runs(found.choice, runs, g), wall_s=time.perf_counter() - start)
     stored = solve_cache.load(key.hex(), [len(n.candidates) for n in g.nodes])
     if stored is not None:
@@ -497,9 +501,10 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, gap: float = MIP_GA
 
 
 def _remember(key: bytes, solution: Solution) -> Solution:
-    _SOLVED[key] = solution
-    if len(_SOLVED) > _SOLVED_MAX:
-        _SOLVED.popitem(last=False)
+    with _SOLVED_LOCK:
+        _SOLVED[key] = solution
+        if len(_SOLVED) > _SOLVED_MAX:
+            _SOLVED.popitem(last=False)
     return solution
 
 
