@@ -30,12 +30,12 @@ class PipelineBuild:
         they exchange; then it keeps the pieces of its own stages and the
         parameters they read.
         """
-        from autopar.parallel import _check_scalar_loss, _layer_groups, _split_batch, _trace_params
         from autopar.passes.pipeline import (INPUT_PREFIX, PARAM_PREFIX, split_program, split_tied_gradients,
                                              stage_of_layers, tag_stages)
         from autopar.passes.shard import shard_joint_graph
         from autopar.runtime.executor import placements_for_graph
         from autopar.runtime.pipeline import PipelineRunner
+        from autopar.runtime.startup import _check_scalar_loss, _layer_groups, _split_batch, _trace_params
         from autopar.runtime.zero import ShardedParams
 
         with torch.no_grad():  # every stage is cut from rank 0's weights, as with pp = 1
@@ -115,7 +115,7 @@ class PipelineBuild:
         self._compiled = True
 
     def _pipeline_step(self, values) -> float:
-        from autopar.parallel import _split_batch
+        from autopar.runtime.startup import _split_batch
 
         m = self.plan.schedule["microbatches"]
         micro = [self._cp_micro(x) for x in _split_batch(values, m, self.plan.model["global_batch"])]

@@ -1,0 +1,71 @@
+"""Context parallelism (cp > 1) and expert parallelism (ep > 1) in :class:`autopar.parallel.ParallelModule`.
+
+Kept apart from :mod:`autopar.parallel` as a mixin, as :mod:`autopar.runtime.pipelined`
+keeps pp > 1: the builds (:mod:`autopar.runtime.startup`, :mod:`autopar.runtime.pipelined`)
+and the step loop call these, and each is a no-op at cp = 1 (ep = 1). The work itself is
+in :mod:`autopar.runtime.context` (cp groups, the attention rewrite, the sequence layout)
+and :mod:`autopar.runtime.expert` (ep groups, cutting the experts).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+log = logging.getLogger("autopar.parallel")  # the start-up's phases log as autopar.parallel (README)
+
+__all__ = ["CpEpBuild"]
+
+
+class CpEpBuild:
+    """``ParallelModule``'s methods for cp > 1 and ep > 1."""
+
+    def _context_parallel(self):
+        """cp > 1: this rank's cp group (``cp`` consecutive dp ranks in its tp column and stage, the
+        layout of :mod:`autopar.runtime.context`)."""
+        if self.cp == 1:
+            return None
+        from autopar.runtime.context import cp_group
+
+        mesh = self.pp_mesh if self.plan.mesh["pp"] > 1 else self.mesh
+        return cp_group(mesh.mesh, self.cp, dist.get_rank())
+
+    def _cp_program(self, program) -> None:
+        """cp > 1: this rank's step program (before it is cut into pipeline pieces) rewritten for its cp group."""
+        if self.cp == 1:
+            return
+        from autopar.runtime.context import apply_cp, runtime_variant
+
+        n = apply_cp(program, cp=self.cp, group=self.cp_group.group_name, rank=dist.get_rank(self.cp_group),
+                     seq=self.plan.context["sequence"], variant=runtime_variant(self.plan.context))
+        log.info("rank %d: %d attention ops over cp group %s", dist.get_rank(), n,
+                 dist.get_process_group_ranks(self.cp_group))
+
+    def _cp_micro(self, micro: dict[str, Any]) -> dict[str, Any]:
+        """A micro-batch as the program takes it under cp > 1: stacked by (batch group, cp rank),
+        a Hugging Face causal LM's labels shifted on the whole sequence first (see
+        :mod:`autopar.runtime.context`); unchanged without cp."""
+        if self.cp == 1:
+            return micro
+        from autopar.runtime.context import shift_hf_labels, stack_sequences
+
+        rows = self.plan.model["global_batch"] // self.plan.schedule["microbatches"]
+        return stack_sequences(shift_hf_labels(self.model, micro), cp=self.cp, seq=self.plan.context["sequence"],
+                               rows=rows, groups=self.plan.mesh["dp"] // self.cp)
+
+    def _expert_parallel(self) -> dict[str, Any]:
+        """ep > 1: create the ep and replica groups, keep this rank's experts in the model (before
+        the trace, so the traced program holds them); ShardedParams' expert arguments."""
+        if self.ep == 1:
+            return {}
+        from autopar.runtime.expert import cut_experts, ep_groups
+
+        ep_group, replica_group = ep_groups(self.mesh.mesh, self.ep, dist.get_rank())
+        names = [f for layer in self.plan.experts["layers"].values() for f in layer["params"]]
+        cut_experts(self.model, names, ep=self.ep, part=self.mesh.get_local_rank(0) % self.ep,
+                    device=self.torch_device)
+        log.info("rank %d: experts cut to part %d of %d (ep group %s)", dist.get_rank(),
+                 self.mesh.get_local_rank(0) % self.ep, self.ep, dist.get_process_group_ranks(ep_group))
+        return {"experts": names, "ep_group": ep_group, "replica_group": replica_group}
