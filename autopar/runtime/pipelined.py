@@ -1,8 +1,9 @@
 """The pipelined half of :class:`autopar.parallel.ParallelModule` (pp > 1): build, step, schedule.
 
-Kept apart from :mod:`autopar.parallel` (the one-stage build, the step loop, state) as a mixin:
-it reads the module's plan, mesh and parameters and uses its helpers (``_trace``,
-``_cp_micro``, ``_materialize``, ...), which stay there.
+Kept apart from :mod:`autopar.parallel` (the start-up order, the step loop, state) as a mixin:
+it reads the module's plan, mesh and parameters and uses the helpers of the other mixins
+(``_trace``, ``_materialize``, ... in :mod:`autopar.runtime.startup`; ``_cp_micro`` in
+:mod:`autopar.runtime.cp_ep`).
 """
 
 from __future__ import annotations
