@@ -310,12 +310,12 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_s
     """The sharding MIPs of every tp degree (each with both sides of the sp decision:
     :func:`_solve_sp`): (tp, sp) -> (strategy graph, solution), in the order of ``tps``.
 
-    The strategy graphs are built here one after another; the MIPs run side by side in threads,
-    up to one per CPU. SCIP releases the GIL while it searches (its branch and bound is most of
+    The strategy graphs are built here, in the calling thread, one after another (each tp's MIP
+    starts as soon as its graph is built); the MIPs run side by side in threads, up to one per CPU. SCIP releases the GIL while it searches (its branch and bound is most of
     a MIP's time), so on 2 cores two MIPs take about the time of the longer (Llama 70B on
     64x8xH100: 7 MIPs, 1.7 -> 1.0 s). Each answer depends on its MIP alone (SCIP is
     deterministic under a node limit and a gap), not on what runs beside it or how fast."""
-    graphs = {tp: build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False) for tp in tps}
+    graphs: dict[int, StrategyGraph] = {}
 
     def one(tp: int) -> dict[bool, Solution]:
         ref = max(1, batch // max(1, cluster.world_size // tp))
@@ -323,11 +323,16 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_s
 
     workers = min(len(tps), _cores())
     if workers <= 1:
+        for tp in tps:
+            graphs[tp] = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False)
         sides = {tp: one(tp) for tp in tps}
     else:
         pool = ThreadPoolExecutor(workers, thread_name_prefix="autopar-mip")
-        try:  # the widest tp's MIP is usually the longest: it starts first
-            futures = {tp: pool.submit(one, tp) for tp in sorted(tps, reverse=True)}
+        try:  # the widest tp's MIP is usually the longest: it starts first, while the next graph is built
+            futures = {}
+            for tp in sorted(tps, reverse=True):
+                graphs[tp] = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False)
+                futures[tp] = pool.submit(one, tp)
             sides = {tp: futures[tp].result() for tp in tps}
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
