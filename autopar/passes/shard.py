@@ -494,6 +494,30 @@ def shard_joint_graph(gm: fx.GraphModule, *, mesh: DeviceMesh, ops: dict[str, Op
     else:
         program = make_fx(step, tracing_mode=tracing_mode)(*example)
     program.graph.eliminate_dead_code()
+    _reshape_computed_views(program.graph)
     program.recompile()
     program.meta[mk.GRAD_RETURNS] = tuple(returns)
     return program
+
+
+def _reshape_computed_views(graph: fx.Graph) -> None:
+    """``view`` of a computed tensor becomes ``reshape`` (a view where the strides allow, else a copy).
+
+    The program is traced on fake tensors, and ``view`` is recorded where the fake strides allow
+    it. Some kernels lay their output out otherwise than their fake (meta) implementation says:
+    on CPU, ``softplus_backward`` follows a transposed gradient's layout, (1024, 1, 32), where the
+    fake tensor is contiguous, (1024, 32, 1) (torch 2.13; Qwen3.5's gated delta rule), and a
+    ``view`` to (128, 32) downstream then fails at run time. The program is functional (no op
+    writes into its inputs or into a view), so ``reshape`` computes the same values whether it
+    views or copies. Views whose chain starts at a placeholder (parameters, inputs: strides this
+    rank made itself) stay views: the ZeRO program pass follows those chains
+    (:mod:`autopar.runtime.zero_program`)."""
+    views = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in views:
+            continue
+        root = n.args[0]
+        while isinstance(root, fx.Node) and root.op == "call_function" and root.target in views:
+            root = root.args[0]
+        if isinstance(root, fx.Node) and root.op != "placeholder":
+            n.target = torch.ops.aten.reshape.default

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,6 +36,7 @@ from torch import fx, nn
 from autopar.errors import InputError, LossError
 from autopar.passes import meta_keys as mk
 from autopar.passes import trace_cache
+from autopar.passes.hf_paths import hf_training_paths
 from autopar.passes.train_checks import check_trainable, checked_loss
 from autopar.passes.trace_errors import CACHE_OBJECT, trace_error
 
@@ -99,7 +99,7 @@ def trace_joint(
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     n_model_inputs = len(flat) - (example_target is not None)
-    with _collapsed(model, repeats), _caches_off(model), _hf_experts_as_autopar(model), _fake_state(model, fake_mode, param_dtype, fake_device), \
+    with _collapsed(model, repeats), hf_training_paths(model), _fake_state(model, fake_mode, param_dtype, fake_device), \
             warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fake_inputs = [_to_fake(x, fake_mode, param_dtype if i < n_model_inputs else None, fake_device)
@@ -240,63 +240,6 @@ def _collapsed(model: nn.Module, repeats: tuple[mk.Repeat, ...]) -> Iterator[Non
     finally:
         for container, modules in saved:
             container._modules = modules
-
-
-# -- caches ------------------------------------------------------------------
-
-_CACHE_NOTED: set[str] = set()
-
-
-@contextlib.contextmanager
-def _caches_off(model: nn.Module) -> Iterator[None]:
-    """Trace with Hugging Face's key/value cache off (``config.use_cache``), then restore it.
-
-    Training never reads the cache, but with it on the model builds a cache object and
-    attends over ``cat(empty cache, keys)``: tensor constants and copies that cost time
-    and memory in the plan and are no part of the loss. Said once per model class.
-    """
-    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
-               and getattr(c, "use_cache", False) is True}
-    if configs and type(model).__name__ not in _CACHE_NOTED:
-        _CACHE_NOTED.add(type(model).__name__)
-        log.warning("%s has use_cache=True; autopar traces it with use_cache=False (a training step "
-                    "never reads the key/value cache), your model is left as it was", type(model).__name__)
-    try:
-        for c in configs.values():
-            c.use_cache = False
-        yield
-    finally:
-        for c in configs.values():
-            c.use_cache = True
-
-
-_EXPERTS_NOTED: set[str] = set()
-
-
-@contextlib.contextmanager
-def _hf_experts_as_autopar(model: nn.Module) -> Iterator[None]:
-    """Trace Hugging Face's gated-SiLU experts modules through autopar's experts op
-    (:func:`autopar.experts.hf_experts_forward`), then restore their forward.
-
-    Same function of the same weights, but one op the planner recognises and the runtime runs
-    under expert parallelism; whichever ``experts_implementation`` the user picked (the grouped
-    matmul, or the "eager" loop over the experts that received tokens, which cannot be traced
-    at all) only decides the kernel of their own eager runs. Said once per model class."""
-    from autopar.experts import hf_experts_forward, hf_experts_supported
-
-    mods = [m for m in model.modules() if hf_experts_supported(m)]
-    if mods and type(model).__name__ not in _EXPERTS_NOTED:
-        _EXPERTS_NOTED.add(type(model).__name__)
-        log.info("%s: autopar traces the %d experts modules (%s) through autopar.experts.moe_experts "
-                 "(the same gated-SiLU experts, runnable under expert parallelism); your model is left as it was",
-                 type(model).__name__, len(mods), type(mods[0]).__name__)
-    try:
-        for m in mods:
-            m.forward = types.MethodType(hf_experts_forward, m)
-        yield
-    finally:
-        for m in mods:
-            m.__dict__.pop("forward", None)
 
 
 # -- fake state --------------------------------------------------------------
