@@ -395,6 +395,9 @@ class ParallelModule(PipelineBuild, Startup, CpEpBuild):
         for name, p in self.model.named_parameters(remove_duplicate=False):  # tied aliases (lm_head.weight)
             if name not in out and canonical.get(id(p)) in out:
                 out[name] = out[canonical[id(p)]]
+        for name, p in self.model.named_parameters(remove_duplicate=False):  # frozen or unreached: held whole
+            if name not in out and not p.is_meta:
+                out[name] = p.detach().clone()
         for name, buf in self.model.named_buffers():
             out.setdefault(name, buf.detach().clone())
         return out

@@ -109,9 +109,12 @@ def trace_joint(
     _annotate_nodes(gm, flat_to_fqn, names)
     out_node = gm.graph.find_nodes(op="output")[0]
     grad_outputs, loss_output = {}, 0
+    outs = out_node.args[0]
     for i, desc in enumerate(out_node.meta.get("desc", ())):
         kind = type(desc).__name__
         if kind == "GradAOTOutput" and type(desc.grad_of).__name__ == "ParamAOTInput":
+            if outs[i] is None:  # the loss does not reach it: no gradient, as in eager (.grad stays None,
+                continue  # the optimizer skips it); it is held like a frozen parameter
             grad_outputs[_param_name(desc.grad_of.target, flat_to_fqn)] = i
         elif kind == "PlainAOTOutput" and desc.idx == 0:
             loss_output = i

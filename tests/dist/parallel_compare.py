@@ -159,6 +159,9 @@ class Reference:
             losses.append(loss.item())
         p32 = dict(self.fp32.named_parameters())
         for k, p64 in self.fp64.named_parameters():
+            if p64.grad is None:  # the loss does not reach it: no step (AdamW skips it), here as in the run
+                self._shadow[k].grad = None
+                continue
             g64, g32 = p64.grad, p32[k].grad.double()
             got = (grads or {}).get(k)
             self._shadow[k].grad = got.detach().double() if got is not None else g64 + FACTOR * (g32 - g64)
