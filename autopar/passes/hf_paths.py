@@ -90,12 +90,15 @@ _KERNELS_NOTED: set[str] = set()
 
 
 def _export_switched(module: types.ModuleType) -> list[str]:
-    """Functions of ``module`` that choose ``torch.linalg.solve_triangular`` unless
-    ``is_torchdynamo_exporting()`` says an export is running (then a loop instead)."""
+    """Functions defined in ``module`` that choose ``torch.linalg.solve_triangular`` unless
+    ``is_torchdynamo_exporting()`` says an export is running (then a loop instead). (One
+    imported from elsewhere reads its own module's flag, which patching this one would not change.)"""
     out = []
     for name, f in vars(module).items():
-        code = getattr(getattr(f, "__wrapped__", f), "__code__", None)
-        if code is not None and {"is_torchdynamo_exporting", "solve_triangular"} <= set(code.co_names):
+        f = getattr(f, "__wrapped__", f)
+        code = getattr(f, "__code__", None)
+        if code is not None and getattr(f, "__module__", None) == module.__name__ \
+                and {"is_torchdynamo_exporting", "solve_triangular"} <= set(code.co_names):
             out.append(name)
     return out
 

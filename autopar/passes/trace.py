@@ -99,8 +99,8 @@ def trace_joint(
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     n_model_inputs = len(flat) - (example_target is not None)
-    with _collapsed(model, repeats), hf_training_paths(model), _fake_state(model, fake_mode, param_dtype, fake_device), \
-            warnings.catch_warnings():
+    with _collapsed(model, repeats), hf_training_paths(model), \
+            _fake_state(model, fake_mode, param_dtype, fake_device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fake_inputs = [_to_fake(x, fake_mode, param_dtype if i < n_model_inputs else None, fake_device)
                        for i, x in enumerate(flat)]

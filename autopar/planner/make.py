@@ -311,10 +311,12 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_s
     :func:`_solve_sp`): (tp, sp) -> (strategy graph, solution), in the order of ``tps``.
 
     The strategy graphs are built here, in the calling thread, one after another (each tp's MIP
-    starts as soon as its graph is built); the MIPs run side by side in threads, up to one per CPU. SCIP releases the GIL while it searches (its branch and bound is most of
-    a MIP's time), so on 2 cores two MIPs take about the time of the longer (Llama 70B on
-    64x8xH100: 7 MIPs, 1.7 -> 1.0 s). Each answer depends on its MIP alone (SCIP is
-    deterministic under a node limit and a gap), not on what runs beside it or how fast."""
+    starts as soon as its graph is built); the MIPs run side by side in threads, up to one per
+    CPU. SCIP releases the GIL while it searches (its branch and bound is most of a MIP's time),
+    so on 2 cores two MIPs take about the time of the longer (Llama 70B on 64x8xH100, 7 MIPs:
+    solve 2.1 -> 1.3 s of wall, ``python bench/planner_speed.py --targets --repeat 3``; the same
+    CPU seconds). Each answer depends on its MIP alone (SCIP is deterministic under a node limit
+    and a gap), not on what runs beside it or how fast."""
     graphs: dict[int, StrategyGraph] = {}
 
     def one(tp: int) -> dict[bool, Solution]:
