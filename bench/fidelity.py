@@ -9,8 +9,10 @@ from Hugging Face transformers' Qwen3ForCausalLM), planned with every decision p
 to the published one (FSDP = ZeRO-3 over dp, tp, pp, local batch = micro-batch size
 per data-parallel rank, selective/full activation checkpointing; with tp, sequence
 parallelism on, as torchtitan's ``apply_tp`` runs it: ``SequenceParallel`` on the norms,
-row-parallel outputs ``Shard(1)`` on the sequence, the head's output sharded over the
-vocabulary for its loss-parallel cross-entropy), and the plan's
+row-parallel outputs ``Shard(1)`` on the sequence; torchtitan also shards the head's
+output over the vocabulary for a loss-parallel cross-entropy, which autopar has no
+strategy for yet, so the TP rows are priced with whole fp32 logits per rank: their memory
+is over-predicted several times over), and the plan's
 predicted tokens/s per GPU and peak memory are printed next to the measured ones.
 
 The runs were made on Meta's Grand Teton H100s (96 GB HBM2e, 2.4 TB/s, 500 W cap;
@@ -29,7 +31,7 @@ Not expressible, and so not priced as run: torchtitan's op-level selective AC (S
 also recomputes every second matmul of a block (``_custom_policy`` in its
 ``parallelize_llama.py``: wk, wo, w3 of Llama, 36% of a block's forward GEMM FLOPs);
 autopar's "selective" recomputes only FLOP-free ops, so the SAC rows are priced with
-less recompute than they ran (about 4-5% of their step).
+less recompute than they ran (36% of the forward GEMMs, roughly 10% of their step).
 """
 
 import argparse
