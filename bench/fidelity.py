@@ -12,7 +12,7 @@ parallelism on, as torchtitan's ``apply_tp`` runs it: ``SequenceParallel`` on th
 row-parallel outputs ``Shard(1)`` on the sequence; torchtitan also shards the head's
 output over the vocabulary for a loss-parallel cross-entropy, which autopar has no
 strategy for yet, so the TP rows are priced with whole fp32 logits per rank: their memory
-is over-predicted several times over), and the plan's
+is over-predicted 3-5x, 226/228 GiB against 70/43 measured), and the plan's
 predicted tokens/s per GPU and peak memory are printed next to the measured ones.
 
 The runs were made on Meta's Grand Teton H100s (96 GB HBM2e, 2.4 TB/s, 500 W cap;
@@ -31,7 +31,8 @@ Not expressible, and so not priced as run: torchtitan's op-level selective AC (S
 also recomputes every second matmul of a block (``_custom_policy`` in its
 ``parallelize_llama.py``: wk, wo, w3 of Llama, 36% of a block's forward GEMM FLOPs);
 autopar's "selective" recomputes only FLOP-free ops, so the SAC rows are priced with
-less recompute than they ran (36% of the forward GEMMs, roughly 10% of their step).
+less recompute than they ran (36% of the forward GEMMs: about 12% of a block's GEMM FLOPs
+with backward at twice forward, an estimate, not a measurement).
 """
 
 import argparse
