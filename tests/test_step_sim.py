@@ -115,15 +115,37 @@ def test_pipeline_p2p_and_tied_all_reduce():
     tied = (TiedCost(name="wte.weight", stages=(0, 1), groups=(0, 0), nbytes=1e9, link=LINK),)
     s = spec([[(1, 1, 1, 0)], [(1, 1, 1, 0)]], pp=2, dp=1, send=0.5, opt=0.25, tied=tied)
     program = lower_step(s)
-    assert [str(op) for op in program[0]] == ["0F0", "0SEND_F0", "1RECV_B0", "0BW0.g0", "TIED_REDUCE wte.weight",
+    assert [str(op) for op in program[0]] == ["0F0", "0SEND_F0", "1RECV_B0", "0BW0", "TIED_REDUCE wte.weight",
                                               "0OPT"]
-    assert [str(op) for op in program[1]] == ["0RECV_F0", "1F0", "1BW0.g0", "1SEND_B0", "TIED_REDUCE wte.weight",
+    assert [str(op) for op in program[1]] == ["0RECV_F0", "1F0", "1BW0", "1SEND_B0", "TIED_REDUCE wte.weight",
                                               "1OPT"]
     res = simulate_step(s)
     t = spans(res)
-    assert t["1F0"] == (1.5, 2.5) and t["0BW0.g0"] == (5, 7) and t["TIED_REDUCE wte.weight"] == (7, 8)
+    assert t["1F0"] == (1.5, 2.5) and t["0BW0"] == (5, 7) and t["TIED_REDUCE wte.weight"] == (7, 8)
     assert t["1OPT"] == (8, 8.25) and res.step_time_s == 8.25
     assert res.exposed_s == (1.0, 1.0)
+
+
+def test_two_tied_parameters_reduce_in_one_order_on_every_rank():
+    # a word embedding in stage 0's first group and the last stage's last group, a projection
+    # the other way round (NeoMME): in backward order rank 0 would finish the projection first and
+    # rank 1 the embedding, and a stream that runs collectives in issue order would wait forever.
+    # Both ranks issue them by name after their last backward, as the runtime sums them.
+    tied = (TiedCost(name="proj.weight", stages=(0, 1), groups=(1, 0), nbytes=1e9, link=LINK),
+            TiedCost(name="emb.weight", stages=(0, 1), groups=(0, 1), nbytes=1e9, link=LINK))
+    for zero, dp in ((0, 1), (1, 2), (3, 2)):
+        s = spec([[(1, 1, 1, 1e6)] * 2, [(1, 1, 1, 1e6)] * 2], pp=2, dp=dp, zero=zero, send=0.5, opt=0.25, tied=tied)
+        program = lower_step(s)
+        for rank in (0, 1):
+            assert [op.name for op in program[rank] if op.kind == "TIED_REDUCE"] == ["TIED_REDUCE emb.weight",
+                                                                                     "TIED_REDUCE proj.weight"]
+        res = simulate_step(s)  # before: "step program deadlocks: rank 0 at 0OPT waits for TIED_REDUCE ..."
+        t = spans(res)
+        assert t["TIED_REDUCE emb.weight"][1] == t["TIED_REDUCE proj.weight"][0]  # one after the other
+        assert t["TIED_REDUCE proj.weight"][1] <= t["0OPT"][0]
+        reduced = [e for name, (_, e) in t.items() if "REDUCE_GRAD" in name]
+        assert len(reduced) == (0 if dp == 1 else 4)  # one per group and stage (m = 1)
+        assert all(e <= t["TIED_REDUCE emb.weight"][0] for e in reduced)  # after the dp buckets, as the runtime
 
 
 def test_pipeline_only_matches_the_schedule_simulator():

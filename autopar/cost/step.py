@@ -24,7 +24,8 @@ What the lists hold, per ZeRO stage (the one definition is :mod:`autopar.zero_de
   piece that makes the gradients final; stages 0/1 only on the stage's last backward of
   the step, stages 2/3 on every micro-batch.
 - ``TIED_REDUCE``: the all-reduce of a parameter two pipeline ranks both hold (a tied
-  embedding), after both ranks' last backward of it.
+  embedding), after both ranks' last backward and dp reductions (the runtime sums them
+  after waiting for its buckets), in the order of the parameters' names.
 - ``PARAM_GATHER`` (stages 1, 2): each bucket's all-gather after the optimizer step.
 
 Streams. All compute runs on one stream per rank, in list order. Collectives run on
@@ -294,8 +295,7 @@ def lower_step(spec: StepSpec, *, prefix: Prefix | None = None) -> dict[int, lis
     def split(a: Action) -> bool:
         if a.kind in ("F", "B"):
             return gather
-        tied_here = any(s == a.stage for s, _ in tied_at) and is_last(a)
-        return gather or reduces(a) or tied_here
+        return gather or reduces(a)
 
     memo: dict[tuple[int, str, int], list[tuple[str, int, float]]] = {}
 
@@ -359,15 +359,31 @@ def lower_step(spec: StepSpec, *, prefix: Prefix | None = None) -> dict[int, lis
             if reduce_here and g >= 0 and groups[g].bucket_bytes > 0:
                 ops.append(dp_op("REDUCE_GRAD", f"{a.stage}REDUCE_GRAD{a.microbatch}.g{g}", z.grad_collective,
                                  groups[g].bucket_bytes, "dp.reduce", [(name, 0.0)], a, g))
-            t = tied_at.get((a.stage, g)) if (a.stage, g) in tied_at and is_last(a) else None
-            if t is not None:
-                ranks = tuple(sorted({x % pp for x in t.stages}))
-                ops.append(Op(f"TIED_REDUCE {t.name}", "TIED_REDUCE",
-                              comm.all_reduce_s(t.nbytes, len(ranks), t.link), ((name, 0.0),),
-                              stage=a.stage, group=g, stream="tied", collective="all_reduce",
-                              group_size=len(ranks), nbytes=t.nbytes, link=t.link, ranks=ranks))
-    _add_optimizer(program, spec, z, [order[last_grad[s]][1] for s in range(n_stages)], last_grad, reduces, tied_at)
+    last = [order[last_grad[s]][1] for s in range(n_stages)]
+    _add_tied(program, spec, last, tied_at, pieces, reduces)
+    _add_optimizer(program, spec, z, last, last_grad, reduces, tied_at)
     return program
+
+
+def _add_tied(program, spec: StepSpec, last, tied_at, pieces, reduces) -> None:
+    """Each rank's tied-parameter all-reduces as the runtime runs them
+    (``parallel._finish_and_step``): after the rank's last gradient reductions, one after the
+    other in the order of the parameters' names. Every rank must issue a shared stream's
+    collectives in one order: in backward order, two tied parameters in different groups would
+    meet the first and last stage in opposite orders and wait for each other forever."""
+    for rank in program:
+        finished = [(f"{s}REDUCE_GRAD{last[s].microbatch}.g{g}", 0.0)
+                    for s in range(rank, len(spec.stages), spec.pp) if reduces(last[s])
+                    for g, grp in enumerate(spec.stages[s].groups) if grp.bucket_bytes > 0]
+        for (s, g), t in sorted(tied_at.items(), key=lambda kv: kv[1].name):
+            if s % spec.pp != rank:
+                continue
+            piece = next(name for name, g_, _ in pieces(last[s]) if g_ in (g, -1))
+            ranks = tuple(sorted({x % spec.pp for x in t.stages}))
+            program[rank].append(Op(f"TIED_REDUCE {t.name}", "TIED_REDUCE",
+                                    comm.all_reduce_s(t.nbytes, len(ranks), t.link), ((piece, 0.0), *finished),
+                                    stage=s, group=g, stream="tied", collective="all_reduce",
+                                    group_size=len(ranks), nbytes=t.nbytes, link=t.link, ranks=ranks))
 
 
 def _last_grads(order, n_stages: int) -> dict[int, int]:
