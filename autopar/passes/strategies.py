@@ -32,6 +32,7 @@ the groups, so a tied output head's weight gradient is W here as there.
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from dataclasses import dataclass
 
@@ -93,6 +94,11 @@ class SNode:
     gemm: tuple | None = None
     """For a GEMM: ``(m, n, k, a_in, b_in, a_rank, b_rank)``, global m/n/k as :class:`Affine`
     in the batch (batch folded into m), the operands' positions in ``Strategy.ins`` and ranks."""
+    tie: str = ""
+    """For an op: a digest of its target and the Python call stack that made it. Ops of one
+    layer with the same ``tie`` (and the same candidates and costs) are the iterations of an
+    unrolled Python loop, e.g. a state-space model's scan over time steps; the sharding MIP
+    may give them one strategy (:func:`autopar.planner.ilp.solve`)."""
 
 
 @dataclass(frozen=True)
@@ -221,9 +227,19 @@ def build_strategy_graph(gm: fx.GraphModule, *, axis_size: int,
             dtype=_DTYPES.get(getattr(vals[0], "dtype", None), "fp32"), candidates=cands,
             fqn=node.meta[mk.TRACE].fqn,
             shape=tuple(int(d) for d in vals[0].shape) if isinstance(vals[0], torch.Tensor) else (),
-            kernel=kernel, gemm=gemm))
+            kernel=kernel, gemm=gemm, tie=_tie(node) if kind == "op" else ""))
     edges = _edges(gm, index, nodes)
     return StrategyGraph(nodes=tuple(nodes), edges=tuple(edges), axis_size=n, global_batch=batch)
+
+
+def _tie(node: fx.Node) -> str:
+    """Target and call stack (file, line and code of every frame, as TorchDynamo recorded them;
+    a backward op carries its forward op's): equal for the ops one source line makes in each
+    pass of a loop. An op without a recorded stack ties with nothing."""
+    stack = node.meta.get("stack_trace")
+    if not stack:
+        return ""
+    return hashlib.blake2b(f"{node.target}\n{stack}".encode(), digest_size=12).hexdigest()
 
 
 def _gemm_affine(node: fx.Node, twin: fx.Node | None, batch: int) -> tuple[str, tuple | None]:

@@ -67,7 +67,7 @@ from autopar.cost.comm import Link
 from autopar.cost.compute import kernel_time_s
 from autopar.cost.devices import DeviceSpec
 from autopar.errors import InfeasibleError
-from autopar.passes.strategies import StrategyGraph, Strategy
+from autopar.passes.strategies import SEdge, StrategyGraph, Strategy
 from autopar.planner import solve_cache
 from autopar.planner.runs import Run, fill_runs, find_runs
 
@@ -106,6 +106,9 @@ class Solution:
     limit: str | None = None
     """The work limit that stopped the search before it proved optimality ("nodes"), else None."""
     wall_s: float
+    tied: int = 0
+    """Ops the MIP did not decide on their own: each took the strategy of the loop iteration
+    it was tied to (:func:`_tie_loops`)."""
 
     @property
     def gap(self) -> float:
@@ -231,9 +234,80 @@ def _tensor_groups(g: StrategyGraph) -> list[list]:
     and gradient -> parameter edges carry different tensors and stay apart."""
     groups: dict[tuple, list] = {}
     for e in g.edges:
-        key = (e.src, e.src_out, e.virtual, g.nodes[e.dst].kind == "param")
-        groups.setdefault(key, []).append(e)
+        groups.setdefault((e.src, e.src_out, e.virtual, g.nodes[e.dst].kind == "param"), []).append(e)
     return list(groups.values())
+
+
+TIE_MIN = 4
+"""Ops that one source line makes at least this many times in one layer are tied
+(:func:`_tie_loops`); fewer are left apart (two calls of a helper on one line)."""
+
+
+def _tie_loops(problem: Problem) -> tuple[Problem, list[int], list[list], list[dict]] | None:
+    """The problem with each unrolled loop's iterations merged into one op, or None if there are none.
+
+    A Python loop in ``forward`` (a state-space or linear-attention model's scan over time steps,
+    an RNN, a loop over experts) is unrolled by the trace: Mamba's two traced layers make
+    2,600-6,300 ops, and their MIPs took most of a plan's 60+ CPU seconds. Ops of one layer and
+    phase with the same target and call stack (``SNode.tie``), candidates, costs and forbidden
+    candidates are interchangeable; merged, such a class is one op weighing the sum of its
+    members, and its edges merge too (an edge from iteration t to t+1 becomes a self-edge:
+    the reshard the class's own strategy implies, paid by every step). Costs stay exact: a
+    merged edge weighs the number of tensors behind it (the largest weight among each
+    tensor's consumers in the class, summed over tensors), and a tensor group read by several
+    classes gets its per-placement weights from the tensors it stands for (``coverage``),
+    as each original tensor pays a reshard to a placement once.
+
+    Returns the smaller problem, the node each original node became, its tensor groups and
+    their coverage weights."""
+    g = problem.graph
+    forbidden: dict[int, frozenset] = defaultdict(frozenset)
+    for v, i in problem.forbidden:
+        forbidden[v] = forbidden[v] | {i}
+    classes: dict[tuple, list[int]] = defaultdict(list)
+    for v, n in enumerate(g.nodes):
+        if n.kind == "op" and n.tie:
+            classes[(n.tie, n.layer, n.phase, n.weight, n.candidates, n.flops, n.bytes_moved, n.out_bytes,
+                     n.saved, n.dtype, n.kernel, n.gemm, forbidden[v])].append(v)
+    head = {v: members[0] for members in classes.values() if len(members) >= TIE_MIN for v in members}
+    if not head:
+        return None
+    size = defaultdict(int)
+    for v in head:
+        size[head[v]] += g.nodes[v].weight
+    rep, nodes = [], []
+    for v, n in enumerate(g.nodes):
+        if head.get(v, v) == v:
+            rep.append(len(nodes))
+            nodes.append(replace(n, weight=size[v]) if v in size else n)
+        else:
+            rep.append(-1)
+    rep = [rep[head.get(v, v)] for v in range(len(g.nodes))]
+    # A merged tensor group holds the tensors of one producer class whose consumers fall in the
+    # same classes (the first or last iteration's output may have other readers): within it every
+    # tensor pays a reshard to q when a consumer class needs q, so weights add up exactly.
+    merged: dict[tuple, tuple[dict, dict]] = {}  # group key -> (edge key -> weight, q -> weight)
+    for group in _tensor_groups(g):
+        most: dict[tuple, int] = {}
+        needs: dict[str, int] = {}
+        for e in group:
+            key = (rep[e.src], e.src_out, rep[e.dst], e.dst_in, e.virtual)
+            most[key] = max(most.get(key, 0), e.weight)
+            for q in {s.ins[e.dst_in] for s in g.nodes[e.dst].candidates}:
+                needs[q] = max(needs.get(q, 0), e.weight)
+        e0 = group[0]
+        pattern = (rep[e0.src], e0.src_out, e0.virtual, g.nodes[e0.dst].kind == "param", frozenset(most))
+        weights, cover = merged.setdefault(pattern, ({}, {}))
+        for key, w in most.items():
+            weights[key] = weights.get(key, 0) + w
+        for q, w in needs.items():
+            cover[q] = cover.get(q, 0) + w
+    groups = [[SEdge(src=a, src_out=o, dst=d, dst_in=i, weight=w, virtual=virt)
+               for (a, o, d, i, virt), w in weights.items()] for weights, _ in merged.values()]
+    small = StrategyGraph(nodes=tuple(nodes), edges=tuple(e for group in groups for e in group),
+                          axis_size=g.axis_size, global_batch=g.global_batch)
+    forbid = frozenset((rep[v], i) for v, i in problem.forbidden)
+    return replace(problem, graph=small, forbidden=forbid), rep, groups, [cover for _, cover in merged.values()]
 
 
 # The rows are written through pywraplp's low-level API (Constraint(lb, ub) + SetCoefficient)
@@ -307,10 +381,11 @@ def _pairwise(solver, k, edge: str, by_p, by_q, obj, cost) -> float:
     return 0.0
 
 
-def _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj):
+def _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj, weights=None):
     """Coverage form: r[p,q] reshards the tensor from p (only if p is chosen) to q, paid once;
     every consumer that needs q is covered by the producer emitting q or by some r[., q].
-    Adds the rows, appends the (r, cost) objective terms to ``obj``; no fixed cost."""
+    Adds the rows, appends the (r, cost) objective terms to ``obj``; no fixed cost.
+    ``weights``: q -> weight, in place of the largest weight among the consumers needing q."""
     src = g.nodes[group[0].src]
     wants: dict[str, list] = defaultdict(list)  # q -> (consumer name, its x literals that need q)
     weight = defaultdict(int)
@@ -322,6 +397,8 @@ def _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj):
         for q, lq in by_q.items():
             wants[q].append((dst.name, lq))
             weight[q] = max(weight[q], e.weight)
+    if weights is not None:
+        weight.update(weights)
     r = defaultdict(list)
     minus_inf = -solver.infinity()
     for p, lp in by_p.items():
@@ -398,11 +475,15 @@ _SOLVED_LOCK = threading.Lock()  # the planner solves several MIPs at once in th
 
 
 def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, gap: float = MIP_GAP, backend: str = SOLVER_BACKEND,
-          eliminate: bool = True) -> Solution:
+          eliminate: bool = True, tie: bool = True) -> Solution:
     """Solve the ILP (deterministic: same problem, same answer, however loaded the machine).
 
     With ``eliminate`` (the default) runs of single-reader ops leave the MIP and are chosen
     after it (:mod:`autopar.planner.runs`: exact, same optimum); False keeps every op in the MIP.
+
+    With ``tie`` (the default) the iterations of an unrolled loop get one strategy
+    (:func:`_tie_loops`): the MIP of a restriction, so the answer may cost more than the
+    optimum (``bound_s`` bounds the restricted problem) and ``tied`` says how many ops it tied.
 
     The search stops once its best solution is within ``gap`` (relative) of the proven bound
     (status OPTIMAL, as solvers call an answer within their tolerance; ``bound_s`` and ``gap``
@@ -411,6 +492,22 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, gap: float = MIP_GA
     :class:`InfeasibleError` when the problem has no solution, or when the limit is hit
     before any was found.
     """
+    tied = _tie_loops(problem) if tie else None
+    if tied is None:
+        return _solve(problem, node_limit=node_limit, gap=gap, backend=backend, eliminate=eliminate)
+    small, rep, groups, coverage = tied
+    sol = _solve(small, node_limit=node_limit, gap=gap, backend=backend, eliminate=eliminate, groups=groups,
+                 coverage=coverage)
+    return replace(sol, choice=tuple(sol.choice[r] for r in rep),
+                   tied=len(problem.graph.nodes) - len(small.graph.nodes))
+
+
+def _solve(problem: Problem, *, node_limit: int, gap: float, backend: str, eliminate: bool,
+           groups: list[list] | None = None, coverage: list[dict] | None = None) -> Solution:
+    """:func:`solve` without tying. ``groups``: the edges by tensor group, when not
+    :func:`_tensor_groups`'s; ``coverage``: per group, the weight of each placement its
+    consumers need, where merged loop iterations make it differ from the largest consumer
+    edge's weight (:func:`_tie_loops`)."""
     start = time.perf_counter()
     g = problem.graph
     solver = pywraplp.Solver.CreateSolver(backend)
@@ -420,7 +517,7 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, gap: float = MIP_GA
     text = "\n".join(f"{k} = {v}" for k, v in settings.items())
     if settings and not solver.SetSolverSpecificParametersAsString(text):
         raise RuntimeError(f"{backend} rejected the settings {settings}")
-    groups = _tensor_groups(g)
+    groups = groups if groups is not None else _tensor_groups(g)
     runs = (find_runs(g, groups, {v for v, _ in problem.forbidden}, functools.partial(_edge_cost, problem),
                         functools.partial(_own_cost, problem)) if eliminate else [])
     gone = {v for run in runs for v in run.ops}
@@ -452,7 +549,8 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, gap: float = MIP_GA
         if len(group) == 1:
             fixed_cost += _single_consumer(solver, k, e0, g, x, by_p, nbytes, link, obj)
         else:
-            fixed_cost += _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj)
+            fixed_cost += _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj,
+                                          coverage[k] if coverage is not None else None)
     for i, run in enumerate(runs):
         fixed_cost += _add_run(solver, i, run, g, x, obj)
     objective = solver.Objective()

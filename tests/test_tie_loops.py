@@ -1,0 +1,105 @@
+"""The iterations of an unrolled Python loop share one strategy in the sharding MIP
+(``autopar.planner.ilp._tie_loops``): a restriction of the problem, so its answer can cost
+more than the optimum but never less, and the merged problem must price the answer it gives
+exactly (checked against ``ilp.evaluate`` on the whole problem, which knows nothing of ties)."""
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.cluster import parse_cluster
+from autopar.passes.strategies import build_strategy_graph
+from autopar.planner import ilp
+from autopar.planner.frontend import trace_pair
+
+STEPS = 8
+
+
+class Scan(nn.Module):
+    """A gated linear recurrence written as a Python loop over time steps (as Hugging Face's
+    RWKV, Mamba and xLSTM do without their CUDA kernels)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.inp = nn.Linear(d, 2 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        u, gate = self.inp(x).chunk(2, dim=-1)
+        h = torch.zeros_like(u[:, 0])
+        states = []
+        for t in range(x.shape[1]):
+            h = torch.sigmoid(gate[:, t]) * h + u[:, t]
+            states.append(h)
+        return x + self.out(torch.stack(states, dim=1))
+
+
+class Model(nn.Module):
+    def __init__(self, d: int = 64, vocab: int = 128):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Scan(d) for _ in range(2))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.fixture(autouse=True)
+def solved_afresh(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "0")
+    monkeypatch.setattr(ilp, "_SOLVED", type(ilp._SOLVED)())
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    torch.manual_seed(0)
+    cluster = parse_cluster("1x4xH100")
+    ids = torch.randint(0, 128, (8, STEPS))
+    gm, gm2 = trace_pair(Model(), ids, cluster=cluster, example_target=ids,
+                         loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()))
+    return cluster, gm, gm2
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_loop_iterations_share_a_strategy_and_are_priced_exactly(graphs, tp):
+    cluster, gm, gm2 = graphs
+    sg = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False)
+    problem = ilp.build_problem(sg, batch=4, device=cluster.device, link=cluster.link_for_group(tp, stride=1))
+    small, rep, _, _ = ilp._tie_loops(problem)
+    # the ops the loop body makes, forward and backward, in both blocks: one per step (the first
+    # step's add of a zero state traces apart; two like backward muls of one line tie together)
+    merged = [v for v in range(len(sg.nodes)) if rep.count(rep[v]) > 1]
+    assert len(small.graph.nodes) < len(sg.nodes) - 0.8 * len(merged) and merged
+    assert all(rep.count(rep[v]) in (STEPS - 1, STEPS, 2 * STEPS - 1) for v in merged)
+    assert all(sg.nodes[v].tie and sg.nodes[v].layer.startswith("blocks.") for v in merged)
+    assert sum(n.weight for n in small.graph.nodes) == sum(n.weight for n in sg.nodes)
+
+    tied = ilp.solve(problem, gap=0)
+    free = ilp.solve(problem, gap=0, tie=False)
+    assert tied.tied == len(sg.nodes) - len(small.graph.nodes) and free.tied == 0
+    assert tied.status == free.status == "OPTIMAL"
+    for v in merged:  # one strategy per class
+        assert tied.choice[v] == tied.choice[next(u for u in merged if rep[u] == rep[v])]
+    # the merged MIP prices its answer as the whole problem does (no tensor counted twice or missed)
+    assert ilp.evaluate(problem, tied).total_s == pytest.approx(tied.objective_s, rel=1e-9)
+    # a restriction: never cheaper than the optimum, and here (a symmetric scan) as cheap
+    assert tied.objective_s >= free.objective_s * (1 - 1e-9)
+    assert tied.objective_s == pytest.approx(free.objective_s, rel=0.01)
+
+
+def test_forbidden_candidates_follow_their_class(graphs):
+    """A pinned decision (the planner forbids candidates to pin sequence parallelism) is kept:
+    ops tie only with ops whose forbidden candidates are the same, and the answer avoids them."""
+    cluster, gm, gm2 = graphs
+    sg = build_strategy_graph(gm, axis_size=2, gm_double=gm2, shard_batch=False)
+    loop_ops = [v for v, n in enumerate(sg.nodes) if n.tie and len(n.candidates) > 1 and n.layer == "blocks.0"]
+    banned = frozenset((v, 0) for v in loop_ops[::2])  # every other op of the block: splits classes
+    problem = ilp.build_problem(sg, batch=4, device=cluster.device, link=cluster.link_for_group(2, stride=1),
+                                forbidden=banned)
+    sol = ilp.solve(problem, gap=0)
+    assert sol.tied > 0 and not any((v, i) in banned for v, i in enumerate(sol.choice))
+    assert ilp.evaluate(problem, sol).total_s == pytest.approx(sol.objective_s, rel=1e-9)
