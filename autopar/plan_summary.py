@@ -187,6 +187,8 @@ def solver_words(solver: dict[str, Any]) -> str:
         words += f", within its {100 * solver['gap_limit']:g}% tolerance"
     if solver.get("limit") == "nodes":
         words += f"; stopped at its limit of {solver['node_limit']} branch-and-bound nodes"
+    if solver.get("tied"):
+        words += f"; {solver['tied']} ops of unrolled loops took their iteration's strategy"
     return words + ")"
 
 

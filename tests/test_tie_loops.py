@@ -103,3 +103,15 @@ def test_forbidden_candidates_follow_their_class(graphs):
     sol = ilp.solve(problem, gap=0)
     assert sol.tied > 0 and not any((v, i) in banned for v, i in enumerate(sol.choice))
     assert ilp.evaluate(problem, sol).total_s == pytest.approx(sol.objective_s, rel=1e-9)
+
+
+def test_the_plan_says_how_many_ops_were_tied():
+    import autopar
+    from autopar.plan_summary import render_summary
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (8, STEPS))
+    plan = autopar.plan(Model(), ids, cluster="1x4xH100", example_target=ids, fixed={"tp": 4},
+                        loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()))
+    assert plan.solver["tied"] > 10 * STEPS
+    assert f"; {plan.solver['tied']} ops of unrolled loops took their iteration's strategy)" in render_summary(plan)

@@ -41,6 +41,11 @@ u's placement p to w's placement q, and v_1..v_k are set after solving by follow
 the argmins back from the chosen p and q. (:mod:`autopar.planner.runs`);
 ``solve(..., eliminate=False)`` keeps every op in the MIP.
 
+Before that, the iterations of an unrolled Python loop (ops of one layer and phase that one
+target and call stack make at least ``TIE_MIN`` times, with equal candidates and costs) are
+merged into one op, so they share a strategy (:func:`_tie_loops`; ``solve(..., tie=False)``
+keeps them apart). That restricts the problem, but its objective is still the plan's cost.
+
 Solver: SCIP through OR-tools' pywraplp (docs/design-notes.md says why not
 CP-SAT); single-threaded, with a node limit and no time limit, so the same model
 gives the same plan on a quiet or a loaded machine. Costs are in units of 1 us
