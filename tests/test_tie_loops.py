@@ -29,7 +29,7 @@ class Scan(nn.Module):
         h = torch.zeros_like(u[:, 0])
         states = []
         for t in range(x.shape[1]):
-            h = torch.sigmoid(gate[:, t]) * h + u[:, t]
+            h = torch.sigmoid(gate[:, t]) * h + u[:, t] + u[:, : t + 1].mean(dim=1)  # (a slice that grows)
             states.append(h)
         return x + self.out(torch.stack(states, dim=1))
 
@@ -70,13 +70,16 @@ def test_loop_iterations_share_a_strategy_and_are_priced_exactly(graphs, tp):
     sg = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False)
     problem = ilp.build_problem(sg, batch=4, device=cluster.device, link=cluster.link_for_group(tp, stride=1))
     small, rep, _, _ = ilp._tie_loops(problem)
-    # the ops the loop body makes, forward and backward, in both blocks: one per step (the first
-    # step's add of a zero state traces apart; two like backward muls of one line tie together)
+    # the ops the loop body makes, forward and backward, in both blocks: one per step (a few
+    # lines make fewer: the first step adds to a zero state; two like ops of a line tie together)
     merged = [v for v in range(len(sg.nodes)) if rep.count(rep[v]) > 1]
     assert len(small.graph.nodes) < len(sg.nodes) - 0.8 * len(merged) and merged
-    assert all(rep.count(rep[v]) in (STEPS - 1, STEPS, 2 * STEPS - 1) for v in merged)
+    sizes = {rep.count(rep[v]) for v in merged}
+    # (a slice of odd length cannot shard evenly where an even one can: its candidates differ)
+    assert STEPS in sizes and all(ilp.TIE_MIN <= n <= 2 * STEPS for n in sizes), sizes
     assert all(sg.nodes[v].tie and sg.nodes[v].layer.startswith("blocks.") for v in merged)
-    assert sum(n.weight for n in small.graph.nodes) == sum(n.weight for n in sg.nodes)
+    growing = [v for v in merged if sg.nodes[v].shape != sg.nodes[rep.index(rep[v])].shape]
+    assert growing  # the slices of u: iterations of different sizes tie too
 
     tied = ilp.solve(problem, gap=0)
     free = ilp.solve(problem, gap=0, tie=False)

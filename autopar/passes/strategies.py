@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -95,7 +96,8 @@ class SNode:
     """For a GEMM: ``(m, n, k, a_in, b_in, a_rank, b_rank)``, global m/n/k as :class:`Affine`
     in the batch (batch folded into m), the operands' positions in ``Strategy.ins`` and ranks."""
     tie: str = ""
-    """For an op: a digest of its target and the Python call stack that made it. Ops of one
+    """For an op: a digest of its target, the Python call stack that made it and its place
+    among the ops of that target one call made (:func:`_tie_keys`). Ops of one
     layer with the same ``tie`` (and the same candidates and costs) are the iterations of an
     unrolled Python loop, e.g. a state-space model's scan over time steps; the sharding MIP
     may give them one strategy (:func:`autopar.planner.ilp.solve`)."""
@@ -173,6 +175,7 @@ def build_strategy_graph(gm: fx.GraphModule, *, axis_size: int,
     counts = {layer.path: layer.count for layer in gm.meta[mk.LAYERS]}
     twin = _twin_nodes(gm, gm_double)
     phases = _phases(gm)
+    ties = _tie_keys(gm)
     index: dict[fx.Node, int] = {}
     nodes: list[SNode] = []
     n = axis_size
@@ -227,19 +230,38 @@ def build_strategy_graph(gm: fx.GraphModule, *, axis_size: int,
             dtype=_DTYPES.get(getattr(vals[0], "dtype", None), "fp32"), candidates=cands,
             fqn=node.meta[mk.TRACE].fqn,
             shape=tuple(int(d) for d in vals[0].shape) if isinstance(vals[0], torch.Tensor) else (),
-            kernel=kernel, gemm=gemm, tie=_tie(node) if kind == "op" else ""))
+            kernel=kernel, gemm=gemm, tie=ties.get(node, "") if kind == "op" else ""))
     edges = _edges(gm, index, nodes)
     return StrategyGraph(nodes=tuple(nodes), edges=tuple(edges), axis_size=n, global_batch=batch)
 
 
-def _tie(node: fx.Node) -> str:
-    """Target and call stack (file, line and code of every frame, as TorchDynamo recorded them;
-    a backward op carries its forward op's): equal for the ops one source line makes in each
-    pass of a loop. An op without a recorded stack ties with nothing."""
-    stack = node.meta.get("stack_trace")
-    if not stack:
-        return ""
-    return hashlib.blake2b(f"{node.target}\n{stack}".encode(), digest_size=12).hexdigest()
+def _tie_keys(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """Per op: target, call stack (file, line and code of every frame, as TorchDynamo recorded
+    them; a backward op carries its forward op's) and the op's place among the ops of its
+    target that one call made. Equal for the ops one source line makes in each pass of a loop;
+    different for the ops one call decomposes into (``scaled_dot_product_attention``'s two
+    ``bmm``s, a matmul's two backward ``mm``s). An op without a recorded stack ties with nothing."""
+    seen: dict[tuple, int] = defaultdict(int)
+    keys = {}
+    for node in gm.graph.nodes:
+        stack = node.meta.get("stack_trace")
+        if node.op != "call_function" or not stack:
+            continue
+        call = _call_of(node)
+        place = seen[call, node.target]
+        seen[call, node.target] += 1
+        keys[node] = hashlib.blake2b(f"{node.target}\n{place}\n{stack}".encode(), digest_size=12).hexdigest()
+    return keys
+
+
+def _call_of(node: fx.Node) -> tuple:
+    """The Python-level call an op comes from: TorchDynamo's node for a forward op, the forward
+    call's for a backward op (else the autograd node's sequence number)."""
+    role = node.meta[mk.TRACE].role
+    stack = node.meta.get("fwd_source_fn_stack" if role is mk.Role.BACKWARD else "source_fn_stack")
+    if stack:
+        return role, stack[-1][0]
+    return role, node.meta.get("seq_nr")
 
 
 def _gemm_affine(node: fx.Node, twin: fx.Node | None, batch: int) -> tuple[str, tuple | None]:

@@ -58,7 +58,6 @@ recomputes its cost split from scratch, independently of the solver.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import threading
 import time
@@ -243,28 +242,79 @@ def _tensor_groups(g: StrategyGraph) -> list[list]:
     return list(groups.values())
 
 
+class _Prices:
+    """The MIP's costs in objective units: an op running a strategy, an edge turning placement
+    p into q, and a tensor read by several consumers resharded from p to q once (``weight``:
+    the largest weight among the consumers that may need q)."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+
+    def own(self, v: int, s: Strategy) -> float:
+        return _own_cost(self.problem, v, s)
+
+    def edge(self, e, p: str, q: str) -> float:
+        return _edge_cost(self.problem, e, p, q)
+
+    def cover(self, k: int, group: list, p: str, q: str, weight: int) -> float:
+        g, e0 = self.problem.graph, group[0]
+        nbytes = g.nodes[e0.src].out_bytes[e0.src_out](self.problem.batch)
+        link = _edge_link(self.problem, g.nodes[e0.dst].kind)
+        return weight * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S
+
+
+class _TiedPrices(_Prices):
+    """The costs of a tied problem (:func:`_tie_loops`), each the sum of the costs of what
+    it stands for in the whole problem: an op's over its loop's iterations (whose sizes may
+    differ, as in a chunked scan's triangular loop), a merged edge's over the tensors behind
+    it, a merged tensor group's over its tensors."""
+
+    def __init__(self, whole: Problem, members: dict[int, list[int]], parts: dict[int, list],
+                 cover_parts: list[dict[str, list]]):
+        self.whole, self.members, self.parts, self.cover_parts = whole, members, parts, cover_parts
+        self._memo: dict[tuple, float] = {}
+
+    def own(self, v: int, s: Strategy) -> float:
+        return sum(_own_cost(self.whole, u, s) for u in self.members[v])
+
+    def _sum(self, parts, p: str, q: str) -> float:
+        g = self.whole.graph
+        return sum(w * reshard_s(p, q, nbytes, g.axis_size, link)[0] for w, nbytes, link in parts) / _UNIT_S
+
+    def edge(self, e, p: str, q: str) -> float:
+        key = (id(e), p, q)
+        if key not in self._memo:
+            self._memo[key] = self._sum(self.parts[id(e)], p, q)
+        return self._memo[key]
+
+    def cover(self, k: int, group: list, p: str, q: str, weight: int) -> float:
+        return self._sum(self.cover_parts[k][q], p, q)
+
+
 TIE_MIN = 4
 """Ops that one source line makes at least this many times in one layer are tied
 (:func:`_tie_loops`); fewer are left apart (two calls of a helper on one line)."""
 
 
-def _tie_loops(problem: Problem) -> tuple[Problem, list[int], list[list], list[dict]] | None:
+def _tie_loops(problem: Problem) -> tuple[Problem, list[int], list[list], _TiedPrices] | None:
     """The problem with each unrolled loop's iterations merged into one op, or None if there are none.
 
-    A Python loop in ``forward`` (a state-space or linear-attention model's scan over time steps,
-    an RNN, a loop over experts) is unrolled by the trace: Mamba's two traced layers make
-    2,600-6,300 ops, and their MIPs took most of a plan's 60+ CPU seconds. Ops of one layer and
-    phase with the same target and call stack (``SNode.tie``), candidates, costs and forbidden
-    candidates are interchangeable; merged, such a class is one op weighing the sum of its
-    members, and its edges merge too (an edge from iteration t to t+1 becomes a self-edge:
-    the reshard the class's own strategy implies, paid by every step). Costs stay exact: a
-    merged edge weighs the number of tensors behind it (the largest weight among each
-    tensor's consumers in the class, summed over tensors), and a tensor group read by several
-    classes gets its per-placement weights from the tensors it stands for (``coverage``),
-    as each original tensor pays a reshard to a placement once.
+    A Python loop in ``forward`` (a state-space or linear-attention model's scan over time steps
+    or over a chunk's rows, an RNN, a loop over experts) is unrolled by the trace: Mamba's and
+    Kimi-Linear's two traced layers make 2,600-6,300 ops, and their MIPs took most of a plan's
+    60+ CPU seconds. Ops of one layer and phase with the same target and call stack
+    (``SNode.tie``), candidates and forbidden candidates differ only in their sizes; merged,
+    such a class is one op whose cost for a strategy is the sum of its members' costs, and
+    edges merge too (an edge from iteration t to t+1 becomes a self-edge: the reshard the
+    class's own strategy implies, paid by every step). The tied problem prices each answer
+    exactly as the whole problem does (:class:`_TiedPrices`): a merged edge costs the reshards
+    of the tensors behind it, each at the largest weight among its consumers in the class; a
+    merged tensor group holds the tensors of one producer class whose consumers fall in the
+    same classes (the last iteration's output may have other readers), and pays, per
+    placement its consumers need, one reshard of each of its tensors.
 
     Returns the smaller problem, the node each original node became, its tensor groups and
-    their coverage weights."""
+    their prices."""
     g = problem.graph
     forbidden: dict[int, frozenset] = defaultdict(frozenset)
     for v, i in problem.forbidden:
@@ -272,47 +322,49 @@ def _tie_loops(problem: Problem) -> tuple[Problem, list[int], list[list], list[d
     classes: dict[tuple, list[int]] = defaultdict(list)
     for v, n in enumerate(g.nodes):
         if n.kind == "op" and n.tie:
-            classes[(n.tie, n.layer, n.phase, n.weight, n.candidates, n.flops, n.bytes_moved, n.out_bytes,
-                     n.saved, n.dtype, n.kernel, n.gemm, forbidden[v])].append(v)
+            classes[(n.tie, n.layer, n.phase, n.weight, n.candidates, forbidden[v])].append(v)
     head = {v: members[0] for members in classes.values() if len(members) >= TIE_MIN for v in members}
     if not head:
         return None
-    size = defaultdict(int)
-    for v in head:
-        size[head[v]] += g.nodes[v].weight
-    rep, nodes = [], []
+    index, nodes, members = {}, [], defaultdict(list)
     for v, n in enumerate(g.nodes):
         if head.get(v, v) == v:
-            rep.append(len(nodes))
-            nodes.append(replace(n, weight=size[v]) if v in size else n)
-        else:
-            rep.append(-1)
-    rep = [rep[head.get(v, v)] for v in range(len(g.nodes))]
-    # A merged tensor group holds the tensors of one producer class whose consumers fall in the
-    # same classes (the first or last iteration's output may have other readers): within it every
-    # tensor pays a reshard to q when a consumer class needs q, so weights add up exactly.
-    merged: dict[tuple, tuple[dict, dict]] = {}  # group key -> (edge key -> weight, q -> weight)
+            index[v] = len(nodes)
+            nodes.append(n)
+    rep = [index[head.get(v, v)] for v in range(len(g.nodes))]
+    for v in range(len(g.nodes)):
+        members[rep[v]].append(v)
+    merged: dict[tuple, tuple[dict, dict]] = {}  # group key -> (edge key -> parts, q -> parts)
     for group in _tensor_groups(g):
-        most: dict[tuple, int] = {}
-        needs: dict[str, int] = {}
+        e0 = group[0]
+        nbytes = g.nodes[e0.src].out_bytes[e0.src_out](problem.batch)
+        most: dict[tuple, tuple[int, Link]] = {}
+        needs: dict[str, tuple[int, Link]] = {}
         for e in group:
             key = (rep[e.src], e.src_out, rep[e.dst], e.dst_in, e.virtual)
-            most[key] = max(most.get(key, 0), e.weight)
+            link = _edge_link(problem, g.nodes[e.dst].kind)
+            most[key] = (max(most.get(key, (0,))[0], e.weight), link)
             for q in {s.ins[e.dst_in] for s in g.nodes[e.dst].candidates}:
-                needs[q] = max(needs.get(q, 0), e.weight)
-        e0 = group[0]
+                needs[q] = (max(needs.get(q, (0,))[0], e.weight), link)
         pattern = (rep[e0.src], e0.src_out, e0.virtual, g.nodes[e0.dst].kind == "param", frozenset(most))
-        weights, cover = merged.setdefault(pattern, ({}, {}))
-        for key, w in most.items():
-            weights[key] = weights.get(key, 0) + w
-        for q, w in needs.items():
-            cover[q] = cover.get(q, 0) + w
-    groups = [[SEdge(src=a, src_out=o, dst=d, dst_in=i, weight=w, virtual=virt)
-               for (a, o, d, i, virt), w in weights.items()] for weights, _ in merged.values()]
+        edge_parts, cover_parts = merged.setdefault(pattern, ({}, defaultdict(list)))
+        for key, (w, link) in most.items():
+            edge_parts.setdefault(key, []).append((w, nbytes, link))
+        for q, (w, link) in needs.items():
+            cover_parts[q].append((w, nbytes, link))
+    groups, parts = [], {}
+    for edge_parts, _ in merged.values():
+        group = []
+        for (a, o, d, i, virt), ps in edge_parts.items():
+            e = SEdge(src=a, src_out=o, dst=d, dst_in=i, weight=sum(w for w, _, _ in ps), virtual=virt)
+            parts[id(e)] = ps
+            group.append(e)
+        groups.append(group)
     small = StrategyGraph(nodes=tuple(nodes), edges=tuple(e for group in groups for e in group),
                           axis_size=g.axis_size, global_batch=g.global_batch)
-    forbid = frozenset((rep[v], i) for v, i in problem.forbidden)
-    return replace(problem, graph=small, forbidden=forbid), rep, groups, [cover for _, cover in merged.values()]
+    small_problem = replace(problem, graph=small, forbidden=frozenset((rep[v], i) for v, i in problem.forbidden))
+    prices = _TiedPrices(problem, dict(members), parts, [dict(c) for _, c in merged.values()])
+    return small_problem, rep, groups, prices
 
 
 # The rows are written through pywraplp's low-level API (Constraint(lb, ub) + SetCoefficient)
@@ -353,7 +405,7 @@ def _own_cost(problem: Problem, v: int, s: Strategy) -> float:
     return problem.graph.nodes[v].weight * node_cost_s(problem, v, s) / _UNIT_S
 
 
-def _single_consumer(solver, k, e, g, x, by_p, nbytes, link, obj):
+def _single_consumer(solver, k, e, g, x, by_p, obj, prices: _Prices):
     """Marginal (transportation) form: y is integral once x is, so y stays continuous.
     Adds the edge's rows, appends its (y, cost) objective terms to ``obj`` and returns its
     fixed cost (nonzero when both ends have one placement only)."""
@@ -361,8 +413,7 @@ def _single_consumer(solver, k, e, g, x, by_p, nbytes, link, obj):
     by_q = defaultdict(list)
     for j, s in enumerate(dst.candidates):
         by_q[s.ins[e.dst_in]].append(x[e.dst][j])
-    return _pairwise(solver, k, f"{k}:{src.name}->{dst.name}", by_p, by_q, obj,
-                     lambda p, q: e.weight * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S)
+    return _pairwise(solver, k, f"{k}:{src.name}->{dst.name}", by_p, by_q, obj, lambda p, q: prices.edge(e, p, q))
 
 
 def _pairwise(solver, k, edge: str, by_p, by_q, obj, cost) -> float:
@@ -386,11 +437,10 @@ def _pairwise(solver, k, edge: str, by_p, by_q, obj, cost) -> float:
     return 0.0
 
 
-def _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj, weights=None):
+def _many_consumers(solver, k, group, g, x, by_p, obj, prices: _Prices):
     """Coverage form: r[p,q] reshards the tensor from p (only if p is chosen) to q, paid once;
     every consumer that needs q is covered by the producer emitting q or by some r[., q].
-    Adds the rows, appends the (r, cost) objective terms to ``obj``; no fixed cost.
-    ``weights``: q -> weight, in place of the largest weight among the consumers needing q."""
+    Adds the rows, appends the (r, cost) objective terms to ``obj``; no fixed cost."""
     src = g.nodes[group[0].src]
     wants: dict[str, list] = defaultdict(list)  # q -> (consumer name, its x literals that need q)
     weight = defaultdict(int)
@@ -402,8 +452,6 @@ def _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj, weights=Non
         for q, lq in by_q.items():
             wants[q].append((dst.name, lq))
             weight[q] = max(weight[q], e.weight)
-    if weights is not None:
-        weight.update(weights)
     r = defaultdict(list)
     minus_inf = -solver.infinity()
     for p, lp in by_p.items():
@@ -414,7 +462,7 @@ def _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj, weights=Non
             _add_row(solver, minus_inf, 0.0, f"reshard_from[{k}:{src.name},{p}->{q}]",  # y <= sum(lp)
                      [(y, 1.0)] + _terms(lp, -1.0))
             r[q].append(y)
-            c = weight[q] * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S
+            c = prices.cover(k, group, p, q, weight[q])
             if c:
                 obj.append((y, c))
     for q, consumers in wants.items():
@@ -500,19 +548,18 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, gap: float = MIP_GA
     tied = _tie_loops(problem) if tie else None
     if tied is None:
         return _solve(problem, node_limit=node_limit, gap=gap, backend=backend, eliminate=eliminate)
-    small, rep, groups, coverage = tied
+    small, rep, groups, prices = tied
     sol = _solve(small, node_limit=node_limit, gap=gap, backend=backend, eliminate=eliminate, groups=groups,
-                 coverage=coverage)
+                 prices=prices)
     return replace(sol, choice=tuple(sol.choice[r] for r in rep),
                    tied=len(problem.graph.nodes) - len(small.graph.nodes))
 
 
 def _solve(problem: Problem, *, node_limit: int, gap: float, backend: str, eliminate: bool,
-           groups: list[list] | None = None, coverage: list[dict] | None = None) -> Solution:
+           groups: list[list] | None = None, prices: _Prices | None = None) -> Solution:
     """:func:`solve` without tying. ``groups``: the edges by tensor group, when not
-    :func:`_tensor_groups`'s; ``coverage``: per group, the weight of each placement its
-    consumers need, where merged loop iterations make it differ from the largest consumer
-    edge's weight (:func:`_tie_loops`)."""
+    :func:`_tensor_groups`'s; ``prices``: the costs, when not the problem's own (a tied
+    problem's ops and edges stand for several: :func:`_tie_loops`)."""
     start = time.perf_counter()
     g = problem.graph
     solver = pywraplp.Solver.CreateSolver(backend)
@@ -523,8 +570,8 @@ def _solve(problem: Problem, *, node_limit: int, gap: float, backend: str, elimi
     if settings and not solver.SetSolverSpecificParametersAsString(text):
         raise RuntimeError(f"{backend} rejected the settings {settings}")
     groups = groups if groups is not None else _tensor_groups(g)
-    runs = (find_runs(g, groups, {v for v, _ in problem.forbidden}, functools.partial(_edge_cost, problem),
-                        functools.partial(_own_cost, problem)) if eliminate else [])
+    prices = prices or _Prices(problem)
+    runs = find_runs(g, groups, {v for v, _ in problem.forbidden}, prices.edge, prices.own) if eliminate else []
     gone = {v for run in runs for v in run.ops}
     x: list = []
     obj = []  # (variable, coefficient) of the objective, in the order the variables are made
@@ -538,7 +585,7 @@ def _solve(problem: Problem, *, node_limit: int, gap: float, backend: str, elimi
         _add_row(solver, 1.0, 1.0, f"one_strategy[{node.name}]", _terms(lits, 1.0))
         x.append(lits)
         for i, s in enumerate(node.candidates):
-            c = _own_cost(problem, v, s)
+            c = prices.own(v, s)
             if c:
                 obj.append((lits[i], c))
     for k, group in enumerate(groups):
@@ -546,16 +593,13 @@ def _solve(problem: Problem, *, node_limit: int, gap: float, backend: str, elimi
         if e0.src in gone or e0.dst in gone:
             continue  # (a run's edge: priced by the run)
         src = g.nodes[e0.src]
-        nbytes = src.out_bytes[e0.src_out](problem.batch)
-        link = _edge_link(problem, g.nodes[e0.dst].kind)
         by_p = defaultdict(list)
         for i, s in enumerate(src.candidates):
             by_p[s.outs[e0.src_out]].append(x[e0.src][i])
         if len(group) == 1:
-            fixed_cost += _single_consumer(solver, k, e0, g, x, by_p, nbytes, link, obj)
+            fixed_cost += _single_consumer(solver, k, e0, g, x, by_p, obj, prices)
         else:
-            fixed_cost += _many_consumers(solver, k, group, g, x, by_p, nbytes, link, obj,
-                                          coverage[k] if coverage is not None else None)
+            fixed_cost += _many_consumers(solver, k, group, g, x, by_p, obj, prices)
     for i, run in enumerate(runs):
         fixed_cost += _add_run(solver, i, run, g, x, obj)
     objective = solver.Objective()
