@@ -96,11 +96,11 @@ class SNode:
     """For a GEMM: ``(m, n, k, a_in, b_in, a_rank, b_rank)``, global m/n/k as :class:`Affine`
     in the batch (batch folded into m), the operands' positions in ``Strategy.ins`` and ranks."""
     tie: str = ""
-    """For an op: a digest of its target, the Python call stack that made it and its place
-    among the ops of that target one call made (:func:`_tie_keys`). Ops of one
-    layer with the same ``tie`` (and the same candidates and costs) are the iterations of an
-    unrolled Python loop, e.g. a state-space model's scan over time steps; the sharding MIP
-    may give them one strategy (:func:`autopar.planner.ilp.solve`)."""
+    """For an op: a digest of its target, the Python call stack that made it, its place among
+    the ops of that target one call made and its layer's signature (:func:`_tie_keys`). Ops
+    with the same ``tie``, phase, weight and candidates are the iterations of an unrolled
+    Python loop (a state-space model's scan over time steps, a loop over alike layers); the
+    sharding MIP may give them one strategy (:func:`autopar.planner.ilp.solve`)."""
 
 
 @dataclass(frozen=True)
@@ -240,8 +240,12 @@ def _tie_keys(gm: fx.GraphModule) -> dict[fx.Node, str]:
     them; a backward op carries its forward op's) and the op's place among the ops of its
     target that one call made. Equal for the ops one source line makes in each pass of a loop;
     different for the ops one call decomposes into (``scaled_dot_product_attention``'s two
-    ``bmm``s, a matmul's two backward ``mm``s). An op without a recorded stack ties with nothing."""
+    ``bmm``s, a matmul's two backward ``mm``s). The layer enters by its signature, so the like
+    ops of alike layers that were traced apart (a hybrid stack of 24 layers, whose repeats are
+    not collapsed: :func:`autopar.passes.trace._find_repeats` wants all blocks alike) tie too.
+    An op without a recorded stack ties with nothing."""
     seen: dict[tuple, int] = defaultdict(int)
+    signature = {layer.path: layer.signature for layer in gm.meta[mk.LAYERS]}
     keys = {}
     for node in gm.graph.nodes:
         stack = node.meta.get("stack_trace")
@@ -250,7 +254,9 @@ def _tie_keys(gm: fx.GraphModule) -> dict[fx.Node, str]:
         call = _call_of(node)
         place = seen[call, node.target]
         seen[call, node.target] += 1
-        keys[node] = hashlib.blake2b(f"{node.target}\n{place}\n{stack}".encode(), digest_size=12).hexdigest()
+        layer = node.meta[mk.LAYER]
+        text = f"{node.target}\n{place}\n{signature.get(layer, layer)}\n{stack}"
+        keys[node] = hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
     return keys
 
 

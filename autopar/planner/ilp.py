@@ -302,8 +302,10 @@ def _tie_loops(problem: Problem) -> tuple[Problem, list[int], list[list], _TiedP
     A Python loop in ``forward`` (a state-space or linear-attention model's scan over time steps
     or over a chunk's rows, an RNN, a loop over experts) is unrolled by the trace: Mamba's and
     Kimi-Linear's two traced layers make 2,600-6,300 ops, and their MIPs took most of a plan's
-    60+ CPU seconds. Ops of one layer and phase with the same target and call stack
-    (``SNode.tie``), candidates and forbidden candidates differ only in their sizes; merged,
+    60+ CPU seconds; so is the loop over a hybrid stack's layers, which are not all alike and
+    so are traced one by one (OLMo hybrid: 24 layers, 15,368 ops). Ops of one phase and weight
+    with the same ``SNode.tie`` (target, call stack, layer signature), candidates and forbidden
+    candidates differ only in their sizes and layers; merged,
     such a class is one op whose cost for a strategy is the sum of its members' costs, and
     edges merge too (an edge from iteration t to t+1 becomes a self-edge: the reshard the
     class's own strategy implies, paid by every step). The tied problem prices each answer
@@ -322,7 +324,7 @@ def _tie_loops(problem: Problem) -> tuple[Problem, list[int], list[list], _TiedP
     classes: dict[tuple, list[int]] = defaultdict(list)
     for v, n in enumerate(g.nodes):
         if n.kind == "op" and n.tie:
-            classes[(n.tie, n.layer, n.phase, n.weight, n.candidates, forbidden[v])].append(v)
+            classes[(n.tie, n.phase, n.weight, n.candidates, forbidden[v])].append(v)
     head = {v: members[0] for members in classes.values() if len(members) >= TIE_MIN for v in members}
     if not head:
         return None
