@@ -32,7 +32,6 @@ the groups, so a tied output head's weight gradient is W here as there.
 
 from __future__ import annotations
 
-import hashlib
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
@@ -96,7 +95,7 @@ class SNode:
     """For a GEMM: ``(m, n, k, a_in, b_in, a_rank, b_rank)``, global m/n/k as :class:`Affine`
     in the batch (batch folded into m), the operands' positions in ``Strategy.ins`` and ranks."""
     tie: str = ""
-    """For an op: a digest of its target, the Python call stack that made it, its place among
+    """For an op: a name for its target, the Python call stack that made it, its place among
     the ops of that target one call made and its layer's signature (:func:`_tie_keys`). Ops
     with the same ``tie``, phase, weight and candidates are the iterations of an unrolled
     Python loop (a state-space model's scan over time steps, a loop over alike layers); the
@@ -246,6 +245,7 @@ def _tie_keys(gm: fx.GraphModule) -> dict[fx.Node, str]:
     An op without a recorded stack ties with nothing."""
     seen: dict[tuple, int] = defaultdict(int)
     signature = {layer.path: layer.signature for layer in gm.meta[mk.LAYERS]}
+    names: dict[tuple, str] = {}  # a short name per distinct key, numbered as met (hashing the stacks took 0.5 s)
     keys = {}
     for node in gm.graph.nodes:
         stack = node.meta.get("stack_trace")
@@ -255,8 +255,7 @@ def _tie_keys(gm: fx.GraphModule) -> dict[fx.Node, str]:
         place = seen[call, node.target]
         seen[call, node.target] += 1
         layer = node.meta[mk.LAYER]
-        text = f"{node.target}\n{place}\n{signature.get(layer, layer)}\n{stack}"
-        keys[node] = hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+        keys[node] = names.setdefault((node.target, place, signature.get(layer, layer), stack), f"t{len(names)}")
     return keys
 
 
