@@ -53,3 +53,13 @@ if _CPU_LOG:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(item):
         yield from _timed("call", item)
+
+
+@pytest.fixture
+def solved_afresh(monkeypatch):
+    """Every solve is SCIP's, not this process's memo of solved MIPs or the disk cache
+    (for tests of what the solver answers; use with ``pytest.mark.usefixtures``)."""
+    from autopar.planner import ilp
+
+    monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "0")
+    monkeypatch.setattr(ilp, "_SOLVED", type(ilp._SOLVED)())

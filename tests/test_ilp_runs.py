@@ -19,11 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import llama  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def solved_afresh(monkeypatch):
-    """Every solve here is SCIP's, not this process's memo or the disk cache."""
-    monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "0")
-    monkeypatch.setattr(ilp, "_SOLVED", type(ilp._SOLVED)())
+pytestmark = pytest.mark.usefixtures("solved_afresh")  # (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

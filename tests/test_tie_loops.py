@@ -1,5 +1,5 @@
 """The iterations of an unrolled Python loop share one strategy in the sharding MIP
-(``autopar.planner.ilp._tie_loops``): a restriction of the problem, so its answer can cost
+(``autopar.planner.ties.tie_loops``): a restriction of the problem, so its answer can cost
 more than the optimum but never less, and the merged problem must price the answer it gives
 exactly (checked against ``ilp.evaluate`` on the whole problem, which knows nothing of ties)."""
 
@@ -9,7 +9,7 @@ from torch import nn
 
 from autopar.cluster import parse_cluster
 from autopar.passes.strategies import build_strategy_graph
-from autopar.planner import ilp
+from autopar.planner import ilp, ties
 from autopar.planner.frontend import trace_pair
 
 STEPS = 8
@@ -48,10 +48,7 @@ class Model(nn.Module):
         return self.head(x)
 
 
-@pytest.fixture(autouse=True)
-def solved_afresh(monkeypatch):
-    monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "0")
-    monkeypatch.setattr(ilp, "_SOLVED", type(ilp._SOLVED)())
+pytestmark = pytest.mark.usefixtures("solved_afresh")  # (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +66,7 @@ def test_loop_iterations_share_a_strategy_and_are_priced_exactly(graphs, tp):
     cluster, gm, gm2 = graphs
     sg = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False)
     problem = ilp.build_problem(sg, batch=4, device=cluster.device, link=cluster.link_for_group(tp, stride=1))
-    small, rep, _, _ = ilp._tie_loops(problem)
+    small, rep, _, _ = ties.tie_loops(problem)
     # the ops the loop body makes, forward and backward: one per step in each of the two alike
     # blocks, which tie together (a few lines make fewer: the first step adds to a zero state;
     # two like ops of a line tie together)
@@ -77,7 +74,7 @@ def test_loop_iterations_share_a_strategy_and_are_priced_exactly(graphs, tp):
     assert len(small.graph.nodes) < len(sg.nodes) - 0.8 * len(merged) and merged
     sizes = {rep.count(rep[v]) for v in merged}
     # (a slice of odd length cannot shard evenly where an even one can: its candidates differ)
-    assert 2 * STEPS in sizes and all(ilp.TIE_MIN <= n <= 4 * STEPS for n in sizes), sizes
+    assert 2 * STEPS in sizes and all(ties.TIE_MIN <= n <= 4 * STEPS for n in sizes), sizes
     assert any({sg.nodes[u].layer for u in merged if rep[u] == rep[v]} == {"blocks.0", "blocks.1"} for v in merged)
     assert all(sg.nodes[v].tie and sg.nodes[v].layer.startswith("blocks.") for v in merged)
     growing = [v for v in merged if sg.nodes[v].shape != sg.nodes[rep.index(rep[v])].shape]

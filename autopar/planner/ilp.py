@@ -43,7 +43,7 @@ the argmins back from the chosen p and q. (:mod:`autopar.planner.runs`);
 
 Before that, the iterations of an unrolled Python loop (ops of one layer and phase that one
 target and call stack make at least ``TIE_MIN`` times, with equal candidates and costs) are
-merged into one op, so they share a strategy (:func:`_tie_loops`; ``solve(..., tie=False)``
+merged into one op, so they share a strategy (:func:`autopar.planner.ties.tie_loops`; ``solve(..., tie=False)``
 keeps them apart). That restricts the problem, but its objective is still the plan's cost.
 
 Solver: SCIP through OR-tools' pywraplp (docs/design-notes.md says why not
@@ -71,7 +71,7 @@ from autopar.cost.comm import Link
 from autopar.cost.compute import kernel_time_s
 from autopar.cost.devices import DeviceSpec
 from autopar.errors import InfeasibleError
-from autopar.passes.strategies import SEdge, StrategyGraph, Strategy
+from autopar.passes.strategies import StrategyGraph, Strategy
 from autopar.planner import solve_cache
 from autopar.planner.runs import Run, fill_runs, find_runs
 
@@ -112,7 +112,7 @@ class Solution:
     wall_s: float
     tied: int = 0
     """Ops the MIP did not decide on their own: each took the strategy of the loop iteration
-    it was tied to (:func:`_tie_loops`)."""
+    it was tied to (:func:`autopar.planner.ties.tie_loops`)."""
 
     @property
     def gap(self) -> float:
@@ -261,112 +261,6 @@ class _Prices:
         nbytes = g.nodes[e0.src].out_bytes[e0.src_out](self.problem.batch)
         link = _edge_link(self.problem, g.nodes[e0.dst].kind)
         return weight * reshard_s(p, q, nbytes, g.axis_size, link)[0] / _UNIT_S
-
-
-class _TiedPrices(_Prices):
-    """The costs of a tied problem (:func:`_tie_loops`), each the sum of the costs of what
-    it stands for in the whole problem: an op's over its loop's iterations (whose sizes may
-    differ, as in a chunked scan's triangular loop), a merged edge's over the tensors behind
-    it, a merged tensor group's over its tensors."""
-
-    def __init__(self, whole: Problem, members: dict[int, list[int]], parts: dict[int, list],
-                 cover_parts: list[dict[str, list]]):
-        self.whole, self.members, self.parts, self.cover_parts = whole, members, parts, cover_parts
-        self._memo: dict[tuple, float] = {}
-
-    def own(self, v: int, s: Strategy) -> float:
-        return sum(_own_cost(self.whole, u, s) for u in self.members[v])
-
-    def _sum(self, parts, p: str, q: str) -> float:
-        g = self.whole.graph
-        return sum(w * reshard_s(p, q, nbytes, g.axis_size, link)[0] for w, nbytes, link in parts) / _UNIT_S
-
-    def edge(self, e, p: str, q: str) -> float:
-        key = (id(e), p, q)
-        if key not in self._memo:
-            self._memo[key] = self._sum(self.parts[id(e)], p, q)
-        return self._memo[key]
-
-    def cover(self, k: int, group: list, p: str, q: str, weight: int) -> float:
-        return self._sum(self.cover_parts[k][q], p, q)
-
-
-TIE_MIN = 4
-"""Ops that one source line makes at least this many times in one layer are tied
-(:func:`_tie_loops`); fewer are left apart (two calls of a helper on one line)."""
-
-
-def _tie_loops(problem: Problem) -> tuple[Problem, list[int], list[list], _TiedPrices] | None:
-    """The problem with each unrolled loop's iterations merged into one op, or None if there are none.
-
-    A Python loop in ``forward`` (a state-space or linear-attention model's scan over time steps
-    or over a chunk's rows, an RNN, a loop over experts) is unrolled by the trace: Mamba's and
-    Kimi-Linear's two traced layers make 2,600-6,300 ops, and their MIPs took most of a plan's
-    60+ CPU seconds; so is the loop over a hybrid stack's layers, which are not all alike and
-    so are traced one by one (OLMo hybrid: 24 layers, 15,368 ops). Ops of one phase and weight
-    with the same ``SNode.tie`` (target, call stack, layer signature), candidates and forbidden
-    candidates differ only in their sizes and layers; merged,
-    such a class is one op whose cost for a strategy is the sum of its members' costs, and
-    edges merge too (an edge from iteration t to t+1 becomes a self-edge: the reshard the
-    class's own strategy implies, paid by every step). The tied problem prices each answer
-    exactly as the whole problem does (:class:`_TiedPrices`): a merged edge costs the reshards
-    of the tensors behind it, each at the largest weight among its consumers in the class; a
-    merged tensor group holds the tensors of one producer class whose consumers fall in the
-    same classes (the last iteration's output may have other readers), and pays, per
-    placement its consumers need, one reshard of each of its tensors.
-
-    Returns the smaller problem, the node each original node became, its tensor groups and
-    their prices."""
-    g = problem.graph
-    forbidden: dict[int, frozenset] = defaultdict(frozenset)
-    for v, i in problem.forbidden:
-        forbidden[v] = forbidden[v] | {i}
-    classes: dict[tuple, list[int]] = defaultdict(list)
-    for v, n in enumerate(g.nodes):
-        if n.kind == "op" and n.tie:
-            classes[(n.tie, n.phase, n.weight, n.candidates, forbidden[v])].append(v)
-    head = {v: members[0] for members in classes.values() if len(members) >= TIE_MIN for v in members}
-    if not head:
-        return None
-    index, nodes, members = {}, [], defaultdict(list)
-    for v, n in enumerate(g.nodes):
-        if head.get(v, v) == v:
-            index[v] = len(nodes)
-            nodes.append(n)
-    rep = [index[head.get(v, v)] for v in range(len(g.nodes))]
-    for v in range(len(g.nodes)):
-        members[rep[v]].append(v)
-    merged: dict[tuple, tuple[dict, dict]] = {}  # group key -> (edge key -> parts, q -> parts)
-    for group in _tensor_groups(g):
-        e0 = group[0]
-        nbytes = g.nodes[e0.src].out_bytes[e0.src_out](problem.batch)
-        most: dict[tuple, tuple[int, Link]] = {}
-        needs: dict[str, tuple[int, Link]] = {}
-        for e in group:
-            key = (rep[e.src], e.src_out, rep[e.dst], e.dst_in, e.virtual)
-            link = _edge_link(problem, g.nodes[e.dst].kind)
-            most[key] = (max(most.get(key, (0,))[0], e.weight), link)
-            for q in {s.ins[e.dst_in] for s in g.nodes[e.dst].candidates}:
-                needs[q] = (max(needs.get(q, (0,))[0], e.weight), link)
-        pattern = (rep[e0.src], e0.src_out, e0.virtual, g.nodes[e0.dst].kind == "param", frozenset(most))
-        edge_parts, cover_parts = merged.setdefault(pattern, ({}, defaultdict(list)))
-        for key, (w, link) in most.items():
-            edge_parts.setdefault(key, []).append((w, nbytes, link))
-        for q, (w, link) in needs.items():
-            cover_parts[q].append((w, nbytes, link))
-    groups, parts = [], {}
-    for edge_parts, _ in merged.values():
-        group = []
-        for (a, o, d, i, virt), ps in edge_parts.items():
-            e = SEdge(src=a, src_out=o, dst=d, dst_in=i, weight=sum(w for w, _, _ in ps), virtual=virt)
-            parts[id(e)] = ps
-            group.append(e)
-        groups.append(group)
-    small = StrategyGraph(nodes=tuple(nodes), edges=tuple(e for group in groups for e in group),
-                          axis_size=g.axis_size, global_batch=g.global_batch)
-    small_problem = replace(problem, graph=small, forbidden=frozenset((rep[v], i) for v, i in problem.forbidden))
-    prices = _TiedPrices(problem, dict(members), parts, [dict(c) for _, c in merged.values()])
-    return small_problem, rep, groups, prices
 
 
 # The rows are written through pywraplp's low-level API (Constraint(lb, ub) + SetCoefficient)
@@ -537,7 +431,7 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, gap: float = MIP_GA
     after it (:mod:`autopar.planner.runs`: exact, same optimum); False keeps every op in the MIP.
 
     With ``tie`` (the default) the iterations of an unrolled loop get one strategy
-    (:func:`_tie_loops`): the MIP of a restriction, so the answer may cost more than the
+    (:func:`autopar.planner.ties.tie_loops`): the MIP of a restriction, so the answer may cost more than the
     optimum (``bound_s`` bounds the restricted problem) and ``tied`` says how many ops it tied.
 
     The search stops once its best solution is within ``gap`` (relative) of the proven bound
@@ -547,7 +441,9 @@ def solve(problem: Problem, *, node_limit: int = NODE_LIMIT, gap: float = MIP_GA
     :class:`InfeasibleError` when the problem has no solution, or when the limit is hit
     before any was found.
     """
-    tied = _tie_loops(problem) if tie else None
+    from autopar.planner.ties import tie_loops  # (ties prices with this module's costs: imported late)
+
+    tied = tie_loops(problem) if tie else None
     if tied is None:
         return _solve(problem, node_limit=node_limit, gap=gap, backend=backend, eliminate=eliminate)
     small, rep, groups, prices = tied
@@ -561,7 +457,7 @@ def _solve(problem: Problem, *, node_limit: int, gap: float, backend: str, elimi
            groups: list[list] | None = None, prices: _Prices | None = None) -> Solution:
     """:func:`solve` without tying. ``groups``: the edges by tensor group, when not
     :func:`_tensor_groups`'s; ``prices``: the costs, when not the problem's own (a tied
-    problem's ops and edges stand for several: :func:`_tie_loops`)."""
+    problem's ops and edges stand for several: :func:`autopar.planner.ties.tie_loops`)."""
     start = time.perf_counter()
     g = problem.graph
     solver = pywraplp.Solver.CreateSolver(backend)

@@ -376,7 +376,7 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
         "bound": sol.bound_s, "gap": sol.gap, "nodes": sol.nodes, "node_limit": sol.node_limit,
         "gap_limit": sol.gap_limit,  # the relative gap the MIP was allowed to stop at
         "limit": sol.limit,  # the work limit that stopped the MIP before it proved optimality, or None
-        **({"tied": sol.tied} if sol.tied else {}),  # ops given their loop iteration's strategy (ilp._tie_loops)
+        **({"tied": sol.tied} if sol.tied else {}),  # ops given their loop iteration's strategy (ties.tie_loops)
         "search": {k: v for k, v in stats.items() if not k.endswith("_s")},  # counts; times go to timings
         "candidates": [{"config": _config_dict(c), "step_time_s": c.step_time_s} for c in runners],
     }
