@@ -31,7 +31,8 @@ Each architecture lands in one of:
 Each architecture is planned in its own child process forked from the bench (torch,
 transformers and autopar imported once, the tracer warmed up by one plan of GPT-2), at most
 ``--jobs`` at a time (default 2, one per core here). Each row says the wall and CPU seconds
-that architecture took (CPU: the child's, building the model included). Solved MIPs are not
+that architecture took (CPU: the child's, building the model included; ``build_s`` of it the
+build) and, when planned, ``plan.timings`` (where the planner's time went: trace, MIPs, search). Solved MIPs are not
 kept on disk (``AUTOPAR_SOLVE_CACHE=0``) unless ``--cache``: a second run costs what the first did.
 
 ``--train A,B`` then runs those planned architectures on 2 gloo ranks under dp=2 and tp=2
@@ -125,11 +126,13 @@ def plan_one(kind: str, model_type: str, class_name: str, on_built: Callable[[],
         model, inputs = build(kind, model_type, class_name)
     except Exception as e:  # the architecture's own code refused the tiny config: not autopar's
         return timed(outcome="not tiny", error=f"{type(e).__name__}: {_error_line(e)}")
+    row["build_s"] = round(time.process_time() - cpu, 1)
     if on_built is not None:
         on_built()
     try:
         plan = autopar.plan(model, inputs, cluster="1x8xH100")
-        fields = dict(outcome="planned", mesh=plan.mesh)
+        fields = dict(outcome="planned", mesh=plan.mesh,
+                      timings={k: round(v, 2) for k, v in plan.timings.items()})
     except AutoparError as e:
         fields = dict(outcome="refused", error=f"{type(e).__name__}: {str(e)[:400]}")
     except Exception as e:

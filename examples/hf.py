@@ -199,12 +199,15 @@ def _field(config, name: str):
         return None
 
 
-def _tiny_kwargs(default, *, layers: bool) -> dict:
-    """The size fields of ``default`` (a config) to change, sub-configs included."""
+def _tiny_kwargs(default, *, layers: int | None) -> dict:
+    """The size fields of ``default`` (a config) to change, sub-configs included; ``layers``: the
+    layer count (per-layer lists cut to it), None to keep the config's depth."""
     kwargs = {}
     for names, value in _TINY_FIELDS.items():
-        if names is _LAYER_FIELDS and not layers:
-            continue
+        if names is _LAYER_FIELDS:
+            if layers is None:
+                continue
+            value = layers
         for name in names:
             have = _field(default, name)
             derived = getattr(type(default), name, None)
@@ -213,10 +216,10 @@ def _tiny_kwargs(default, *, layers: bool) -> dict:
             if isinstance(have, int) and not isinstance(have, bool) and have > value:
                 kwargs[name] = value
     n_layers = _field(default, "num_hidden_layers")
-    if layers and isinstance(n_layers, int) and n_layers > 2:  # per-layer lists (layer_types) follow the count
+    if layers is not None and isinstance(n_layers, int) and n_layers > layers:  # per-layer lists follow the count
         for name, have in default.to_dict().items():
             if isinstance(have, list) and len(have) == n_layers and name not in kwargs:
-                kwargs[name] = have[:2]
+                kwargs[name] = have[:layers]
     heads, kv_heads = _field(default, "num_attention_heads"), _field(default, "num_key_value_heads")
     if _field(default, "kv_lora_rank") and heads == kv_heads and "num_key_value_heads" in kwargs:
         # multi-head latent attention (DeepSeek-V2/V3 and kin) expands keys and values to every
@@ -241,13 +244,19 @@ def tiny_config(config_cls, **extra):
     key/value heads become 2, or stay as many as the heads in multi-head latent attention;
     per-layer lists follow the layer count and token ids that fall outside the smaller
     vocabulary become 0. Fields the default leaves unset (None, such as GPT-2's n_inner)
-    stay unset. Where the config's own checks refuse 2 layers (layer patterns of a fixed
-    form), the layer count stays as it was. ``extra`` overrides anything."""
+    stay unset. Where the config's own checks refuse 2 layers (a layer pattern that must hold
+    an attention layer: OLMo-hybrid's 3 linear + 1 full, NeoMME's 5 sliding + 1 full), the
+    fewest layers it accepts, the pattern cut to that length (4 and 6 there, not 32 and 17);
+    where it accepts no shorter pattern, the default depth. ``extra`` overrides anything."""
     default = config_cls()
-    try:
-        return config_cls(**{**_tiny_kwargs(default, layers=True), **extra})
-    except Exception:  # the config validates its layer pattern: keep the default depth
-        return config_cls(**{**_tiny_kwargs(default, layers=False), **extra})
+    n_layers = _field(default, "num_hidden_layers")
+    depths = range(2, n_layers) if isinstance(n_layers, int) and n_layers > 2 else [2]
+    for layers in depths:
+        try:
+            return config_cls(**{**_tiny_kwargs(default, layers=layers), **extra})
+        except Exception:  # the config validates its layer pattern: one more layer
+            continue
+    return config_cls(**{**_tiny_kwargs(default, layers=None), **extra})
 
 
 # model -> (config class, auto class, kind of inputs): built from defaults (defaults=True)

@@ -69,7 +69,7 @@ def test_a_child_killed_by_a_signal_costs_its_row_only(coverage, monkeypatch):
             end = time.process_time() + 1.0
             while time.process_time() < end:
                 pass
-        return types.SimpleNamespace(mesh={"dp": 8, "name": name})
+        return types.SimpleNamespace(mesh={"dp": 8, "name": name}, timings={"trace_s": 0.0})
 
     monkeypatch.setattr(coverage.autopar, "plan", plan)
     rows = coverage.architectures(["causal"], {"gpt2", "gpt_neo", "llama"}, 1)
