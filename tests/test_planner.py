@@ -10,7 +10,7 @@ import autopar
 from autopar.cluster import parse_cluster
 from autopar.cost import comm
 from autopar.errors import InfeasibleError, PlanError
-from autopar.passes.strategies import build_strategy_graph
+from autopar.passes.strategies import build_strategy_graph, strategy_skeleton
 from autopar.planner.frontend import trace_pair
 from autopar.planner.ilp import build_problem, evaluate, solve
 
@@ -73,6 +73,23 @@ def test_gpt_block_on_tp_axis_is_megatron():
     assert placed[f"{block}.attn.c_proj.weight"] == "S1"  # attention output: row-parallel
     assert placed[f"{block}.mlp.c_fc.weight"] == "S0"
     assert placed[f"{block}.mlp.c_proj.weight"] == "S1"
+
+
+def test_one_skeleton_serves_every_axis_size():
+    """The planner builds each tp degree's graph from one skeleton of the traced pair: the same
+    graphs, candidates and batch filtering included, as building each from scratch."""
+    model, inputs, loss_fn, target = llama.build(size="tiny", batch=4, device="meta")
+    gm, gm2 = trace_pair(model, inputs, cluster=H100, loss_fn=loss_fn, example_target=target)
+    skeleton = strategy_skeleton(gm, gm2)
+    for axis in (1, 2, 4, 8):
+        for shard_batch in (False, True):
+            shared = build_strategy_graph(gm, axis_size=axis, gm_double=gm2, shard_batch=shard_batch,
+                                          skeleton=skeleton)
+            assert shared == build_strategy_graph(gm, axis_size=axis, gm_double=gm2, shard_batch=shard_batch)
+            assert shared.axis_size == axis
+    wide = build_strategy_graph(gm, axis_size=4, gm_double=gm2, skeleton=skeleton)
+    narrow = build_strategy_graph(gm, axis_size=4, gm_double=gm2, shard_batch=False, skeleton=skeleton)
+    assert sum(map(len, (n.candidates for n in narrow.nodes))) < sum(map(len, (n.candidates for n in wide.nodes)))
 
 
 def test_one_axis_mesh_mlp_is_data_parallel():

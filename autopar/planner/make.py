@@ -30,7 +30,7 @@ from torch import fx, nn
 import autopar
 from autopar.cluster import Cluster, parse_cluster
 from autopar.passes import meta_keys as mk
-from autopar.passes.strategies import StrategyGraph, build_strategy_graph
+from autopar.passes.strategies import StrategyGraph, build_strategy_graph, strategy_skeleton
 from autopar.plan import Plan
 from autopar.precision import Precision, plan_precision, resolve_precision
 from autopar.planner.cuts import CutTable
@@ -344,6 +344,7 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_s
     CPU seconds). Each answer depends on its MIP alone (SCIP is deterministic under a node limit
     and a gap), not on what runs beside it or how fast."""
     graphs: dict[int, StrategyGraph] = {}
+    skeleton = strategy_skeleton(gm, gm2)  # (what every tp's graph shares: built once)
 
     def one(tp: int) -> dict[bool, Solution]:
         ref = max(1, batch // max(1, cluster.world_size // tp))
@@ -352,14 +353,16 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_s
     workers = min(len(tps), _cores())
     if workers <= 1:
         for tp in tps:
-            graphs[tp] = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False)
+            graphs[tp] = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False,
+                                              skeleton=skeleton)
         sides = {tp: one(tp) for tp in tps}
     else:
         pool = ThreadPoolExecutor(workers, thread_name_prefix="autopar-mip")
         try:  # the widest tp's MIP is usually the longest: it starts first, while the next graph is built
             futures = {}
             for tp in sorted(tps, reverse=True):
-                graphs[tp] = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False)
+                graphs[tp] = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False,
+                                              skeleton=skeleton)
                 futures[tp] = pool.submit(one, tp)
             sides = {tp: futures[tp].result() for tp in tps}
         finally:
