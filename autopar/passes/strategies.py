@@ -101,6 +101,9 @@ class SNode:
     with the same ``tie``, phase, weight and candidates are the iterations of an unrolled
     Python loop (a state-space model's scan over time steps, a loop over alike layers); the
     sharding MIP may give them one strategy (:func:`autopar.planner.ilp.solve`)."""
+    tie_line: str = ""
+    """For an op: a name for its target, call stack and layer path (:func:`_line_keys`); ops with
+    the same ``tie_line``, sizes, phase, weight and candidates tie as well."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,7 @@ def strategy_skeleton(gm: fx.GraphModule, gm_double: fx.GraphModule | None = Non
     nodes: list[SNode] = []
     sources: list = []
     batch_dims: dict[fx.Node, tuple] = {}
+    lines = _line_keys(gm)
 
     def cost_pair(node, field):
         a = getattr(node.meta[mk.COST], field)
@@ -229,7 +233,8 @@ def strategy_skeleton(gm: fx.GraphModule, gm_double: fx.GraphModule | None = Non
             dtype=_DTYPES.get(getattr(vals[0], "dtype", None), "fp32"), candidates=(),
             fqn=node.meta[mk.TRACE].fqn,
             shape=tuple(int(d) for d in vals[0].shape) if isinstance(vals[0], torch.Tensor) else (),
-            kernel=kernel, gemm=gemm, tie=ties.get(node, "") if kind == "op" else ""))
+            kernel=kernel, gemm=gemm, tie=ties.get(node, "") if kind == "op" else "",
+            tie_line=lines.get(node, "") if kind == "op" else ""))
     edges = _edges(gm, index, nodes)
     sources += [None] * (len(nodes) - len(sources))  # (the loss sink _edges appends)
     return Skeleton(graph=StrategyGraph(nodes=tuple(nodes), edges=tuple(edges), axis_size=0, global_batch=batch),
@@ -306,6 +311,20 @@ def _tie_keys(gm: fx.GraphModule) -> dict[fx.Node, str]:
         seen[call, node.target] += 1
         layer = node.meta[mk.LAYER]
         keys[node] = names.setdefault((node.target, place, signature.get(layer, layer), stack), f"t{len(names)}")
+    return keys
+
+
+def _line_keys(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """Per op: target, call stack, layer path and the Python call that made it, without the op's
+    place in that call: equal for the slices one call makes of a scan's steps (the backward of
+    ``torch.stack`` over them), which :func:`_tie_keys` keeps apart. Only ties ops of equal sizes too
+    (:func:`autopar.planner.ties.tie_loops`), so a call's differently shaped siblings stay apart."""
+    names: dict[tuple, str] = {}
+    keys = {}
+    for node in gm.graph.nodes:
+        stack = node.meta.get("stack_trace")
+        if node.op == "call_function" and stack:
+            keys[node] = names.setdefault((node.target, node.meta[mk.LAYER], stack, _call_of(node)), f"l{len(names)}")
     return keys
 
 

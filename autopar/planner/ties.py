@@ -59,7 +59,10 @@ def tie_loops(problem: Problem) -> tuple[Problem, list[int], list[list], TiedPri
     60+ CPU seconds; so is the loop over a hybrid stack's layers, which are not all alike and
     so are traced one by one (OLMo hybrid: 24 layers, 15,368 ops). Ops of one phase and weight
     with the same ``SNode.tie`` (target, call stack, layer signature), candidates and forbidden
-    candidates differ only in their sizes and layers; merged,
+    candidates differ only in their sizes and layers; so do ops of one call with the same
+    ``SNode.tie_line`` and the same sizes (a scan's per-step slices, which ``tie`` keeps apart by
+    their place in the call). Each such class of at least ``TIE_MIN`` ops ties, and classes of the
+    two likenesses that share an op join (union-find); smaller ones never add up. Merged,
     such a class is one op whose cost for a strategy is the sum of its members' costs, and
     edges merge too (an edge from iteration t to t+1 becomes a self-edge: the reshard the
     class's own strategy implies, paid by every step). The tied problem prices each answer
@@ -75,11 +78,29 @@ def tie_loops(problem: Problem) -> tuple[Problem, list[int], list[list], TiedPri
     forbidden: dict[int, frozenset] = defaultdict(frozenset)
     for v, i in problem.forbidden:
         forbidden[v] = forbidden[v] | {i}
-    classes: dict[tuple, list[int]] = defaultdict(list)
+    parent = list(range(len(g.nodes)))  # union-find over the two likenesses
+
+    def find(v: int) -> int:
+        while parent[v] != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    likes: dict[tuple, list[int]] = defaultdict(list)  # each likeness's classes
     for v, n in enumerate(g.nodes):
         if n.kind == "op" and n.tie:
-            classes[(n.tie, n.phase, n.weight, n.candidates, forbidden[v])].append(v)
-    head = {v: members[0] for members in classes.values() if len(members) >= TIE_MIN for v in members}
+            same = (n.phase, n.weight, n.candidates, forbidden[v])
+            likes[("tie", n.tie, *same)].append(v)
+            if n.tie_line:
+                likes[("line", n.tie_line, n.flops, n.bytes_moved, n.out_bytes, *same)].append(v)
+    for members in likes.values():
+        if len(members) >= TIE_MIN:  # (a loop; two smaller classes do not add up to one)
+            for v in members[1:]:
+                parent[find(v)] = find(members[0])
+    classes: dict[int, list[int]] = defaultdict(list)
+    for v in range(len(g.nodes)):
+        classes[find(v)].append(v)
+    head = {v: members[0] for members in classes.values() if len(members) > 1 for v in members}
     if not head:
         return None
     index, nodes, members = {}, [], defaultdict(list)
