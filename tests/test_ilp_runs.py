@@ -12,7 +12,7 @@ import pytest
 
 from autopar.cluster import parse_cluster
 from autopar.passes.strategies import build_strategy_graph
-from autopar.planner import ilp, make, runs
+from autopar.planner import evaluation, ilp, make, runs
 from autopar.planner.frontend import trace_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -55,7 +55,7 @@ def test_runs_leave_the_mip_and_the_optimum_stays(traced, tp):
         assert (reduced.status, whole.status) == ("OPTIMAL", "OPTIMAL"), name
         assert reduced.objective_s == pytest.approx(whole.objective_s, rel=1e-9), name
         # the runs' ops were set to candidates that cost what the MIP says, recomputed from scratch
-        assert ilp.evaluate(problem, reduced).total_s == pytest.approx(reduced.objective_s, rel=1e-9), name
+        assert evaluation.evaluate(problem, reduced).total_s == pytest.approx(reduced.objective_s, rel=1e-9), name
         assert all((v, i) not in problem.forbidden for v, i in enumerate(reduced.choice)), name
 
 
@@ -78,4 +78,4 @@ def test_a_recalled_answer_has_its_runs_set(traced, monkeypatch, tmp_path):
     ilp._SOLVED.clear()
     recalled = ilp.solve(problem)
     assert inside and recalled.choice == first.choice
-    assert ilp.evaluate(problem, recalled).total_s == pytest.approx(first.objective_s, rel=1e-9)
+    assert evaluation.evaluate(problem, recalled).total_s == pytest.approx(first.objective_s, rel=1e-9)

@@ -12,7 +12,8 @@ from autopar.cost import comm
 from autopar.errors import InfeasibleError, PlanError
 from autopar.passes.strategies import build_strategy_graph, strategy_skeleton
 from autopar.planner.frontend import trace_pair
-from autopar.planner.ilp import build_problem, evaluate, solve
+from autopar.planner.evaluation import evaluate
+from autopar.planner.ilp import build_problem, solve
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -265,7 +266,7 @@ def test_working_set_of_the_loss_is_in_stage_memory():
     """The largest op working set beyond saved activations is the loss's backward on the fp32
     logits: its output, the incoming gradient and the log-softmax values, each (B*T, V) fp32.
     Stage memory carries it once (the Qwen3-32B FSDP16 local-batch-8 run ran out of memory for it)."""
-    from autopar.planner.ilp import _working_sets
+    from autopar.planner.evaluation import _working_sets
 
     built = llama.build(size="tiny", batch=4, seq=64, device="meta", dtype="fp32")
     sg, problem, solution, _ = _solve(built, axis=1, shard_batch=True)

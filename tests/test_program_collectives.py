@@ -2,7 +2,7 @@
 
 The plan's ``communication`` section lists, per collective kind and mesh axis, how many
 calls a step makes and how many bytes they carry (the MIP's choice, re-costed by
-``ilp.evaluate``). Here the rank-0 program is generated exactly as ``parallelize``
+``evaluation.evaluate``). Here the rank-0 program is generated exactly as ``parallelize``
 generates it (on the fake process-group backend, as ``--emit`` does), its tp collectives
 are counted with their bytes, and the totals must equal the plan's, kind by kind.
 

@@ -19,7 +19,7 @@ import autopar
 from autopar.cluster import parse_cluster
 from autopar.errors import InfeasibleError
 from autopar.passes.strategies import build_strategy_graph
-from autopar.planner import ilp, make
+from autopar.planner import evaluation, ilp, make
 from autopar.planner.frontend import trace_pair
 from autopar.plan_summary import render_summary
 
@@ -134,7 +134,7 @@ def test_node_limit_returns_the_best_solution_with_its_gap(llama_tp4, no_root_cu
     assert stopped.gap == pytest.approx((stopped.objective_s - stopped.bound_s) / stopped.objective_s)
     assert stopped.gap > 0
     # the solution is real: its cost, recomputed from scratch, is the objective SCIP reports
-    assert ilp.evaluate(llama_tp4, stopped).total_s == pytest.approx(stopped.objective_s, rel=1e-6)
+    assert evaluation.evaluate(llama_tp4, stopped).total_s == pytest.approx(stopped.objective_s, rel=1e-6)
     # and the limit is work, not time: the same problem stops at the same solution every time
     # (solved afresh, not recalled from this process's memo of solved MIPs)
     ilp._SOLVED.clear()
@@ -152,7 +152,7 @@ def test_the_gap_tolerance_stops_within_it_of_the_optimum(llama_tp4, no_root_cut
     # costs at most its gap above the bound (so at most 5% above the optimum)
     assert loose.bound_s <= exact.objective_s * (1 + 1e-9) and loose.objective_s >= exact.objective_s * (1 - 1e-9)
     assert loose.gap <= 0.05 and loose.objective_s <= exact.objective_s * 1.05
-    assert ilp.evaluate(llama_tp4, loose).total_s == pytest.approx(loose.objective_s, rel=1e-6)
+    assert evaluation.evaluate(llama_tp4, loose).total_s == pytest.approx(loose.objective_s, rel=1e-6)
 
 
 def test_plan_says_when_the_node_limit_stopped_the_mip(monkeypatch, no_root_cuts, caplog):

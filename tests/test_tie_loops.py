@@ -1,7 +1,7 @@
 """The iterations of an unrolled Python loop share one strategy in the sharding MIP
 (``autopar.planner.ties.tie_loops``): a restriction of the problem, so its answer can cost
 more than the optimum but never less, and the merged problem must price the answer it gives
-exactly (checked against ``ilp.evaluate`` on the whole problem, which knows nothing of ties)."""
+exactly (checked against ``evaluation.evaluate`` on the whole problem, which knows nothing of ties)."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from torch import nn
 
 from autopar.cluster import parse_cluster
 from autopar.passes.strategies import build_strategy_graph
-from autopar.planner import ilp, ties
+from autopar.planner import evaluation, ilp, ties
 from autopar.planner.frontend import trace_pair
 
 STEPS = 8
@@ -92,7 +92,7 @@ def test_loop_iterations_share_a_strategy_and_are_priced_exactly(graphs, tp):
     for v in merged:  # one strategy per class
         assert tied.choice[v] == tied.choice[next(u for u in merged if rep[u] == rep[v])]
     # the merged MIP prices its answer as the whole problem does (no tensor counted twice or missed)
-    assert ilp.evaluate(problem, tied).total_s == pytest.approx(tied.objective_s, rel=1e-9)
+    assert evaluation.evaluate(problem, tied).total_s == pytest.approx(tied.objective_s, rel=1e-9)
     # a restriction: never cheaper than the optimum, and here (a symmetric scan) as cheap
     assert tied.objective_s >= free.objective_s * (1 - 1e-9)
     assert tied.objective_s == pytest.approx(free.objective_s, rel=0.01)
@@ -109,7 +109,7 @@ def test_forbidden_candidates_follow_their_class(graphs):
                                 forbidden=banned)
     sol = ilp.solve(problem, gap=0)
     assert sol.tied > 0 and not any((v, i) in banned for v, i in enumerate(sol.choice))
-    assert ilp.evaluate(problem, sol).total_s == pytest.approx(sol.objective_s, rel=1e-9)
+    assert evaluation.evaluate(problem, sol).total_s == pytest.approx(sol.objective_s, rel=1e-9)
 
 
 def test_the_plan_says_how_many_ops_were_tied():

@@ -38,7 +38,8 @@ from autopar.planner.context import apply_cp, check_cp, cp_costs, cp_decision, c
     find_attention, repeat_savings, sequence_length
 from autopar.planner.experts import apply_ep, check_ep, ep_options, find_experts, runnable_sites
 from autopar.planner.frontend import trace_pair
-from autopar.planner.ilp import Solution, build_problem, evaluate, solve
+from autopar.planner.evaluation import evaluate
+from autopar.planner.ilp import Solution, build_problem, solve
 from autopar.planner.record import expanded_names, first_value, shared_params, to_plan, token_sharded
 from autopar.planner.search import Fixed, Unit, search
 from autopar.progress import progress

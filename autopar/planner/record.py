@@ -21,7 +21,8 @@ from autopar.plan import Plan
 from autopar.planner.context import context_record, cp_costs, find_attention, sequence_length
 from autopar.planner.cuts import CutTable
 from autopar.planner.experts import experts_record, find_experts
-from autopar.planner.ilp import Solution, build_problem, evaluate
+from autopar.planner.evaluation import evaluate
+from autopar.planner.ilp import Solution, build_problem
 from autopar.planner.search import Candidate, Fixed
 from autopar.precision import Precision
 from autopar.zero_def import step_collective_counts

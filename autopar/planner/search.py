@@ -139,7 +139,7 @@ class Unit:
     n_params: float
     """Parameters held per device under tensor parallelism (before ZeRO)."""
     transient_bytes: float = 0.0
-    """Largest single-op working set beyond saved activations (``ilp.LayerCost.transient_bytes``)."""
+    """Largest single-op working set beyond saved activations (``evaluation.LayerCost.transient_bytes``)."""
     send_forward: tuple[tuple[str, float], ...] | None = None
     """(dtype, bytes) of each message (one per dtype) one rank sends across a cut right after
     this unit, per micro-batch (:mod:`autopar.planner.cuts`); None: one of ``boundary_bytes``."""

@@ -1,0 +1,140 @@
+"""What a solution of the sharding MIP costs, recomputed from the whole problem (:func:`evaluate`).
+
+Independent of the MIP's own bookkeeping (its eliminated runs, tied loops and linearised
+edges): per layer instance, compute and resharding time by phase, parameter, activation and
+working-set bytes, and totals and collectives over all copies. The planner prices layers for
+the outer search with it, and tests check each MIP's objective against it."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from autopar.planner.ilp import Problem, Solution, _edge_link, _param_bytes, _tensor_groups, node_cost_s, reshard_s
+
+__all__ = ["CostBreakdown", "LayerCost", "evaluate"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """One instance of a layer under a solution, at the problem's micro-batch size."""
+
+    compute_s: dict[str, float] = field(default_factory=dict)
+    """By phase: "F", "B", "W"."""
+    comm_s: dict[str, float] = field(default_factory=dict)
+    """Resharding time by phase of the consuming op ("W" holds tensor-parallel gradient reductions)."""
+    param_bytes: float = 0.0
+    """Parameter bytes held per device."""
+    n_params_local: float = 0.0
+    activation_bytes: float = 0.0
+    """Saved activation bytes per device for one micro-batch."""
+    cheap_activation_bytes: float = 0.0
+    """The part of ``activation_bytes`` made by FLOP-free ops (what selective recompute drops)."""
+    cheap_forward_s: float = 0.0
+    """Forward time of the FLOP-free ops (what selective recompute re-runs)."""
+    transient_bytes: float = 0.0
+    """Largest working set of one op per device for one micro-batch: its outputs plus the inputs
+    it reads that nothing saves (e.g. the loss's fp32 logits gradient and its input), on top of
+    the saved activations and the training state while that op runs."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostBreakdown:
+    total_s: float
+    compute_s: float
+    comm_s: float
+    layers: dict[str, LayerCost]
+    collectives: dict[str, dict[str, float]]
+    """Collective kind -> {"count": per step, "bytes": per step, "time_s": ...} (all layer copies)."""
+
+
+def _local_out_bytes(problem: Problem, solution: Solution, v: int, o: int) -> float:
+    node = problem.graph.nodes[v]
+    placement = node.candidates[solution.choice[v]].outs[o]
+    if placement is None:
+        return 0.0
+    full = node.out_bytes[o](problem.batch)
+    return full / problem.graph.axis_size if placement.startswith("S") else full
+
+
+def _working_sets(problem: Problem, solution: Solution) -> dict[int, float]:
+    """Per op, the bytes live while it runs beyond what memory already counts: its outputs
+    that are not saved activations, plus the distinct op-produced inputs it reads that are not
+    saved either (a gradient handed from the op before). Parameters, and saved activations,
+    are counted elsewhere (training state, activations)."""
+    g = problem.graph
+    ws = {v: sum(_local_out_bytes(problem, solution, v, o) for o, saved in enumerate(node.saved) if not saved)
+          for v, node in enumerate(g.nodes) if node.kind == "op"}
+    seen = set()
+    for e in g.edges:
+        src = g.nodes[e.src]
+        if e.virtual or e.dst not in ws or src.kind != "op" or src.saved[e.src_out] or (e.src, e.src_out, e.dst) in seen:
+            continue
+        seen.add((e.src, e.src_out, e.dst))
+        ws[e.dst] += _local_out_bytes(problem, solution, e.src, e.src_out)
+    return ws
+
+
+def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
+    """Recompute a solution's costs from scratch: per layer instance, and totals over all copies."""
+    g = problem.graph
+    comp: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    com: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    params = defaultdict(float)
+    nparams = defaultdict(float)
+    acts = defaultdict(float)
+    cheap_acts = defaultdict(float)
+    cheap_f = defaultdict(float)
+    transient = defaultdict(float)
+    collectives: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    total_comp = total_comm = 0.0
+    for v, node in enumerate(g.nodes):
+        s = node.candidates[solution.choice[v]]
+        t = node_cost_s(problem, v, s)
+        comp[node.layer][node.phase or "F"] += t
+        cheap = node.kind == "op" and node.flops(problem.batch) == 0
+        if cheap and node.phase == "F":
+            cheap_f[node.layer] += t
+        total_comp += node.weight * t
+        if node.kind == "param":
+            pb = _param_bytes(problem, v, s)
+            params[node.layer] += pb
+            elem = max(1, {"fp32": 4, "bf16": 2, "fp16": 2}.get(node.dtype, 4))
+            nparams[node.layer] += pb / elem
+        for o, is_saved in enumerate(node.saved):
+            if is_saved and s.outs[o] is not None:
+                full = node.out_bytes[o](problem.batch)
+                local = full / g.axis_size if s.outs[o].startswith("S") else full
+                acts[node.layer] += local
+                if cheap:
+                    cheap_acts[node.layer] += local
+    for v, ws in _working_sets(problem, solution).items():
+        layer = g.nodes[v].layer
+        transient[layer] = max(transient[layer], ws)
+    for group in _tensor_groups(g):
+        src = g.nodes[group[0].src]
+        p = src.candidates[solution.choice[group[0].src]].outs[group[0].src_out]
+        nbytes = src.out_bytes[group[0].src_out](problem.batch)
+        needed: dict[str, tuple[int, object]] = {}
+        for e in group:  # each placement is made once, for the heaviest consumer that needs it
+            q = g.nodes[e.dst].candidates[solution.choice[e.dst]].ins[e.dst_in]
+            if q not in needed or e.weight > needed[q][0]:
+                needed[q] = (e.weight, e)
+        for q, (weight, e) in needed.items():
+            dst = g.nodes[e.dst]
+            t, kind = reshard_s(p, q, nbytes, g.axis_size, _edge_link(problem, dst.kind))
+            if not t:
+                continue
+            phase = "W" if dst.kind == "param" else (dst.phase or src.phase or "F")
+            com[dst.layer][phase] += t * weight / dst.weight  # per instance, chain edges amortised
+            total_comm += weight * t
+            collectives[kind]["count"] += weight
+            collectives[kind]["bytes"] += weight * nbytes
+            collectives[kind]["time_s"] += weight * t
+    layers = {name: LayerCost(compute_s=dict(comp[name]), comm_s=dict(com[name]), param_bytes=params[name],
+                              n_params_local=nparams[name], activation_bytes=acts[name],
+                              cheap_activation_bytes=cheap_acts[name], cheap_forward_s=cheap_f[name],
+                              transient_bytes=transient[name])
+              for name in dict.fromkeys(n.layer for n in g.nodes)}
+    return CostBreakdown(total_s=total_comp + total_comm, compute_s=total_comp, comm_s=total_comm,
+                         layers=layers, collectives={k: dict(v) for k, v in collectives.items()})
