@@ -1,7 +1,7 @@
 """Hugging Face coverage: which architectures autopar plans, built as users build them.
 
-    python bench/hf_coverage.py                                  # every 5th architecture (68 of 327; 5 min on 2 cores)
-    python bench/hf_coverage.py --every 1                        # every architecture: the README's table (22 min on 2 cores)
+    python bench/hf_coverage.py                                  # every 5th architecture (68 of 327; 3.5 min on 2 cores)
+    python bench/hf_coverage.py --every 1                        # every architecture: the README's table (12 min on 2 cores)
     python bench/hf_coverage.py --kinds causal --every 1          # every causal-LM architecture
     python bench/hf_coverage.py --only gpt2,llama,t5 --train gpt2,llama
     python bench/hf_coverage.py --out coverage.jsonl             # one JSON line per architecture
