@@ -220,6 +220,9 @@ def _tiny_kwargs(default, *, layers: int | None) -> dict:
         for name, have in default.to_dict().items():
             if isinstance(have, list) and len(have) == n_layers and name not in kwargs:
                 kwargs[name] = have[:layers]
+            elif (isinstance(have, dict) and have and "layer" in name and name not in kwargs  # by layer index
+                  and all(str(k).isdigit() and int(k) < n_layers for k in have)):  # (Gemma 4's "05": ...)
+                kwargs[name] = {k: v for k, v in have.items() if int(k) < layers}
     heads, kv_heads = _field(default, "num_attention_heads"), _field(default, "num_key_value_heads")
     if _field(default, "kv_lora_rank") and heads == kv_heads and "num_key_value_heads" in kwargs:
         # multi-head latent attention (DeepSeek-V2/V3 and kin) expands keys and values to every
@@ -236,6 +239,13 @@ def _tiny_kwargs(default, *, layers: int | None) -> dict:
     return kwargs
 
 
+def _depths(config) -> list[int]:
+    """The layer counts of ``config`` and of its sub-configs (a multimodal model's text config)."""
+    own = _field(config, "num_hidden_layers")
+    subs = [d for sub in vars(config).values() if isinstance(sub, transformers.PretrainedConfig) for d in _depths(sub)]
+    return ([own] if isinstance(own, int) else []) + subs
+
+
 def tiny_config(config_cls, **extra):
     """``config_cls``'s default config with its size fields scaled down (2 layers, hidden 64, 4
     heads of 16, ffn 128, vocab 512, 4 experts in 1 routing group, rotary and latent-attention
@@ -245,12 +255,12 @@ def tiny_config(config_cls, **extra):
     per-layer lists follow the layer count and token ids that fall outside the smaller
     vocabulary become 0. Fields the default leaves unset (None, such as GPT-2's n_inner)
     stay unset. Where the config's own checks refuse 2 layers (a layer pattern that must hold
-    an attention layer: OLMo-hybrid's 3 linear + 1 full, NeoMME's 5 sliding + 1 full), the
-    fewest layers it accepts, the pattern cut to that length (4 and 6 there, not 32 and 17);
+    an attention layer: OLMo-hybrid's 3 linear + 1 full, NeoMME's and Gemma 4 unified's text
+    config's 5 sliding + 1 full), the fewest layers it accepts, the pattern cut to that length (4 and 6 there, not 32 and 17);
     where it accepts no shorter pattern, the default depth. ``extra`` overrides anything."""
     default = config_cls()
-    n_layers = _field(default, "num_hidden_layers")
-    depths = range(2, n_layers) if isinstance(n_layers, int) and n_layers > 2 else [2]
+    n_layers = max(_depths(default), default=0)
+    depths = range(2, n_layers) if n_layers > 2 else [2]
     for layers in depths:
         try:
             return config_cls(**{**_tiny_kwargs(default, layers=layers), **extra})
