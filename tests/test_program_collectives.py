@@ -100,11 +100,17 @@ def test_llama_gradient_returns_are_one_bucket_per_kind(llama_sp):
     them to the runtime, which issues one call per (layer group, kind, dtype) right before the
     group's dp bucket, not one per parameter."""
     plan, census = llama_sp
-    assert "all_reduce" not in census["program"]  # every tp all-reduce of this plan returns a gradient
+    # inside the program, the only tp all-reduces are the loss's over vocabulary shards (loss
+    # parallel: the log-softmax's row max and sum, the picked log-probability, the gradient's row
+    # sum; one fp32 value per token each); every other tp all-reduce returns a gradient
+    assert plan.ops["_log_softmax"]["in"] == ["S1"]
+    tokens = load_model_spec(f"{EXAMPLES}/llama.py:build", SPEC_ARGS)[1][0].numel()  # (batch, seq) token ids
+    inner = census["program"]["all_reduce"]["tp"]
+    assert inner == {"count": 4, "bytes": 4 * 4 * tokens}
     kinds = [(b["group"], b["kind"], b["dtype"]) for b in census["buckets"]]
     assert len(kinds) == len(set(kinds))
     reduced = [b for b in census["buckets"] if b["kind"] == "all_reduce"]
-    assert sum(len(b["grads"]) for b in reduced) == plan.communication["all_reduce"]["tp"]["count"]  # norms, embedding
-    assert sum(b["bytes"] for b in reduced) == plan.communication["all_reduce"]["tp"]["bytes"]
+    assert sum(len(b["grads"]) for b in reduced) + 4 == plan.communication["all_reduce"]["tp"]["count"]  # norms, embedding
+    assert sum(b["bytes"] for b in reduced) + inner["bytes"] == plan.communication["all_reduce"]["tp"]["bytes"]
     assert any("tok_embeddings.weight" in b["grads"] for b in reduced)
     assert len(reduced) < sum(len(b["grads"]) for b in reduced)  # bucketed: fewer calls than gradients

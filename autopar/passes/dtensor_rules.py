@@ -35,6 +35,9 @@ Where the answers come from, in order (checked on torch 2.13):
    ``fill.Scalar`` may produce any sharding; autopar's experts op
    (:func:`autopar.experts.moe_experts`, + backward) splits each expert's hidden
    width (Megatron's MLP split, per expert), its rows a partial sum.
+   The cross-entropy's four ops (log-softmax, NLL and their backwards) also get the
+   strategy that keeps the classes split (:mod:`autopar.passes.loss_parallel`), beside
+   DTensor's own, which only split the batch.
 4. The fallback (``fallback=True``, autopar's own, source ``"fallback"``): the
    all-Replicate candidate, plus for ops tagged ``torch.Tag.pointwise`` Shard(d)
    on every output dim, with each input sharded on its broadcast-aligned dim
@@ -90,6 +93,7 @@ from torch.distributed.tensor.placement_types import (
 )
 
 import autopar.experts  # noqa: F401  (registers torch.ops.autopar.moe_experts, which has a rule here)
+from autopar.passes.loss_parallel import LOSS_OPS, loss_rules
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +117,8 @@ class Candidate:
         where that output is not a tensor.
     inputs: per tensor input (ordered as `tensor_inputs(node)`), the placements
         the op needs it in.
-    source: "dtensor" (either DTensor registry), "autopar" (own rule) or
-        "fallback".
+    source: "dtensor" (either DTensor registry), "autopar" (own rule),
+        "loss_parallel" (a cross-entropy op with its classes split) or "fallback".
     """
 
     outputs: tuple[Placements | None, ...]
@@ -308,9 +312,11 @@ def _compute(op, args, kwargs, outs, mesh_shape, fallback):
         if op in prop.op_single_dim_strategy_funcs:
             info = prop.op_single_dim_strategy_funcs[op]
             rules = info.func(op, _to_meta(args), {k: _to_meta(v) for k, v in kwargs})
-            return _expand(rules, ins, outs, mesh_shape, "dtensor"), None
+            return _with_loss_parallel(_expand(rules, ins, outs, mesh_shape, "dtensor"), op, args, ins, outs,
+                                       mesh_shape), None
         if op in prop.op_strategy_funcs:
-            return _classic(prop, op, args, kwargs, ins, outs, mesh_shape), None
+            return _with_loss_parallel(_classic(prop, op, args, kwargs, ins, outs, mesh_shape), op, args, ins, outs,
+                                       mesh_shape), None
     except Exception as e:  # a DTensor rule that cannot handle these arguments
         error = f"{type(e).__name__}: {e}"
         logger.warning("DTensor's rule for %s failed (%s)", op, error)
@@ -321,6 +327,19 @@ def _compute(op, args, kwargs, outs, mesh_shape, fallback):
         rules = _fallback_rules(op, ins, outs)
         return _expand(rules, ins, outs, mesh_shape, "fallback"), None
     return None, error
+
+
+def _with_loss_parallel(found: tuple[Candidate, ...], op, args, ins, outs, mesh_shape) -> tuple[Candidate, ...]:
+    """DTensor's candidates of a cross-entropy op plus the one that keeps its classes split
+    (:mod:`autopar.passes.loss_parallel`: DTensor keeps that rule in a context manager of its
+    own, outside its registry)."""
+    if op not in LOSS_OPS:
+        return found
+    rules = loss_rules(op, args, ins, outs)
+    seen = {(c.outputs, c.inputs) for c in found}
+    extra = tuple(c for c in _expand(rules, ins, outs, mesh_shape, "loss_parallel")
+                  if (c.outputs, c.inputs) not in seen) if rules else ()
+    return found + extra
 
 
 def _to_meta(sig: Any) -> Any:

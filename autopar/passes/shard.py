@@ -9,7 +9,9 @@ Two layers, both plain fx + DTensor (no planner, no process-group setup):
   with local shapes (views and reshapes included) and inserts the collectives a
   change of placement needs. Ops DTensor has no rule for (the CPU
   flash-attention kernels) run on the local shards under autopar's own rule
-  (batch and heads are independent), which the planner priced. DTensor is the
+  (batch and heads are independent), which the planner priced; the cross-entropy's ops
+  with their classes split over tp run as :mod:`autopar.passes.loss_parallel` computes
+  them (DTensor keeps its own loss-parallel rules out of its dispatch). DTensor is the
   engine, rather than hand-rewritten view shapes, so that execution uses the
   same sharding semantics the planner read its candidate strategies from.
 - ``shard_joint_graph`` traces that interpretation with ``make_fx`` into the
@@ -61,6 +63,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.passes import meta_keys as mk
 from autopar.passes.dtensor_rules import dtensor_dispatches
+from autopar.passes.loss_parallel import class_split, run_loss_parallel
 from autopar.passes.token_local import run_token_local, split_on_dp, token_local_nodes
 
 __all__ = ["OpPlacements", "placement", "run_joint", "interpret", "grad_partial", "grad_addends",
@@ -385,6 +388,8 @@ def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, me
     try:
         if node.target in _RANDOM_LIKE and isinstance(args[0], DTensor):
             env[node] = _random_like(node.target, args, kwargs, mesh)
+        elif rule is not None and not kwargs and class_split(node, rule.ins):  # the loss over split classes
+            env[node] = run_loss_parallel(node, args, mesh, tp_dim, dp_dim)
         elif node.target is torch.ops.aten.nll_loss_forward.default and _split_token_mean(args, kwargs, dp_dim):
             env[node] = _token_mean_nll(args, mesh, dp_dim)
         elif token_local and split_on_dp(node, (args, kwargs), dp_dim):  # experts' routing: own tokens

@@ -44,6 +44,7 @@ from autopar.passes import meta_keys as mk
 from autopar.passes.annotate import kernel_of, tensor_bytes
 from autopar.passes.backward_split import split_backward, tied_gradient_sums
 from autopar.passes.dtensor_rules import op_candidates, tensor_inputs
+from autopar.passes.loss_parallel import LOSS_OPS, REDUCES, row_count
 
 __all__ = ["Affine", "SNode", "SEdge", "Skeleton", "Strategy", "StrategyGraph", "build_strategy_graph",
            "strategy_skeleton"]
@@ -66,6 +67,9 @@ class Strategy:
     """Placement of each output (None for non-tensor outputs)."""
     ins: tuple[str, ...]
     """Placement required of each tensor input, in edge ``dst_in`` order."""
+    reduces: int = 0
+    """All-reduces of one fp32 value per row (``SNode.rows``) the op runs inside under this
+    strategy: a cross-entropy op with its classes split (:mod:`autopar.passes.loss_parallel`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +108,9 @@ class SNode:
     tie_line: str = ""
     """For an op: a name for its target, call stack and layer path (:func:`_line_keys`); ops with
     the same ``tie_line``, sizes, phase, weight and candidates tie as well."""
+    rows: Affine | None = None
+    """For a cross-entropy op: the rows (tokens) of its class-dim reduction, the size of the
+    all-reduces a strategy with ``reduces`` runs."""
 
 
 @dataclass(frozen=True)
@@ -234,7 +241,9 @@ def strategy_skeleton(gm: fx.GraphModule, gm_double: fx.GraphModule | None = Non
             fqn=node.meta[mk.TRACE].fqn,
             shape=tuple(int(d) for d in vals[0].shape) if isinstance(vals[0], torch.Tensor) else (),
             kernel=kernel, gemm=gemm, tie=ties.get(node, "") if kind == "op" else "",
-            tie_line=lines.get(node, "") if kind == "op" else ""))
+            tie_line=lines.get(node, "") if kind == "op" else "",
+            rows=_affine(row_count(node), row_count(twin[node]) if twin else 2 * row_count(node), batch)
+            if kind == "op" and node.target in LOSS_OPS else None))
     edges = _edges(gm, index, nodes)
     sources += [None] * (len(nodes) - len(sources))  # (the loss sink _edges appends)
     return Skeleton(graph=StrategyGraph(nodes=tuple(nodes), edges=tuple(edges), axis_size=0, global_batch=batch),
@@ -365,7 +374,8 @@ def _op_strategies(node: fx.Node, n: int) -> tuple[Strategy, ...]:
             continue
         if not all(_even(p, a.meta.get("val"), n) for p, a in zip(req, ins)):
             continue
-        found.setdefault((outs, req), Strategy(outs=outs, ins=req))
+        reduces = REDUCES[node.target] if cand.source == "loss_parallel" else 0
+        found.setdefault((outs, req), Strategy(outs=outs, ins=req, reduces=reduces))
     if not found:  # replicated execution is always valid
         outs = tuple("R" if isinstance(v, torch.Tensor) else None for v in out_vals)
         found[(outs, ())] = Strategy(outs=outs, ins=tuple("R" for _ in ins))

@@ -98,6 +98,8 @@ class CutTable:
         compute = [n for n in gm.graph.nodes if n.op == "call_function" and mk.LAYER in n.meta
                    and n.meta[mk.LAYER] in position]
         at = {n: position[n.meta[mk.LAYER]] for n in compute}
+        self.layer_of = {n.name: n.meta[mk.LAYER] for n in compute}
+        """Joint-graph node -> its layer."""
         free = _param_views(gm)
         tied = {n for tree, _ in tied_gradient_sums(gm, at).values() for n in tree}
         for u in compute:
@@ -142,6 +144,17 @@ class CutTable:
             dtype = str(c.dtype).removeprefix("torch.")
             out[c.side][dtype] = out[c.side].get(dtype, 0) + nbytes
         return Messages(forward=tuple(out["forward"].items()), backward=tuple(out["backward"].items()))
+
+    def forward_share(self, layer: str, sg: StrategyGraph, choice: tuple[int, ...], microbatch: int) -> float:
+        """The part of the forward values made in ``layer`` and read after it that one rank holds
+        (per-rank bytes over whole bytes; 1.0 when nothing crosses): 1/tp for the residual stream
+        split over the sequence (sequence parallelism), 1 for a replicated one. Full recompute
+        keeps these values per layer, as each rank holds them."""
+        crossings, placed_as = self.crossings(layer)
+        made = [(c, p) for c, p in zip(crossings, self.placed(crossings, placed_as, sg, choice, microbatch))
+                if c.side == "forward" and self.layer_of.get(c.tensor) in (layer, self.first_of_run.get(layer))]
+        whole = sum(p[0] for _, p in made)
+        return sum(p[2] for _, p in made) / whole if whole else 1.0
 
     def placed(self, crossings: list[Crossing], placed_as: str | None, sg: StrategyGraph, choice: tuple[int, ...],
                microbatch: int) -> list[tuple[int, str, int]]:

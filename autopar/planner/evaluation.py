@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from autopar.planner.ilp import Problem, Solution, _edge_link, _param_bytes, _tensor_groups, node_cost_s, reshard_s
+from autopar.planner.ilp import (Problem, Solution, _edge_link, _param_bytes, _tensor_groups, inner_reduce_s, node_cost_s,
+                                 reshard_s)
 
 __all__ = ["CostBreakdown", "LayerCost", "evaluate"]
 
@@ -91,11 +92,18 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
     for v, node in enumerate(g.nodes):
         s = node.candidates[solution.choice[v]]
         t = node_cost_s(problem, v, s)
-        comp[node.layer][node.phase or "F"] += t
         cheap = node.kind == "op" and node.flops(problem.batch) == 0
         if cheap and node.phase == "F":
             cheap_f[node.layer] += t
-        total_comp += node.weight * t
+        inner = inner_reduce_s(problem, v, s)  # (collectives inside the op: loss parallel)
+        if inner:
+            com[node.layer][node.phase or "F"] += inner
+            total_comm += node.weight * inner
+            collectives["all_reduce"]["count"] += node.weight * s.reduces
+            collectives["all_reduce"]["bytes"] += node.weight * s.reduces * 4 * node.rows(problem.batch)
+            collectives["all_reduce"]["time_s"] += node.weight * inner
+        comp[node.layer][node.phase or "F"] += t - inner
+        total_comp += node.weight * (t - inner)
         if node.kind == "param":
             pb = _param_bytes(problem, v, s)
             params[node.layer] += pb

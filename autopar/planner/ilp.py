@@ -19,7 +19,8 @@ model's distinct layers and a mesh axis of n devices:
                                              + sum_{p != q} r[k,p,q]  (covered[k,v,q])
 
 C_v(s) is the roofline time of v with its work split n ways when s shards any
-operand (:func:`node_cost_s`); R_e(p, q) and R_k(p, q) the alpha-beta time of
+operand (:func:`node_cost_s`), plus the all-reduces a loss-parallel strategy runs inside
+its op (``Strategy.reduces``: one fp32 value per token each); R_e(p, q) and R_k(p, q) the alpha-beta time of
 turning the tensor's placement p into q (:func:`reshard_s`: Partial->Replicate
 is an all-reduce, Partial->Shard a reduce-scatter, Shard->Replicate an
 all-gather, Shard->Shard an all-to-all, Replicate->anything free); w is how many identical layers a node stands for,
@@ -75,7 +76,7 @@ from autopar.passes.strategies import StrategyGraph, Strategy
 from autopar.planner import solve_cache
 from autopar.planner.runs import Run, fill_runs, find_runs
 
-__all__ = ["Problem", "Solution", "build_problem", "solve", "reshard_s", "node_cost_s"]
+__all__ = ["Problem", "Solution", "build_problem", "solve", "reshard_s", "node_cost_s", "inner_reduce_s"]
 
 _UNIT_S = 1e-6  # objective unit: 1 us (keeps the MIP well scaled)
 SOLVER_BACKEND = "SCIP"
@@ -159,9 +160,19 @@ def node_cost_s(problem: Problem, v: int, s: Strategy) -> float:
         return 0.0
     n = problem.graph.axis_size if _splits(s) else 1
     b = problem.batch
-    return kernel_time_s(kind=node.kernel, flops=node.flops(b) / n, bytes_moved=node.bytes_moved(b) / n,
-                         device=problem.device, dtype=problem.compute_dtype or node.dtype,
-                         gemm=_local_gemm(node, s, b, n))
+    own = kernel_time_s(kind=node.kernel, flops=node.flops(b) / n, bytes_moved=node.bytes_moved(b) / n,
+                        device=problem.device, dtype=problem.compute_dtype or node.dtype,
+                        gemm=_local_gemm(node, s, b, n))
+    return own + inner_reduce_s(problem, v, s)
+
+
+def inner_reduce_s(problem: Problem, v: int, s: Strategy) -> float:
+    """The all-reduces op ``v`` runs inside under ``s`` (loss parallel: ``s.reduces`` of one fp32
+    value per row, over the tp axis), on the op's critical path; 0 for every other strategy."""
+    n = problem.graph.axis_size
+    if not s.reduces or n <= 1:
+        return 0.0
+    return s.reduces * comm.all_reduce_s(4 * problem.graph.nodes[v].rows(problem.batch), n, problem.link)
 
 
 def _local_gemm(node, s: Strategy, b: float, n: int) -> tuple[float, float, float] | None:

@@ -256,6 +256,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                 after = cut_table.messages(*cut_table.crossings(layer.path), sg, sol.choice, tokens)
                 inside = (cut_table.messages(*cut_table.crossings(layer.path, layer.path), sg, sol.choice, tokens)
                           if layer.path in cut_table.first_of_run else after)
+                boundary = layer.boundary_bytes * scale * cut_table.forward_share(layer.path, sg, sol.choice, tokens)
                 for i in range(layer.count):
                     sends = inside if i + 1 < layer.count else after  # a cut inside a run, or after it
                     c = lc.compute_s if lc else {}
@@ -268,7 +269,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                         act_bytes=lc.activation_bytes if lc else 0.0,
                         cheap_act_bytes=lc.cheap_activation_bytes if lc else 0.0,
                         transient_bytes=lc.transient_bytes if lc else 0.0,
-                        boundary_bytes=layer.boundary_bytes * scale,
+                        boundary_bytes=boundary,
                         send_forward=sends.forward, send_backward=sends.backward,
                         n_params=lc.n_params_local if lc else 0.0,
                         shared_params=tuple((fqn, owner, local.get(fqn, 0.0))
