@@ -177,13 +177,16 @@ def _nll(x: DTensor, target: DTensor, weight, reduction: int, ignore: int, offse
         pls[dp_dim] = target.placements[dp_dim]
         return (DTensor.from_local(losses, mesh, pls, run_check=False, shape=target.shape, stride=target.stride()),
                 DTensor.from_local(xl.new_zeros(()), mesh, [Replicate()] * mesh.ndim, run_check=False))
-    counted = rows_w.sum()
+    acc = torch.promote_types(xl.dtype, torch.float32)  # (fp32 for bf16 logits; fp64 stays fp64)
+    counted = rows_w.to(acc).sum()
     if dp_split:  # the batch's denominator: counted tokens summed over dp
         counted = all_reduce(counted, "sum", mesh.get_group(dp_dim))
         pls[dp_dim] = Partial("sum")
-    loss = losses.sum() / counted if reduction == _MEAN else losses.sum()
+    # summed and divided in fp32, rounded once to the logits' dtype, as ATen's kernel does
+    total = losses.to(acc).sum()
+    loss = (total / counted if reduction == _MEAN else total).to(xl.dtype)
     return (DTensor.from_local(loss, mesh, pls, run_check=False),
-            DTensor.from_local(counted, mesh, [Replicate()] * mesh.ndim, run_check=False))
+            DTensor.from_local(counted.to(xl.dtype), mesh, [Replicate()] * mesh.ndim, run_check=False))
 
 
 def _like(local: torch.Tensor, x: DTensor) -> DTensor:

@@ -163,10 +163,17 @@ def _arg(node: fx.Node, name: str, default: Any = None) -> Any:
     return default
 
 
-def _source(node: Any) -> Any:
-    """``node`` before any chain of views, detaches and copies."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _PASS_THROUGH:
-        node = node.args[0]
+def _source(node: Any, *, slices: bool = False) -> Any:
+    """``node`` before any chain of views, detaches and copies (``slices``: and of the local slices
+    a Replicate -> Shard placement change takes: ``split`` then one piece)."""
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if node.target in _PASS_THROUGH:
+            node = node.args[0]
+        elif slices and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+                and node.args[0].target is _aten.split.Tensor:
+            node = node.args[0].args[0]
+        else:
+            break
     return node
 
 
@@ -218,7 +225,7 @@ def _attention_pairs(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node | None]]
         bwd = None
         if lse is not None:
             bwd = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target is _ATTENTION[fwd.target]
-                        and _source(_arg(n, "logsumexp")) is lse), None)
+                        and _source(_arg(n, "logsumexp"), slices=True) is lse), None)
         pairs.append((fwd, bwd))
     return pairs
 
@@ -305,10 +312,15 @@ def apply_cp(gm: fx.GraphModule, *, cp: int, group: str, rank: int, seq: int, va
         # the head repeat, and its backward returns their gradients already summed over each group.
         grouped = [_grouped(k), _grouped(v)]
         folds = [None, None]
-        if bwd is not None and all(grouped):
+        # a backward on a head slice of its forward (the plan split the heads of the backward only)
+        # runs on its own slices of the saved tensors and of K/V (repeated, so it exchanges them
+        # ungrouped), its gradients folded by the program as they are
+        sliced = bwd is not None and _source(_arg(bwd, "logsumexp")) is not _source(
+            next(u for u in fwd.users if u.target is operator.getitem and u.args[1] == 1))
+        if bwd is not None and all(grouped) and not sliced:
             got = [next((u for u in bwd.users if u.target is operator.getitem and u.args[1] == i), None) for i in (1, 2)]
             folds = [_fold(g_, src) if g_ is not None else None for g_, src in zip(got, grouped)]
-        if all(grouped) and (bwd is None or all(folds)):
+        if all(grouped) and (bwd is None or sliced or all(folds)):
             k, v = grouped
         else:
             folds = [None, None]
@@ -328,7 +340,8 @@ def apply_cp(gm: fx.GraphModule, *, cp: int, group: str, rank: int, seq: int, va
         if bwd is None:
             continue
         grad = _arg(bwd, "grad_out") if _arg(bwd, "grad_out") is not None else _arg(bwd, "grad_out_")
-        args = (grad, _arg(bwd, "query"), k, v, *(_arg(bwd, n) for n in ("out", "logsumexp")), *extra)
+        k_b, v_b = (_arg(bwd, "key"), _arg(bwd, "value")) if sliced else (k, v)
+        args = (grad, _arg(bwd, "query"), k_b, v_b, *(_arg(bwd, n) for n in ("out", "logsumexp")), *extra)
         with g.inserting_before(bwd):
             new_b = g.call_function(torch.ops.autopar.cp_attention_backward.default, args)
         new_b.meta.update({key: val for key, val in bwd.meta.items() if key != "val"})

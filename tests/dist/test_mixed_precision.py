@@ -171,8 +171,11 @@ def test_bf16_mixed_matches_the_same_policy_in_one_process(two_ranks, name):
     for r in two_ranks:
         res = r[name]
         assert res["plan"][2] == "bf16-mixed"
-        for got, ref, _ in res["losses"]:  # a bf16 scalar: one side rounds the mean to bf16 (2^-8 relative)
-            assert abs(got - ref) <= LOSS_TOL * abs(ref), f"{name}: loss {got} vs the reference's {ref}"
+        for got, ref, fp32 in res["losses"]:  # a bf16 scalar: one side rounds the mean to bf16 (2^-8 relative)
+            # under tp the loss may run over vocabulary shards (loss parallel), summed in fp32, where the
+            # one-process bf16 kernel sums in bf16: held to that kernel's own distance from fp32 there
+            bound = max(LOSS_TOL * abs(ref), FACTOR * abs(ref - fp32)) if name in DRIFTS else LOSS_TOL * abs(ref)
+            assert abs(got - ref) <= bound, f"{name}: loss {got} vs the reference's {ref} (fp32 pieces: {fp32})"
         # the first step, from the same weights: the bound of the module docstring
         for f, err in res["first_grad_err"].items():
             bound = TIED_TOL if (name, f) in TIED else tol
