@@ -33,7 +33,7 @@ __all__ = ["Plan", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
 
-RECOMPUTE_POLICIES = ("none", "selective", "full")
+RECOMPUTE_POLICIES = ("none", "selective", "full", "sac")
 
 _DICT_KEYS = ("mesh", "schedule", "layers", "ops", "predicted", "solver", "communication", "cluster", "model", "fixed",
               "experts", "context")
@@ -102,7 +102,8 @@ class Plan:
     zero: int
     """ZeRO stage on the dp axis (0-3)."""
     recompute: str
-    """Activation recompute: "none", "selective" (FLOP-free ops) or "full"."""
+    """Activation recompute: "none", "selective" (FLOP-free ops), "full", or "sac" (pinned only:
+    "selective" plus every second matmul of a layer, torchtitan's op-level SAC)."""
     sequence_parallel: bool = False
     """Sequence parallelism on the tp axis (which norms run on token shards: ``layers[...]["sequence_parallel"]``)."""
     stages: tuple[dict[str, Any], ...]

@@ -7,13 +7,13 @@ Each row of bench/calibration.yaml that autopar can express is rebuilt from its
 published shape on "meta" (Llama 3.1 8B/70B/405B from examples/llama.py, Qwen3-32B
 from Hugging Face transformers' Qwen3ForCausalLM), planned with every decision pinned
 to the published one (FSDP = ZeRO-3 over dp, tp, pp, local batch = micro-batch size
-per data-parallel rank, selective/full activation checkpointing; with tp, sequence
-parallelism on, as torchtitan's ``apply_tp`` runs it: ``SequenceParallel`` on the norms,
-row-parallel outputs ``Shard(1)`` on the sequence; torchtitan also shards the head's
-output over the vocabulary for a loss-parallel cross-entropy, which autopar has no
-strategy for yet, so the TP rows are priced with whole fp32 logits per rank: their memory
-is over-predicted 3-5x, 226/228 GiB against 70/43 measured), and the plan's
-predicted tokens/s per GPU and peak memory are printed next to the measured ones.
+per data-parallel rank, torchtitan's op-level selective checkpointing as
+``recompute="sac"`` and full as ``"full"``; with tp, sequence parallelism on, as
+torchtitan's ``apply_tp`` runs it: ``SequenceParallel`` on the norms, row-parallel outputs
+``Shard(1)`` on the sequence, and the head's output split over the vocabulary for a
+loss-parallel cross-entropy, which the MIP chooses by itself there:
+:mod:`autopar.passes.loss_parallel`), and the plan's predicted tokens/s per GPU and peak
+memory are printed next to the measured ones.
 
 The runs were made on Meta's Grand Teton H100s (96 GB HBM2e, 2.4 TB/s, 500 W cap;
 both torchtitan benchmark files say so), so the cluster uses the catalog's
@@ -27,12 +27,11 @@ with torch.compile are marked and planned with ``make_plan(compiled_layers=...)`
 the memory-bound ops of each transformer block (what torchtitan compiles) are priced
 as TorchInductor fuses them (:mod:`autopar.passes.fuse`); the rest as eager.
 
-Not expressible, and so not priced as run: torchtitan's op-level selective AC (SAC)
-also recomputes every second matmul of a block (``_custom_policy`` in its
-``parallelize_llama.py``: wk, wo, w3 of Llama, 36% of a block's forward GEMM FLOPs);
-autopar's "selective" recomputes only FLOP-free ops, so the SAC rows are priced with
-less recompute than they ran (36% of the forward GEMMs: about 12% of a block's GEMM FLOPs
-with backward at twice forward, an estimate, not a measurement).
+torchtitan's op-level SAC (``_apply_op_sac`` in its ``parallelize_llama.py``) saves the outputs
+of matmuls, attention and reduce-scatters except every second matmul of a block (wk, wo, w3 of
+Llama: 36% of a block's forward GEMM FLOPs), and recomputes the rest: autopar prices it as the
+pinned-only policy ``recompute="sac"`` (FLOP-free ops and every second forward GEMM re-run in
+the backward, their outputs not kept).
 """
 
 import argparse
@@ -79,19 +78,19 @@ _ATP = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
 _QW = "torchtitan d66b72a6a (PR #1690)"
 ROWS = [
     Row(label="Llama3.1-8B FSDP8 lb2 SAC", model="llama:8b", nodes=1, seq=8192, local_batch=2,
-        fixed={"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective"},
+        fixed={"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "sac"},
         tok_s=5762, mem_gib=82.4, compiled=False, source=_TT + " table 1"),
     Row(label="Llama3.1-8B FSDP128 lb2 SAC", model="llama:8b", nodes=16, seq=8192, local_batch=2,
-        fixed={"dp": 128, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective"},
+        fixed={"dp": 128, "tp": 1, "pp": 1, "zero": 3, "recompute": "sac"},
         tok_s=5605, mem_gib=67.0, compiled=False, source=_TT + " table 3"),
     Row(label="Llama3.1-8B FSDP8 lb2 SAC (compile)", model="llama:8b", nodes=1, seq=8192, local_batch=2,
-        fixed={"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective"},
+        fixed={"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "sac"},
         tok_s=6667, mem_gib=77.0, compiled=True, source=_TT + " table 1"),
     Row(label="Llama3.1-8B FSDP128 lb2 SAC (compile)", model="llama:8b", nodes=16, seq=8192, local_batch=2,
-        fixed={"dp": 128, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective"},
+        fixed={"dp": 128, "tp": 1, "pp": 1, "zero": 3, "recompute": "sac"},
         tok_s=6514, mem_gib=62.0, compiled=True, source=_TT + " table 3"),
     Row(label="Llama3.1-8B FSDP8 TP8 lb12 SAC", model="llama:8b", nodes=8, seq=8192, local_batch=12,
-        fixed={"dp": 8, "tp": 8, "pp": 1, "zero": 3, "recompute": "selective", "sp": True},
+        fixed={"dp": 8, "tp": 8, "pp": 1, "zero": 3, "recompute": "sac", "sp": True},
         tok_s=4378, mem_gib=None, compiled=True, source=_ATP),
     Row(label="Llama3.1-70B FSDP32 TP8 lb16 AC", model="llama:70b", nodes=32, seq=8192, local_batch=16,
         fixed={"dp": 32, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},

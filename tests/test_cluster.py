@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from autopar.cluster import Cluster, parse_cluster
+from autopar.cost.compute import MEMORY_EFFICIENCY
 from autopar.cost.comm import NETWORK_EFFICIENCY, Link
 from autopar.cost.devices import DEVICES
 from autopar.errors import AutoparError, ClusterSpecError, InfeasibleError, PlanError, TraceError
@@ -82,7 +83,8 @@ def test_direct_construction_validates():
 def test_link_for_group():
     cluster = parse_cluster("2x8xH100")
     h100 = DEVICES["H100"]
-    nvlink = Link(bytes_per_s=h100.intra_node_bytes_per_s, latency_s=h100.intra_node_latency_s, nvswitch=True)
+    nvlink = Link(bytes_per_s=h100.intra_node_bytes_per_s, latency_s=h100.intra_node_latency_s, nvswitch=True,
+                  copy_bytes_per_s=h100.hbm_bytes_per_s * MEMORY_EFFICIENCY)  # (collectives' local copies)
     assert cluster.link_for_group(8, 1) == nvlink
     assert cluster.link_for_group(2, 4) == nvlink
     # across nodes: one NIC per rank of the group on each node (8 for dp=16, 1 for stride 8)

@@ -57,6 +57,15 @@ def single_stage(tmp_path_factory):
 # ---------------------------------------------------------------- text summary
 
 
+def _linears(plan, layer):
+    """The layer's linear modules (2-D weights) split by output features (S0) and by input features
+    (S1), by the plan's parameter placements, in name order."""
+    params = plan.layers[layer]["params"]
+    short = {fqn: fqn[len(layer) + 1:-len(".weight")] for fqn in params if fqn.endswith(".weight")}
+    pick = lambda p: sorted(short[f] for f, pl in params.items() if f in short and pl == p and "ln" not in f)  # noqa: E731
+    return pick("S0"), pick("S1")
+
+
 def test_summary_names_mesh_stages_strategies_communication_and_runners_up(pipelined):
     plan = pipelined
     text = render_summary(plan)
@@ -69,8 +78,12 @@ def test_summary_names_mesh_stages_strategies_communication_and_runners_up(pipel
         bar = re.search(r"\[([PGOA.]+)\]", row).group(1)
         assert len(bar) == 24
         assert len(bar.rstrip(".")) == round(24 * st["predicted"]["memory_bytes"]["total"] / cap)
-    # Megatron's block: QKV and fc1 split by output features, the projections after them by input features
-    assert "column-parallel attn.c_attn, mlp.c_fc; row-parallel attn.c_proj, mlp.c_proj" in text
+    # the block's linears named by their split: fc1 by output features, the projections by input
+    # features (GPT's fused QKV goes either way: its column split needs an all-to-all to reach the
+    # heads, priced with its copies, against the replicated GEMM it saves)
+    columns, rows = _linears(plan, "transformer.h.0")
+    assert "mlp.c_fc" in columns and {"attn.c_proj", "mlp.c_proj"} <= set(rows)
+    assert f"column-parallel {', '.join(columns)}; row-parallel {', '.join(rows)}" in text
     assert "Embedding x1 (transformer.wte)" in text
     comm = text[text.index("communication per step"):text.index("solver:")]
     for kind, axes in plan.communication.items():
@@ -224,7 +237,8 @@ def test_html_report_is_self_contained_and_complete(pipelined):
     stage_rows = re.findall(r'<tr><td class="num">(\d+)</td><td><code>', page)
     assert stage_rows == [str(s) for s in range(len(pipelined.stages))]
     assert page.count('<div class="bar">') == len(pipelined.stages)
-    assert "<b>column-parallel</b> attn.c_attn, mlp.c_fc" in page
+    columns, _ = _linears(pipelined, "transformer.h.0")
+    assert columns and f"<b>column-parallel</b> {', '.join(columns)}" in page
     for kind in pipelined.communication:
         assert f"<td>{kind}</td>" in page
     for c in pipelined.solver["candidates"]:

@@ -54,6 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost.devices import DeviceSpec
+from autopar.cost.compute import MEMORY_EFFICIENCY
 
 __all__ = [
     "Link",
@@ -98,6 +99,10 @@ class Link:
     """Bus bandwidth of all-reduce when it differs from ``bytes_per_s``."""
     nvswitch: bool = False
     """Inside one NVSwitch node: bandwidth and latency by group size from the measured tables."""
+    copy_bytes_per_s: float = 0.0
+    """Memory bandwidth of the group's devices for the local copy a collective along a tensor
+    dim other than 0 makes (:func:`autopar.planner.ilp.reshard_s`); 0: not priced (the gloo
+    CPU figures, and gradient buckets, which are flat)."""
 
     def __post_init__(self) -> None:
         if not self.bytes_per_s > 0:
@@ -318,9 +323,10 @@ def group_link(*, group_size: int, stride: int, devices_per_node: int, device: D
         if group_size == 1 or devices_per_node % (group_size * stride) == 0:
             return Link(bytes_per_s=device.intra_node_bytes_per_s, latency_s=device.intra_node_latency_s)
         return Link(bytes_per_s=device.inter_node_bytes_per_s, latency_s=device.inter_node_latency_s)
+    copy = device.hbm_bytes_per_s * MEMORY_EFFICIENCY
     if group_size == 1 or devices_per_node % (group_size * stride) == 0:
         return Link(bytes_per_s=device.intra_node_bytes_per_s, latency_s=device.intra_node_latency_s,
-                    nvswitch=True)
+                    nvswitch=True, copy_bytes_per_s=copy)
     ppn = max(1, min(group_size, devices_per_node // stride))
     nodes = -(-group_size // ppn)
     nic = ppn * device.inter_node_bytes_per_s * NETWORK_EFFICIENCY
@@ -328,7 +334,8 @@ def group_link(*, group_size: int, stride: int, devices_per_node: int, device: D
     ar = nic if ppn == 1 else min(nic, nvswitch_busbw("all_reduce", ppn, device.intra_node_bytes_per_s))
     # a ring of ppn * nodes ranks has `nodes` network hops and the rest on NVLink
     hop = ((group_size - nodes) * NVLINK_HOP_LATENCY_S + nodes * NETWORK_HOP_LATENCY_S) / group_size
-    return Link(bytes_per_s=ag, latency_s=hop, base_latency_s=NCCL_BASE_LATENCY_S, all_reduce_bytes_per_s=ar)
+    return Link(bytes_per_s=ag, latency_s=hop, base_latency_s=NCCL_BASE_LATENCY_S, all_reduce_bytes_per_s=ar,
+                copy_bytes_per_s=copy)
 
 
 def stage_ranks(pp_rank: int, *, dp: int, tp: int) -> range:

@@ -47,6 +47,8 @@ def _unit_times(u: Unit, recompute: str) -> tuple[float, float, float, float]:
         return u.f_s, u.b_s + u.f_s, u.w_s, u.boundary_bytes
     if recompute == "selective":
         return u.f_s, u.b_s + u.cheap_f_s, u.w_s, u.act_bytes - u.cheap_act_bytes
+    if recompute == "sac":
+        return u.f_s, u.b_s + u.cheap_f_s + u.sac_f_s, u.w_s, u.act_bytes - u.cheap_act_bytes - u.sac_act_bytes
     return u.f_s, u.b_s, u.w_s, u.act_bytes
 
 

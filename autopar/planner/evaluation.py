@@ -33,6 +33,13 @@ class LayerCost:
     """The part of ``activation_bytes`` made by FLOP-free ops (what selective recompute drops)."""
     cheap_forward_s: float = 0.0
     """Forward time of the FLOP-free ops (what selective recompute re-runs)."""
+    sac_forward_s: float = 0.0
+    """Forward time of every second matmul of the layer, in forward order (the 2nd, 4th, ...:
+    Llama's wk, wo and w3), which op-level SAC also recomputes (torchtitan's
+    ``_apply_op_sac``: its policy saves the outputs of matmuls, attention and reduce-scatters,
+    "except every second mm")."""
+    sac_activation_bytes: float = 0.0
+    """The saved output bytes of those matmuls."""
     transient_bytes: float = 0.0
     """Largest working set of one op per device for one micro-batch: its outputs plus the inputs
     it reads that nothing saves (e.g. the loss's fp32 logits gradient and its input), on top of
@@ -86,6 +93,9 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
     acts = defaultdict(float)
     cheap_acts = defaultdict(float)
     cheap_f = defaultdict(float)
+    sac_f = defaultdict(float)
+    sac_acts = defaultdict(float)
+    gemms = defaultdict(int)  # forward matmuls seen per layer, in graph (forward) order
     transient = defaultdict(float)
     collectives: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     total_comp = total_comm = 0.0
@@ -104,6 +114,12 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
             collectives["all_reduce"]["time_s"] += node.weight * inner
         comp[node.layer][node.phase or "F"] += t - inner
         total_comp += node.weight * (t - inner)
+        second = False
+        if node.kind == "op" and node.phase == "F" and node.kernel == "gemm":
+            gemms[node.layer] += 1
+            second = gemms[node.layer] % 2 == 0
+            if second:
+                sac_f[node.layer] += t
         if node.kind == "param":
             pb = _param_bytes(problem, v, s)
             params[node.layer] += pb
@@ -116,6 +132,8 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
                 acts[node.layer] += local
                 if cheap:
                     cheap_acts[node.layer] += local
+                if second:
+                    sac_acts[node.layer] += local
     for v, ws in _working_sets(problem, solution).items():
         layer = g.nodes[v].layer
         transient[layer] = max(transient[layer], ws)
@@ -142,6 +160,7 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
     layers = {name: LayerCost(compute_s=dict(comp[name]), comm_s=dict(com[name]), param_bytes=params[name],
                               n_params_local=nparams[name], activation_bytes=acts[name],
                               cheap_activation_bytes=cheap_acts[name], cheap_forward_s=cheap_f[name],
+                              sac_forward_s=sac_f[name], sac_activation_bytes=sac_acts[name],
                               transient_bytes=transient[name])
               for name in dict.fromkeys(n.layer for n in g.nodes)}
     return CostBreakdown(total_s=total_comp + total_comm, compute_s=total_comp, comm_s=total_comm,

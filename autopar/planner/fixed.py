@@ -12,11 +12,15 @@ from dataclasses import dataclass
 
 from autopar.errors import PlanError
 
-__all__ = ["Fixed", "FIXED_KEYS", "SCHEDULES", "RECOMPUTE"]
+__all__ = ["Fixed", "FIXED_KEYS", "SCHEDULES", "RECOMPUTE", "PINNED_RECOMPUTE"]
 
 CP_VARIANTS = ("ring", "allgather")  # (autopar.context.VARIANTS, without importing the runtime op)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 RECOMPUTE = ("none", "selective", "full")
+PINNED_RECOMPUTE = (*RECOMPUTE, "sac")
+"""Recompute policies a plan may pin: the searched ones, and "sac" (torchtitan's op-level
+selective checkpointing: "selective" plus every second matmul of a layer), priced for runs made
+that way (``bench/fidelity.py``) and never chosen by the search."""
 FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
               "virtual_stages", "ep", "moe_imbalance", "cp", "cp_variant")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -82,7 +86,7 @@ class Fixed:
                 values[key] = factor
                 continue
             if key in ("schedule", "recompute", "cp_variant"):
-                allowed = {"schedule": SCHEDULES, "recompute": RECOMPUTE, "cp_variant": CP_VARIANTS}[key]
+                allowed = {"schedule": SCHEDULES, "recompute": PINNED_RECOMPUTE, "cp_variant": CP_VARIANTS}[key]
                 if value not in allowed:
                     problems.append(f"{key}={value!r} is not one of {', '.join(allowed)}")
                 values[key] = value

@@ -125,28 +125,43 @@ def reshard_s(p: str, q: str, nbytes: float, n: int, link: Link) -> tuple[float,
     Each collective call also pays one link latency for its launch and synchronisation,
     on top of the ring's (n-1) steps: two calls (reduce-scatter + all-gather) then cost
     more than one all-reduce of the same volume, as they do on NCCL and gloo.
+
+    A collective along a tensor dim other than 0 also copies the tensor once, at the link's
+    ``copy_bytes_per_s`` (read and write): NCCL gathers and scatters along dim 0 of a
+    contiguous buffer, so ``torch.distributed._functional_collectives`` (DTensor's
+    redistribute, autopar's runtime and torchtitan alike) concatenates an all-gather's
+    chunks along the dim (``all_gather_tensor``), makes a reduce-scatter's chunks contiguous
+    before it (``reduce_scatter_tensor``), and an all-to-all does both on its 1/n pieces.
+    Sequence parallelism's gathers and scatters of (batch, sequence, hidden) activations
+    along the sequence (dim 1) pay it; on flattened (tokens, hidden) ones (dim 0) they do not.
     """
     if p == q or n == 1 or p is None:
         return 0.0, ""
     if p == "R":
         return 0.0, ""  # take the local slice (R -> P keeps one copy and zeroes the rest)
+    copied = 0.0  # bytes read and written by the local copy of a collective along dim d > 0
     if p == "P":
         if q == "R":
             t, kind = comm.all_reduce_s(nbytes, n, link), "all_reduce"
         else:
             t, kind = comm.reduce_scatter_s(nbytes, n, link), "reduce_scatter"
+            copied = 2 * nbytes if q != "S0" else 0.0
     elif q[0] == "S":  # shard -> shard on another dim
         t, kind = comm.all_to_all_s(nbytes / n, n, link), "all_to_all"
+        copied = 4 * nbytes / n if "S0" not in (p, q) else 2 * nbytes / n
     else:
         t, kind = comm.all_gather_s(nbytes, n, link), "all_gather"  # shard -> replicate or partial
+        copied = 2 * nbytes if p != "S0" else 0.0
+    if link.copy_bytes_per_s:
+        t += copied / link.copy_bytes_per_s
     return t + link.latency_s, kind
 
 
 def _edge_link(problem: Problem, dst_kind: str) -> Link:
     """Gradients return to their parameters in buckets (as DDP/FSDP do), so a
     parameter's gradient reduction pays bandwidth but not a collective latency of its own."""
-    if dst_kind == "param":
-        return replace(problem.link, latency_s=0.0, base_latency_s=0.0)
+    if dst_kind == "param":  # (flat buckets: no copy along a dim either)
+        return replace(problem.link, latency_s=0.0, base_latency_s=0.0, copy_bytes_per_s=0.0)
     return problem.link
 
 

@@ -268,6 +268,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                         cheap_f_s=lc.cheap_forward_s if lc else 0.0,
                         act_bytes=lc.activation_bytes if lc else 0.0,
                         cheap_act_bytes=lc.cheap_activation_bytes if lc else 0.0,
+                        sac_f_s=lc.sac_forward_s if lc else 0.0, sac_act_bytes=lc.sac_activation_bytes if lc else 0.0,
                         transient_bytes=lc.transient_bytes if lc else 0.0,
                         boundary_bytes=boundary,
                         send_forward=sends.forward, send_backward=sends.backward,

@@ -44,7 +44,7 @@ from autopar.cost.memory import training_state_bytes
 from autopar.cost.simulate import SimResult, StepResult
 from autopar.cost.step import GroupCost, StageCost, StepSpec, estimate_exposed_s, group_dp_s
 from autopar.errors import InfeasibleError, PlanError
-from autopar.planner.fixed import FIXED_KEYS, RECOMPUTE, SCHEDULES, Fixed  # noqa: F401 (re-exported)
+from autopar.planner.fixed import FIXED_KEYS, PINNED_RECOMPUTE, RECOMPUTE, SCHEDULES, Fixed  # noqa: F401 (re-exported)
 from autopar.planner.partition import _inflight, _partition
 from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _COLLECTIVE_S, _config_bound_s,  # noqa: F401
                                     _cuts_bound_s, _dp_comm_prefix, _grad_elem_bytes, _optimizer_s,
@@ -136,6 +136,10 @@ class Unit:
     act_bytes: float
     cheap_act_bytes: float
     boundary_bytes: float
+    sac_f_s: float = 0.0
+    """Forward time of every second matmul (op-level SAC recomputes them: ``recompute="sac"``)."""
+    sac_act_bytes: float = 0.0
+    """Saved bytes of those matmuls' outputs (what op-level SAC drops besides the FLOP-free ops')."""
     n_params: float
     """Parameters held per device under tensor parallelism (before ZeRO)."""
     transient_bytes: float = 0.0
@@ -305,7 +309,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                         if key not in work:
                             t0 = time.perf_counter()
                             units = units_at(tp, mbs, sp, ep, cp)
-                            work[key] = {r: _work_s(units, r) for r in RECOMPUTE}
+                            work[key] = {r: _work_s(units, r) for r in dict.fromkeys((*RECOMPUTE, *recomputes))}
                             params[key] = sum(u.n_params for u in units)
                             clock["units_s"] += time.perf_counter() - t0
                         link = cluster.link_for_group(dp, stride=tp)
@@ -428,7 +432,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
 def _rank_key(time_of):
     def key(c: Candidate):
         cfg = c.config
-        return (float(f"{time_of(c):.6g}"), cfg.zero, RECOMPUTE.index(cfg.recompute), -cfg.dp, cfg.pp,
+        return (float(f"{time_of(c):.6g}"), cfg.zero, PINNED_RECOMPUTE.index(cfg.recompute), -cfg.dp, cfg.pp,
                 cfg.tp, cfg.ep, float(f"{c.peak_memory_bytes:.6g}"),  # equal times: the schedule holding less (1F1B, not GPipe)
                 SCHEDULES.index(cfg.schedule) if cfg.schedule in SCHEDULES else 0, cfg.microbatch_size)
     return key

@@ -1,0 +1,89 @@
+"""Cost-model physics of how the programs run: the local copy of a collective along a tensor dim
+other than 0 (autopar.planner.ilp.reshard_s), and torchtitan's op-level selective checkpointing
+("sac", pinned only: selective recompute plus every second matmul of a layer)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.errors import PlanError
+from autopar.cluster import parse_cluster
+from autopar.cost import comm
+from autopar.cost.compute import MEMORY_EFFICIENCY
+from autopar.passes.strategies import build_strategy_graph
+from autopar.planner.evaluation import evaluate
+from autopar.planner.fixed import RECOMPUTE, Fixed
+from autopar.planner.frontend import trace_pair
+from autopar.planner.ilp import build_problem, node_cost_s, reshard_s, solve
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import llama  # noqa: E402
+
+H100 = parse_cluster("1x8xH100")
+
+
+def test_collectives_along_a_later_dim_pay_one_copy_of_the_tensor():
+    link = H100.link_for_group(8, stride=1)
+    assert link.copy_bytes_per_s == pytest.approx(H100.device.hbm_bytes_per_s * MEMORY_EFFICIENCY)
+    nbytes = 64 * 2**20
+    copy = 2 * nbytes / link.copy_bytes_per_s  # read and write the whole tensor once
+    flat = comm.all_gather_s(nbytes, 8, link) + link.latency_s
+    assert reshard_s("S0", "R", nbytes, 8, link) == (pytest.approx(flat), "all_gather")  # NCCL's own layout
+    assert reshard_s("S1", "R", nbytes, 8, link)[0] == pytest.approx(flat + copy)  # torch.cat of the chunks
+    scatter = comm.reduce_scatter_s(nbytes, 8, link) + link.latency_s
+    assert reshard_s("P", "S0", nbytes, 8, link)[0] == pytest.approx(scatter)
+    assert reshard_s("P", "S1", nbytes, 8, link)[0] == pytest.approx(scatter + copy)  # chunks made contiguous
+    assert reshard_s("P", "R", nbytes, 8, link)[0] == pytest.approx(comm.all_reduce_s(nbytes, 8, link)
+                                                                     + link.latency_s)  # in place: no copy
+    a2a = comm.all_to_all_s(nbytes / 8, 8, link) + link.latency_s
+    assert reshard_s("S1", "S2", nbytes, 8, link)[0] == pytest.approx(a2a + 2 * copy / 8)  # both sides, 1/8 each
+    assert reshard_s("S0", "S1", nbytes, 8, link)[0] == pytest.approx(a2a + copy / 8)
+    # gloo CPU groups keep their plain alpha-beta figures
+    assert parse_cluster("1x2xcpu").link_for_group(2, stride=1).copy_bytes_per_s == 0.0
+
+
+@pytest.fixture(scope="module")
+def llama_tp2():
+    model, inputs, loss_fn, target = llama.build(size="small", batch=8, device="meta")
+    gm, gm2 = trace_pair(model, inputs, cluster=H100, loss_fn=loss_fn, example_target=target)
+    sg = build_strategy_graph(gm, axis_size=2, gm_double=gm2, shard_batch=False)
+    problem = build_problem(sg, batch=8, device=H100.device, link=H100.link_for_group(2, stride=1))
+    return sg, problem, solve(problem)
+
+
+def test_sac_recomputes_every_second_matmul_of_a_block(llama_tp2):
+    """A Llama block's forward matmuls in order are wq, wk, wv, wo, w1, w3, w2: op-level SAC
+    recomputes the 2nd, 4th and 6th (wk, wo, w3), as torchtitan's policy does."""
+    sg, problem, sol = llama_tp2
+    layer = "layers.1"
+    gemms = [(v, n) for v, n in enumerate(sg.nodes) if n.layer == layer and n.phase == "F" and n.kernel == "gemm"]
+    assert len(gemms) == 7
+    widths = [n.shape[-1] for _, n in gemms]  # output features: dim, kv dim, kv dim, dim, ffn, ffn, dim
+    cfg = llama.SIZES["small"]
+    kv = cfg.dim // cfg.n_heads * cfg.n_kv_heads
+    assert widths[:4] == [cfg.dim, kv, kv, cfg.dim] and widths[4] == widths[5] and widths[6] == cfg.dim
+    cost = evaluate(problem, sol).layers[layer]
+    second = [gemms[i][0] for i in (1, 3, 5)]
+    assert cost.sac_forward_s == pytest.approx(sum(node_cost_s(problem, v, sg.nodes[v].candidates[sol.choice[v]])
+                                                   for v in second))
+    assert 0 < cost.sac_activation_bytes < cost.activation_bytes - cost.cheap_activation_bytes
+
+
+def test_sac_is_priced_when_pinned_and_never_chosen():
+    model, inputs, loss_fn, target = llama.build(size="small", batch=8, device="meta")
+    plans = {r: autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
+                             fixed={"tp": 1, "pp": 1, "dp": 8, "zero": 3, "microbatches": 1, "recompute": r})
+             for r in ("selective", "sac", "full")}
+    step = {r: p.predicted["step_time_s"] for r, p in plans.items()}
+    acts = {r: p.stages[0]["predicted"]["memory_bytes"]["activations"] for r, p in plans.items()}
+    assert step["selective"] < step["sac"] < step["full"]  # it recomputes more than selective, less than full
+    assert acts["sac"] < acts["selective"]  # and keeps less (full keeps a block's input per block, plus
+    # one block's working set while it recomputes: on 4 small blocks that is more than either)
+    assert plans["sac"].recompute == "sac"
+    assert "sac" not in RECOMPUTE and Fixed.from_dict({"recompute": "sac"}).recompute == "sac"
+    free = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target)
+    assert free.recompute in RECOMPUTE
+    with pytest.raises(PlanError, match="recompute='some'"):
+        Fixed.from_dict({"recompute": "some"})
