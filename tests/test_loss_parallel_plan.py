@@ -12,6 +12,7 @@ import pytest
 import autopar
 from autopar.cluster import parse_cluster
 from autopar.cost import comm
+from autopar.cost.compute import kernel_time_s
 from autopar.passes.strategies import build_strategy_graph
 from autopar.planner.cuts import CutTable
 from autopar.planner.frontend import trace_pair
@@ -49,10 +50,11 @@ def test_each_loss_op_is_offered_its_classes_split_and_priced_with_its_all_reduc
         assert node.rows(8) == tokens
         inner = reduces * comm.all_reduce_s(4 * tokens, 4, problem.link)
         # a quarter of the work, plus one fp32 value per token all-reduced per reduction
-        own = node_cost_s(problem, v, lp[0]) - inner
-        assert own < node_cost_s(problem, v, whole)
-        if reduces:
-            assert inner > 0 and own == pytest.approx(node_cost_s(problem, v, lp[0]) - inner)
+        quarter = kernel_time_s(kind=node.kernel, flops=node.flops(8) / 4, bytes_moved=node.bytes_moved(8) / 4,
+                                device=H100.device, dtype=node.dtype)
+        assert node_cost_s(problem, v, lp[0]) == pytest.approx(quarter + inner)
+        assert quarter < node_cost_s(problem, v, whole)
+        assert (inner > 0) == (reduces > 0)
     assert seen == set(split)
 
 

@@ -52,7 +52,7 @@ REDUCES = {_LOG_SOFTMAX: 2, _NLL: 1, _NLL_BWD: 0, _LOG_SOFTMAX_BWD: 1}
 row max and the sum of exponentials; the picked log-probability; none (the gradient lands on
 the shard that holds the target); the row sum of the incoming gradient."""
 
-_MEAN, _SUM, _NONE = 1, 2, 0  # ATen's reduction enum
+_NONE, _MEAN = 0, 1  # ATen's reduction enum (2: sum)
 
 
 def _class_input(op) -> int:
@@ -81,9 +81,14 @@ def loss_rules(op, args, ins, outs) -> list[list]:
     return [[Shard(1), Replicate(), Shard(1)] + [Replicate()] * (len(ins) - 2)]
 
 
+def _traced_args(node: torch.fx.Node) -> tuple:
+    """``node``'s arguments with each tensor node replaced by its traced value."""
+    return tuple(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args)
+
+
 def row_count(node: torch.fx.Node) -> int:
     """Rows of ``node``'s class-dim reduction (tokens): the size of each inner all-reduce."""
-    args = tuple(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args)
+    args = _traced_args(node)
     x = args[_class_input(node.target)]
     return x.numel() // max(1, x.shape[_class_dim(node.target, args)])
 
@@ -92,8 +97,7 @@ def class_split(node: torch.fx.Node, ins: tuple[str, ...]) -> bool:
     """Whether a plan's tp placements ``ins`` of a loss op split its classes."""
     if node.target not in LOSS_OPS or not ins:
         return False
-    args = tuple(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args)
-    return ins[_class_input(node.target)] == f"S{_class_dim(node.target, args)}"
+    return ins[_class_input(node.target)] == f"S{_class_dim(node.target, _traced_args(node))}"
 
 
 def _shard_span(size: int, n: int, rank: int) -> tuple[int, int]:

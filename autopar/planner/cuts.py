@@ -152,7 +152,7 @@ class CutTable:
         keeps these values per layer, as each rank holds them."""
         crossings, placed_as = self.crossings(layer)
         made = [(c, p) for c, p in zip(crossings, self.placed(crossings, placed_as, sg, choice, microbatch))
-                if c.side == "forward" and self.layer_of.get(c.tensor) in (layer, self.first_of_run.get(layer))]
+                if c.side == "forward" and self.layer_of.get(c.tensor) == layer]
         whole = sum(p[0] for _, p in made)
         return sum(p[2] for _, p in made) / whole if whole else 1.0
 
