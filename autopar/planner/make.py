@@ -336,83 +336,87 @@ def _cores() -> int:
 
 def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_sp: bool | None, *, batch: int,
                cluster: Cluster) -> dict[tuple[int, bool], tuple[StrategyGraph, Solution]]:
-    """The sharding MIPs of every tp degree (each with both sides of the sp decision:
-    :func:`_solve_sp`): (tp, sp) -> (strategy graph, solution), in the order of ``tps``.
+    """The sharding MIPs of every tp degree, each side of the sp decision its own MIP
+    (:func:`_sp_sides`, :func:`_solve_side`): (tp, sp) -> (strategy graph, solution), in the
+    order of ``tps`` (sp False first).
 
-    The strategy graphs are built here, in the calling thread, one after another (each tp's MIP
-    starts as soon as its graph is built); the MIPs run side by side in threads, up to one per
-    CPU. SCIP releases the GIL while it searches (its branch and bound is most of a MIP's time),
-    so on 2 cores two MIPs take about the time of the longer (Llama 70B on 64x8xH100, 7 MIPs:
-    solve 2.1 -> 1.3 s of wall, ``python bench/planner_speed.py --targets --repeat 3``; the same
-    CPU seconds). Each answer depends on its MIP alone (SCIP is deterministic under a node limit
-    and a gap), not on what runs beside it or how fast."""
+    The strategy graphs are built here, in the calling thread, one after another (each tp's
+    MIPs start as soon as its graph is built); the MIPs run side by side in threads, up to one
+    per CPU. SCIP releases the GIL while it searches (its branch and bound is most of a MIP's
+    time), so on 2 cores two MIPs take about the time of the longer. Each answer depends on
+    its MIP alone (SCIP is deterministic under a node limit and a gap), not on what runs
+    beside it or how fast."""
     graphs: dict[int, StrategyGraph] = {}
     skeleton = strategy_skeleton(gm, gm2)  # (what every tp's graph shares: built once)
 
-    def one(tp: int) -> dict[bool, Solution]:
-        ref = max(1, batch // max(1, cluster.world_size // tp))
-        return _solve_sp(gm, graphs[tp], tp, pinned_sp, batch=ref, cluster=cluster)
+    def one(tp: int, sp: bool | None, pinned: bool = pinned_sp is not None) -> Solution | None:
+        ref = max(1, batch // max(1, cluster.world_size // tp))  # (the batch of one tp group)
+        return _solve_side(gm, graphs[tp], tp, sp, pinned=pinned, batch=ref, cluster=cluster)
 
-    workers = min(len(tps), _cores())
-    if workers <= 1:
-        for tp in tps:
-            graphs[tp] = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False,
-                                              skeleton=skeleton)
-        sides = {tp: one(tp) for tp in tps}
-    else:
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="autopar-mip")
-        try:  # the widest tp's MIP is usually the longest: it starts first, while the next graph is built
-            futures = {}
-            for tp in sorted(tps, reverse=True):
-                graphs[tp] = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False,
-                                              skeleton=skeleton)
-                futures[tp] = pool.submit(one, tp)
-            sides = {tp: futures[tp].result() for tp in tps}
-        finally:
+    tasks: dict[tuple[int, bool | None], object] = {}
+    workers = min(2 * len(tps), _cores())
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="autopar-mip") if workers > 1 else None
+    try:  # the widest tp's MIPs are usually the longest: they start first, while the next graph is built
+        for tp in sorted(tps, reverse=True):
+            graphs[tp] = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False, skeleton=skeleton)
+            for sp in _sp_sides(gm, graphs[tp], tp, pinned_sp):
+                tasks[tp, sp] = pool.submit(one, tp, sp) if pool else one(tp, sp)
+        results = {key: task.result() if pool else task for key, task in tasks.items()}
+    finally:
+        if pool:
             pool.shutdown(wait=True, cancel_futures=True)
-    return {(tp, sp): (graphs[tp], sol) for tp in tps for sp, sol in sides[tp].items()}
+    out = {}
+    for tp in tps:
+        sides = {sp: sol for (t, sp), sol in results.items() if t == tp and sol is not None}
+        if None in sides:  # no norms, or tp=1: one MIP, and it has no sequence parallelism
+            sides = {False: sides[None]}
+        elif not sides and pinned_sp is None:  # neither pure side fits: the free MIP, labelled by its norms
+            free = one(tp, None, pinned=False)
+            norms = _norm_nodes(gm, graphs[tp])
+            sides = {any(token_sharded(graphs[tp].nodes[v].candidates[free.choice[v]].outs[0], rank)
+                         for v, rank in norms.items()): free}
+        out.update({(tp, sp): (graphs[tp], sol) for sp, sol in sorted(sides.items())})
+    return out
 
 
-def _solve_sp(gm: fx.GraphModule, sg: StrategyGraph, tp: int, pinned: bool | None, *, batch: int,
-              cluster: Cluster) -> dict[bool, Solution]:
-    """The sharding MIP at ``tp`` with sequence parallelism on and off: sp -> solution.
+def _sp_sides(gm: fx.GraphModule, sg: StrategyGraph, tp: int, pinned: bool | None) -> tuple[bool | None, ...]:
+    """The MIPs to solve at ``tp`` for the sp decision: (None,) for one unrestricted MIP where
+    there is no sequence parallelism to choose (tp=1, or no norm ops), () where a pinned
+    sp=True has none, else the pinned side or both.
 
-    The MIP prices time only, and sequence parallelism mostly saves memory (activations
-    of norms and pointwise ops split over tp, Korthikanti et al. 2022) at the price of a
-    reduce-scatter + all-gather pair (two collective latencies) where an all-reduce was
-    (one). So the MIP alone rarely picks it (GPT blocks: never), although the memory it
-    frees buys a larger micro-batch or less recompute. Both solutions go to the outer
-    search, which prices memory. The MIP is solved free first; the norm ops' placements
-    say which side it landed on, and the other side is solved with the norms' candidates
-    restricted (token-sharded outputs required, or forbidden). A pinned ``sp`` solves only
-    that side; a side with no solution is left out unless pinned (then the MIP's
-    InfeasibleError stands). Without tp (tp=1) or without norm ops there is no sequence
-    parallelism to choose: sp is False, and a pinned sp=True gets no solution here."""
+    Sequence parallelism mostly saves memory (activations of norms and pointwise ops split over
+    tp, Korthikanti et al. 2022) at the price of a reduce-scatter + all-gather pair (two
+    collective latencies) where an all-reduce was (one), and the MIP prices time only: alone it
+    rarely picks it (GPT blocks: never), although the memory it frees buys a larger
+    micro-batch or less recompute. So each side is its own MIP, with the norm ops' candidates
+    restricted (token-sharded outputs required, or forbidden), and both go to the outer
+    search, which prices memory. A side is pure: sp=True puts every norm op on token shards,
+    as Megatron-LM's ``--sequence-parallel`` and torchtitan's SequenceParallel do. Until
+    2026-12 the planner solved the unrestricted MIP and then the side it did not land on;
+    the unrestricted MIP is the union of both sides plus mixed layouts, and it is the
+    slowest to prove: Llama 70B's tp=8 one took 23 nodes and 1.8 CPU-s against 2 nodes and
+    0.4 CPU-s for its sp=False side, at an objective within the 1% gap. Across the sampled
+    Hugging Face models (bench/hf_coverage.py, 150 MIPs) its mixed answers cost within 0.5% of
+    the pure sp=False side (typically one norm of 45-127 on token shards at equal cost)."""
+    if tp == 1 or not _norm_nodes(gm, sg):
+        return () if pinned else (None,)
+    return (pinned,) if pinned is not None else (False, True)
+
+
+def _solve_side(gm: fx.GraphModule, sg: StrategyGraph, tp: int, sp: bool | None, *, pinned: bool, batch: int,
+                cluster: Cluster) -> Solution | None:
+    """The sharding MIP at ``tp`` on one side of the sp decision (None: unrestricted). A side
+    with no solution is None unless pinned (then the MIP's InfeasibleError stands)."""
     link = cluster.link_for_group(tp, stride=1)
-    norms = _norm_nodes(gm, sg)
-    if tp == 1 or not norms:
-        if pinned:
-            return {}
-        return {False: solve(build_problem(sg, batch=batch, device=cluster.device, link=link))}
-
-    def on(sol: Solution) -> bool:
-        return any(token_sharded(sg.nodes[v].candidates[sol.choice[v]].outs[0], rank) for v, rank in norms.items())
-
-    def solve_side(sp: bool) -> Solution | None:
-        forbidden = frozenset((v, i) for v, rank in norms.items() for i, s in enumerate(sg.nodes[v].candidates)
-                              if token_sharded(s.outs[0], rank) != sp)
-        try:
-            return solve(build_problem(sg, batch=batch, device=cluster.device, link=link, forbidden=forbidden))
-        except autopar.InfeasibleError:
-            if pinned is not None:
-                raise
-            return None
-
-    if pinned is not None:
-        return {pinned: solve_side(pinned)}
-    free = solve(build_problem(sg, batch=batch, device=cluster.device, link=link))
-    other = solve_side(not on(free))
-    return {on(free): free, **({not on(free): other} if other is not None else {})}
+    forbidden = frozenset() if sp is None else frozenset(
+        (v, i) for v, rank in _norm_nodes(gm, sg).items() for i, s in enumerate(sg.nodes[v].candidates)
+        if token_sharded(s.outs[0], rank) != sp)
+    try:
+        return solve(build_problem(sg, batch=batch, device=cluster.device, link=link, forbidden=forbidden))
+    except autopar.InfeasibleError:
+        if pinned or sp is None:
+            raise
+        return None
 
 
 def _local_param_counts(sg: StrategyGraph, sol: Solution, tp: int) -> dict[str, float]:
