@@ -288,6 +288,33 @@ def test_sp_pinned_both_ways_and_recorded(gpt_small):
     assert "sequence parallelism: " + ("on" if free.sequence_parallel else "off") in free.summary()
 
 
+def test_each_sp_side_is_pure_and_its_own_mip(gpt_small, monkeypatch):
+    """Unpinned, each tp > 1 gets two restricted MIPs: sp=True puts every norm op on token
+    shards, sp=False none (a layout in between is neither side), and their solutions are what
+    the search gets; tp=1 gets one unrestricted MIP, labelled sp=False. The restricted side is
+    found where the free MIP would not go: GPT's blocks never pick sequence parallelism alone."""
+    from autopar.planner import make
+    from autopar.planner.frontend import trace_pair
+    from autopar.planner.record import token_sharded
+
+    model, inputs, loss_fn, target = gpt_small
+    cluster = parse_cluster("1x8xH100")
+    gm, gm2 = trace_pair(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target)
+    calls = []
+    solve = make.solve
+    monkeypatch.setattr(make, "solve", lambda problem, **kw: calls.append(problem.forbidden) or solve(problem, **kw))
+    solved = make._solve_all(gm, gm2, [1, 4], None, batch=16, cluster=cluster)
+    assert sorted(solved) == [(1, False), (4, False), (4, True)]
+    assert len(calls) == 3 and sum(not f for f in calls) == 1  # tp=1 unrestricted; each tp=4 side restricted
+    for sp in (True, False):
+        sg, sol = solved[4, sp]
+        norms = make._norm_nodes(gm, sg)
+        assert norms
+        sharded = {token_sharded(sg.nodes[v].candidates[sol.choice[v]].outs[0], rank) for v, rank in norms.items()}
+        assert sharded == {sp}, (sp, sharded)
+    assert solved[4, True][1].objective_s > solved[4, False][1].objective_s  # the MIP prices time only
+
+
 def test_sp_without_tp_is_a_clear_error(gpt_small):
     model, inputs, loss_fn, target = gpt_small
     with pytest.raises(PlanError, match="sp=True needs tensor parallelism"):
