@@ -87,3 +87,54 @@ def test_sac_is_priced_when_pinned_and_never_chosen():
     assert free.recompute in RECOMPUTE
     with pytest.raises(PlanError, match="recompute='some'"):
         Fixed.from_dict({"recompute": "some"})
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_recompute_keeps_what_the_dropped_ops_are_recomputed_from(tp):
+    """A Llama 8B-shaped block (wq, wk, wv, wo, w1, w3, w2; T tokens, d 4096, kv 1024, ffn 14336,
+    bf16) keeps, per torchtitan's op-level SAC, the outputs of wq, wv, w1 and w2, attention's
+    output and log-sum-exp, and the block's input; and under selective recompute the saved
+    outputs of attention, w1 and w3, plus the block input and the wq, wk, wv, wo outputs that the
+    dropped norms and rotary embeddings are recomputed from. Checked as bytes per device; each
+    is more than counting only the saved outputs a policy does not drop (0.44 and 0.47 GB of a
+    1.04 and 1.55 GB block at 2 x 8192 tokens). The head keeps the logits under SAC; the loss,
+    which reads them, does not count them again."""
+    batch, seq = 1, 1024
+    model, inputs, loss_fn, target = llama.build(size="8b", batch=batch, seq=seq, n_layers=2, device="meta")
+    gm, gm2 = trace_pair(model, inputs, cluster=H100, loss_fn=loss_fn, example_target=target)
+    sg = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False)
+    problem = build_problem(sg, batch=batch, device=H100.device, link=H100.link_for_group(tp, stride=1))
+    sol = solve(problem)
+    cost = evaluate(problem, sol).layers
+    block = cost["layers.1"]
+    selective = block.activation_bytes - block.cheap_activation_bytes
+    sac = selective - block.sac_activation_bytes
+    t, d, kv, ffn, heads = batch * seq, 4096, 1024, 14336, 32
+
+    gemms = [(v, n) for v, n in enumerate(sg.nodes) if n.layer == "layers.1" and n.phase == "F" and n.kernel == "gemm"]
+    attention = [(v, n) for v, n in enumerate(sg.nodes) if n.layer == "layers.1" and n.phase == "F"
+                 and n.kernel == "causal_attention"]
+    assert [n.shape[-1] for _, n in gemms] == [d, kv, kv, d, ffn, ffn, d] and len(attention) == 1
+
+    def share(v, o=0):  # this device's bytes of a value under the MIP's choice
+        placement = sg.nodes[v].candidates[sol.choice[v]].outs[o]
+        whole = sg.nodes[v].out_bytes[o](batch)
+        return whole / tp if placement.startswith("S") else whole
+
+    att_v = attention[0][0]
+    att = share(att_v, 0) + share(att_v, 1)  # output and log-sum-exp
+    assert sg.nodes[att_v].out_bytes[1](batch) == batch * heads * seq * 4
+    mm = [share(v) for v, _ in gemms]
+    block_in = [e for e in sg.edges if not e.virtual and sg.nodes[e.dst].layer == "layers.1"
+                and sg.nodes[e.src].layer == "layers.0" and sg.nodes[e.src].kind == "op"]
+    x = {(e.src, e.src_out) for e in block_in}
+    assert len(x) == 1 and sg.nodes[block_in[0].src].out_bytes[0](batch) == t * d * 2
+    x_local = share(*next(iter(x)))
+    assert sac == pytest.approx(x_local + mm[0] + mm[2] + mm[4] + mm[6] + att)
+    assert selective == pytest.approx(att + mm[4] + mm[5] + x_local + mm[0] + mm[1] + mm[2] + mm[3])
+    if tp == 1:
+        assert sac == 2 * t * (d + d + kv + ffn + d + d) + t * heads * 4
+    head = cost["output"]
+    assert head.activation_bytes - head.cheap_activation_bytes - head.sac_activation_bytes >= t * 128256 * 2 / tp
+    loss = cost["<loss>"]
+    assert loss.activation_bytes - loss.cheap_activation_bytes - loss.sac_activation_bytes == 0

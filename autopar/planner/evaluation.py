@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from autopar.planner.ilp import (Problem, Solution, _edge_link, _param_bytes, _tensor_groups, inner_reduce_s, node_cost_s,
                                  reshard_s)
+from autopar.planner.recompute_keep import kept_bytes
 
 __all__ = ["CostBreakdown", "LayerCost", "evaluate"]
 
@@ -30,7 +31,8 @@ class LayerCost:
     activation_bytes: float = 0.0
     """Saved activation bytes per device for one micro-batch."""
     cheap_activation_bytes: float = 0.0
-    """The part of ``activation_bytes`` made by FLOP-free ops (what selective recompute drops)."""
+    """What selective recompute frees of ``activation_bytes``: the saved outputs of FLOP-free ops,
+    less the values they are recomputed from (:mod:`autopar.planner.recompute_keep`)."""
     cheap_forward_s: float = 0.0
     """Forward time of the FLOP-free ops (what selective recompute re-runs)."""
     sac_forward_s: float = 0.0
@@ -39,7 +41,8 @@ class LayerCost:
     ``_apply_op_sac``: its policy saves the outputs of matmuls, attention and reduce-scatters,
     "except every second mm")."""
     sac_activation_bytes: float = 0.0
-    """The saved output bytes of those matmuls."""
+    """What op-level SAC frees beyond selective recompute: selective's kept bytes less what
+    SAC stores (:mod:`autopar.planner.recompute_keep`)."""
     transient_bytes: float = 0.0
     """Largest working set of one op per device for one micro-batch: its outputs plus the inputs
     it reads that nothing saves (e.g. the loss's fp32 logits gradient and its input), on top of
@@ -91,10 +94,8 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
     params = defaultdict(float)
     nparams = defaultdict(float)
     acts = defaultdict(float)
-    cheap_acts = defaultdict(float)
     cheap_f = defaultdict(float)
     sac_f = defaultdict(float)
-    sac_acts = defaultdict(float)
     gemms = defaultdict(int)  # forward matmuls seen per layer, in graph (forward) order
     transient = defaultdict(float)
     collectives: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -130,10 +131,6 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
                 full = node.out_bytes[o](problem.batch)
                 local = full / g.axis_size if s.outs[o].startswith("S") else full
                 acts[node.layer] += local
-                if cheap:
-                    cheap_acts[node.layer] += local
-                if second:
-                    sac_acts[node.layer] += local
     for v, ws in _working_sets(problem, solution).items():
         layer = g.nodes[v].layer
         transient[layer] = max(transient[layer], ws)
@@ -157,10 +154,11 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
             collectives[kind]["count"] += weight
             collectives[kind]["bytes"] += weight * nbytes
             collectives[kind]["time_s"] += weight * t
+    keep = kept_bytes(problem, solution, lambda v, o: _local_out_bytes(problem, solution, v, o))
     layers = {name: LayerCost(compute_s=dict(comp[name]), comm_s=dict(com[name]), param_bytes=params[name],
                               n_params_local=nparams[name], activation_bytes=acts[name],
-                              cheap_activation_bytes=cheap_acts[name], cheap_forward_s=cheap_f[name],
-                              sac_forward_s=sac_f[name], sac_activation_bytes=sac_acts[name],
+                              cheap_activation_bytes=acts[name] - keep[name][0], cheap_forward_s=cheap_f[name],
+                              sac_forward_s=sac_f[name], sac_activation_bytes=keep[name][0] - keep[name][1],
                               transient_bytes=transient[name])
               for name in dict.fromkeys(n.layer for n in g.nodes)}
     return CostBreakdown(total_s=total_comp + total_comm, compute_s=total_comp, comm_s=total_comm,
