@@ -82,6 +82,15 @@ def test_sac_is_priced_when_pinned_and_never_chosen():
     assert acts["sac"] < acts["selective"]  # and keeps less (full keeps a block's input per block, plus
     # one block's working set while it recomputes: on 4 small blocks that is more than either)
     assert plans["sac"].recompute == "sac"
+    # hardware FLOPs count what is recomputed: sac's wk, wo and w3 forwards (2 T d (kv + d + ffn)
+    # per block at T = 8 x 64 tokens), full's whole forward; selective's FLOP-free ops add none
+    hw = {r: p.predicted["hardware_flops_per_step"] for r, p in plans.items()}
+    model_flops = plans["sac"].predicted["model_flops_per_step"]
+    cfg = llama.SIZES["small"]
+    kv = cfg.dim // cfg.n_heads * cfg.n_kv_heads
+    ffn = cfg.ffn_hidden
+    assert hw["selective"] == model_flops < hw["sac"] < hw["full"]
+    assert hw["sac"] - model_flops == pytest.approx(2 * 8 * 64 * cfg.dim * (kv + cfg.dim + ffn) * cfg.n_layers)
     assert "sac" not in RECOMPUTE and Fixed.from_dict({"recompute": "sac"}).recompute == "sac"
     free = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target)
     assert free.recompute in RECOMPUTE

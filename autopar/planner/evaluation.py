@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from autopar.planner.ilp import (Problem, Solution, _edge_link, _param_bytes, _tensor_groups, inner_reduce_s, node_cost_s,
                                  reshard_s)
-from autopar.planner.recompute_keep import kept_bytes
+from autopar.planner.recompute_keep import kept_bytes, sac_recomputed_matmuls
 
 __all__ = ["CostBreakdown", "LayerCost", "evaluate"]
 
@@ -96,7 +96,7 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
     acts = defaultdict(float)
     cheap_f = defaultdict(float)
     sac_f = defaultdict(float)
-    gemms = defaultdict(int)  # forward matmuls seen per layer, in graph (forward) order
+    recomputed = sac_recomputed_matmuls(g)
     transient = defaultdict(float)
     collectives: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     total_comp = total_comm = 0.0
@@ -115,12 +115,8 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
             collectives["all_reduce"]["time_s"] += node.weight * inner
         comp[node.layer][node.phase or "F"] += t - inner
         total_comp += node.weight * (t - inner)
-        second = False
-        if node.kind == "op" and node.phase == "F" and node.kernel == "gemm":
-            gemms[node.layer] += 1
-            second = gemms[node.layer] % 2 == 0
-            if second:
-                sac_f[node.layer] += t
+        if v in recomputed:
+            sac_f[node.layer] += t
         if node.kind == "param":
             pb = _param_bytes(problem, v, s)
             params[node.layer] += pb

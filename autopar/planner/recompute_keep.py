@@ -37,7 +37,20 @@ from collections import defaultdict
 
 from autopar.planner.ilp import Problem, Solution
 
-__all__ = ["kept_bytes"]
+__all__ = ["kept_bytes", "sac_recomputed_matmuls"]
+
+
+def sac_recomputed_matmuls(g) -> frozenset[int]:
+    """The forward matmuls op-level SAC recomputes: every second one of each layer, in forward
+    (graph) order (the 2nd, 4th, ...: Llama's wk, wo and w3), as torchtitan's policy counts them."""
+    count: dict[str, int] = defaultdict(int)
+    out = set()
+    for v, node in enumerate(g.nodes):
+        if node.kind == "op" and node.phase == "F" and node.kernel == "gemm":
+            count[node.layer] += 1
+            if count[node.layer] % 2 == 0:
+                out.add(v)
+    return frozenset(out)
 
 
 def kept_bytes(problem: Problem, solution: Solution, local) -> dict[str, tuple[float, float]]:
@@ -67,9 +80,10 @@ def kept_bytes(problem: Problem, solution: Solution, local) -> dict[str, tuple[f
     for v, node in enumerate(g.nodes):
         by_layer[node.layer].append(v)
     selective, sac = {}, {}
+    recomputed = sac_recomputed_matmuls(g)
     for layer, members in by_layer.items():
         selective[layer] = _selective(g, layer, members, inputs, cheap, layer_input)
-        sac[layer] = _sac(g, layer, members, inputs, layer_input)
+        sac[layer] = _sac(g, layer, members, inputs, layer_input, recomputed)
 
     def total(kept: dict[str, set], layer: str) -> float:
         memo: dict[tuple[int, int], bool] = {}
@@ -114,20 +128,15 @@ def _selective(g, layer: str, members: list[int], inputs, cheap, layer_input) ->
     return kept
 
 
-def _sac(g, layer: str, members: list[int], inputs, layer_input) -> set[tuple[int, int]]:
+def _sac(g, layer: str, members: list[int], inputs, layer_input, recomputed) -> set[tuple[int, int]]:
     """The values ``layer`` keeps under op-level SAC: the outputs of the matmuls it saves and of
     attention, and the layer's inputs."""
     kept = set()
-    gemms = 0
     for v in members:
         node = g.nodes[v]
         if node.kind != "op" or node.phase != "F":
             continue
-        if node.kernel == "gemm":
-            gemms += 1
-            if gemms % 2 == 0:
-                continue
-        if node.kernel in ("gemm", "attention", "causal_attention"):
+        if node.kernel in ("gemm", "attention", "causal_attention") and v not in recomputed:
             kept.update((v, o) for o in range(len(node.out_bytes)))
         kept.update(value for value in inputs[v] if layer_input(value, layer))
     return kept

@@ -23,6 +23,7 @@ from autopar.planner.cuts import CutTable
 from autopar.planner.experts import experts_record, find_experts
 from autopar.planner.evaluation import evaluate
 from autopar.planner.ilp import Solution, build_problem
+from autopar.planner.recompute_keep import sac_recomputed_matmuls
 from autopar.planner.search import Candidate, Fixed
 from autopar.precision import Precision
 from autopar.zero_def import step_collective_counts
@@ -360,6 +361,9 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
     recompute_flops = 0.0
     if cfg.recompute == "full":
         recompute_flops = sum(x.flops_fwd * x.count for x in layers)
+    elif cfg.recompute == "sac":  # (selective recomputes FLOP-free ops only)
+        recompute_flops = sum(sg.nodes[v].flops(info.global_batch) * sg.nodes[v].weight
+                              for v in sac_recomputed_matmuls(sg))
     peak = cluster.device.peak("fp32" if precision == "fp32" else "bf16")
     step = best.step_time_s
     tokens = _tokens(gm)
