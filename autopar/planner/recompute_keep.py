@@ -13,9 +13,10 @@ embeddings are recomputed from).
   ones are recomputed from: walking back from each dropped op through FLOP-free ops of the
   layer to the first output that is not recomputed: an output of a GEMM or attention op of
   the layer, or a value made outside the layer (the block's input).
-- **sac** keeps what torchtitan's op-level SAC stores (``torchtitan/models/llama3/
-  infra/parallelize.py``, ``_apply_op_sac``: its policy saves the outputs of ``mm``, the
-  SDPA kernels and ``reduce_scatter_tensor`` "except every second mm"; PyTorch's
+- **sac** keeps what torchtitan's op-level SAC stores (``torchtitan/models/llama/
+  parallelize_llama.py`` at 0596be3, ``_save_list`` and the policy in
+  ``_apply_ac_to_transformer_block``: it saves the outputs of ``mm``, the SDPA kernels and
+  ``reduce_scatter_tensor`` "except every second mm"; ``bench/calibration.yaml``); PyTorch's
   ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` stores the outputs of ops
   the policy marks MUST_SAVE whether or not the backward reads them), plus what
   ``torch.utils.checkpoint`` keeps of every checkpointed region: its inputs. So: every
