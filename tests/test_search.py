@@ -315,6 +315,34 @@ def test_each_sp_side_is_pure_and_its_own_mip(gpt_small, monkeypatch):
     assert solved[4, True][1].objective_s > solved[4, False][1].objective_s  # the MIP prices time only
 
 
+def test_unrestricted_mip_when_neither_sp_side_has_a_solution(gpt_small, monkeypatch):
+    """Where both pure sides are infeasible (stood in for here), the unrestricted MIP is solved,
+    labelled by where its norms landed; pinned, a side's infeasibility stands."""
+    from autopar.planner import make
+    from autopar.planner.frontend import trace_pair
+
+    model, inputs, loss_fn, target = gpt_small
+    cluster = parse_cluster("1x8xH100")
+    gm, gm2 = trace_pair(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target)
+    side = make._solve_side
+    asked = []
+
+    def no_pure_side(gm_, sg, tp, sp, *, pinned, batch, cluster):
+        asked.append((tp, sp))
+        if sp is not None:
+            if pinned:
+                raise autopar.InfeasibleError("stand-in: no solution on this side")
+            return None
+        return side(gm_, sg, tp, sp, pinned=pinned, batch=batch, cluster=cluster)
+
+    monkeypatch.setattr(make, "_solve_side", no_pure_side)
+    solved = make._solve_all(gm, gm2, [4], None, batch=16, cluster=cluster)
+    assert sorted(asked[:2]) == [(4, False), (4, True)] and asked[2:] == [(4, None)]  # (sides in threads)
+    assert list(solved) == [(4, False)]  # GPT's free MIP keeps its norms replicated
+    with pytest.raises(autopar.InfeasibleError, match="stand-in"):
+        make._solve_all(gm, gm2, [4], True, batch=16, cluster=cluster)
+
+
 def test_sp_without_tp_is_a_clear_error(gpt_small):
     model, inputs, loss_fn, target = gpt_small
     with pytest.raises(PlanError, match="sp=True needs tensor parallelism"):
