@@ -349,9 +349,11 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_s
     graphs: dict[int, StrategyGraph] = {}
     skeleton = strategy_skeleton(gm, gm2)  # (what every tp's graph shares: built once)
 
+    norms: dict[int, dict[int, int]] = {}
+
     def one(tp: int, sp: bool | None, pinned: bool = pinned_sp is not None) -> Solution | None:
         ref = max(1, batch // max(1, cluster.world_size // tp))  # (the batch of one tp group)
-        return _solve_side(gm, graphs[tp], tp, sp, pinned=pinned, batch=ref, cluster=cluster)
+        return _solve_side(graphs[tp], tp, sp, norms=norms[tp], pinned=pinned, batch=ref, cluster=cluster)
 
     tasks: dict[tuple[int, bool | None], object] = {}
     workers = min(2 * len(tps), _cores())
@@ -359,7 +361,8 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_s
     try:  # the widest tp's MIPs are usually the longest: they start first, while the next graph is built
         for tp in sorted(tps, reverse=True):
             graphs[tp] = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False, skeleton=skeleton)
-            for sp in _sp_sides(gm, graphs[tp], tp, pinned_sp):
+            norms[tp] = _norm_nodes(gm, graphs[tp])
+            for sp in _sp_sides(norms[tp], tp, pinned_sp):
                 tasks[tp, sp] = pool.submit(one, tp, sp) if pool else one(tp, sp)
         results = {key: task.result() if pool else task for key, task in tasks.items()}
     finally:
@@ -372,17 +375,17 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_s
             sides = {False: sides[None]}
         elif not sides and pinned_sp is None:  # neither pure side fits: the free MIP, labelled by its norms
             free = one(tp, None, pinned=False)
-            norms = _norm_nodes(gm, graphs[tp])
             sides = {any(token_sharded(graphs[tp].nodes[v].candidates[free.choice[v]].outs[0], rank)
-                         for v, rank in norms.items()): free}
+                         for v, rank in norms[tp].items()): free}
         out.update({(tp, sp): (graphs[tp], sol) for sp, sol in sorted(sides.items())})
     return out
 
 
-def _sp_sides(gm: fx.GraphModule, sg: StrategyGraph, tp: int, pinned: bool | None) -> tuple[bool | None, ...]:
-    """The MIPs to solve at ``tp`` for the sp decision: (None,) for one unrestricted MIP where
-    there is no sequence parallelism to choose (tp=1, or no norm ops), () where a pinned
-    sp=True has none, else the pinned side or both.
+def _sp_sides(norms: dict[int, int], tp: int, pinned: bool | None) -> tuple[bool | None, ...]:
+    """The MIPs to solve at ``tp`` for the sp decision, given the graph's norm ops
+    (:func:`_norm_nodes`): (None,) for one unrestricted MIP where there is no sequence
+    parallelism to choose (tp=1, or no norm ops), () where a pinned sp=True has none, else
+    the pinned side or both.
 
     Sequence parallelism mostly saves memory (activations of norms and pointwise ops split over
     tp, Korthikanti et al. 2022) at the price of a reduce-scatter + all-gather pair (two
@@ -398,18 +401,19 @@ def _sp_sides(gm: fx.GraphModule, sg: StrategyGraph, tp: int, pinned: bool | Non
     0.4 CPU-s for its sp=False side, at an objective within the 1% gap. Across the sampled
     Hugging Face models (bench/hf_coverage.py, 150 MIPs) its mixed answers cost within 0.5% of
     the pure sp=False side (typically one norm of 45-127 on token shards at equal cost)."""
-    if tp == 1 or not _norm_nodes(gm, sg):
+    if tp == 1 or not norms:
         return () if pinned else (None,)
     return (pinned,) if pinned is not None else (False, True)
 
 
-def _solve_side(gm: fx.GraphModule, sg: StrategyGraph, tp: int, sp: bool | None, *, pinned: bool, batch: int,
+def _solve_side(sg: StrategyGraph, tp: int, sp: bool | None, *, norms: dict[int, int], pinned: bool, batch: int,
                 cluster: Cluster) -> Solution | None:
-    """The sharding MIP at ``tp`` on one side of the sp decision (None: unrestricted). A side
-    with no solution is None unless pinned (then the MIP's InfeasibleError stands)."""
+    """The sharding MIP at ``tp`` on one side of the sp decision (None: unrestricted), the norm
+    ops ``norms`` restricted to it. A side with no solution is None unless pinned (then the
+    MIP's InfeasibleError stands)."""
     link = cluster.link_for_group(tp, stride=1)
     forbidden = frozenset() if sp is None else frozenset(
-        (v, i) for v, rank in _norm_nodes(gm, sg).items() for i, s in enumerate(sg.nodes[v].candidates)
+        (v, i) for v, rank in norms.items() for i, s in enumerate(sg.nodes[v].candidates)
         if token_sharded(s.outs[0], rank) != sp)
     try:
         return solve(build_problem(sg, batch=batch, device=cluster.device, link=link, forbidden=forbidden))

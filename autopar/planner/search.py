@@ -139,7 +139,7 @@ class Unit:
     sac_f_s: float = 0.0
     """Forward time of every second matmul (op-level SAC recomputes them: ``recompute="sac"``)."""
     sac_act_bytes: float = 0.0
-    """Saved bytes of those matmuls' outputs (what op-level SAC drops besides the FLOP-free ops')."""
+    """What op-level SAC keeps less than selective recompute (``evaluation.LayerCost.sac_activation_bytes``)."""
     n_params: float
     """Parameters held per device under tensor parallelism (before ZeRO)."""
     transient_bytes: float = 0.0
