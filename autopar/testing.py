@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from autopar.plan import Plan
 
 __all__ = ["assert_plan_matches", "update_golden_requested", "spawn_world", "RankOutcome", "free_port", "fast_cluster",
-           "tp_friendly_cluster", "tp_only_cluster", "forget_planner_memos"]
+           "tp_friendly_cluster", "slow_network_cluster", "tp_only_cluster", "forget_planner_memos"]
 
 UPDATE_ENV = "AUTOPAR_UPDATE_GOLDEN"
 
@@ -308,6 +308,14 @@ def tp_friendly_cluster(spec: str):
 
     return parse_cluster(spec).with_overrides(intra_node_bytes_per_s=1e11, inter_node_bytes_per_s=1e11,
                                               intra_node_latency_s=3e-6, inter_node_latency_s=3e-6)
+
+
+def slow_network_cluster(spec: str):
+    """:func:`tp_friendly_cluster` inside a node and a slow network between nodes (1 MB/s):
+    on tiny test models a pipeline cut across nodes then sends the values replicated on tp
+    as tp pieces that the receiving tp group all-gathers
+    (:func:`autopar.planner.timing.message_send`)."""
+    return tp_friendly_cluster(spec).with_overrides(inter_node_bytes_per_s=1e6)
 
 
 def tp_only_cluster(spec: str):

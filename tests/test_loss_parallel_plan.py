@@ -1,5 +1,6 @@
-"""Planning with loss parallelism (autopar.passes.loss_parallel) and the per-rank share of the
-values full recompute keeps: what each is offered, how it is priced, what it changes.
+"""Planning with loss parallelism (autopar.passes.loss_parallel), the per-rank share of the
+values full recompute keeps, and what a pipeline cut sends per rank: what each is offered,
+how it is priced, what it changes.
 
 The runtime half (each op against ATen, and whole models training equal) is in
 tests/dist/test_loss_parallel.py and tests/dist/test_parallel.py."""
@@ -83,3 +84,51 @@ def test_full_recompute_keeps_each_ranks_share_of_a_block_output(traced):
     cuts = CutTable(gm)
     for (tp, sp), (sg, sol) in _solve_all(gm, gm2, [8], None, batch=8, cluster=H100).items():
         assert cuts.forward_share("layers.0", sg, sol.choice, 8) == 1 / 8, sp
+
+
+def test_a_replicated_cut_value_is_priced_whole_or_as_tp_pieces(traced):
+    """Megatron-LM's scatter/gather of pipeline tensors, priced: at tp 2 without sp the tiny
+    block's output and the rotary tables are replicated on tp, so a message can carry half of
+    each (``ceil(numel / 2)`` elements) for the receiving tp group to all-gather. The planner
+    takes the faster way per message: whole on NVLink (the gather's latency costs more than
+    the bytes saved), as halves plus the gather over a slow network. With the residual
+    stream split over tp (Llama 8B's shape) only the tables can go as pieces."""
+    from autopar.planner.search import StagePlan
+    from autopar.planner.timing import cut_sends
+
+    gm, gm2 = traced
+    (sg, sol), = _solve_all(gm, gm2, [2], False, batch=8, cluster=H100).values()
+    table = CutTable(gm)
+    crossings, placed_as = table.crossings("layers.0")
+    placed = table.placed(crossings, placed_as, sg, sol.choice, 8)
+    forward = [p for c, p in zip(crossings, placed) if c.side == "forward"]
+    assert len(forward) == 3 and {p[1] for p in forward} == {"R"}  # the block output, the two tables
+    assert all(rank == whole for whole, _, rank in forward)  # each rank holds them whole
+    msgs = table.messages(crossings, placed_as, sg, sol.choice, 8)
+    (dtype, whole, pieces, gathered), = msgs.forward
+    assert dtype == "bfloat16" and whole == sum(p[0] for p in forward)
+    assert pieces * 2 == whole and gathered == whole  # (even sizes here)
+    stage = StagePlan(layers=("layers.0",), f_s=0, b_s=0, w_s=0, comm_s=0, inflight=1, params_bytes=0,
+                      grads_bytes=0, optimizer_bytes=0, activations_bytes=0, grad_sync_s=0, optimizer_s=0,
+                      send_bytes=whole, send_messages=msgs.forward, back_messages=msgs.backward)
+    tp_link = H100.link_for_group(2, stride=1)
+    slow = comm.Link(bytes_per_s=1e6, latency_s=5e-6)
+    ((fast_fwd, _),), ((slow_fwd, _),) = (cut_sends([stage], [link], tp=2, tp_link=tp_link)
+                                          for link in (tp_link, slow))
+    assert fast_fwd[0] == ("bfloat16", whole, 0.0, comm.p2p_s(whole, tp_link))
+    assert slow_fwd[0] == ("bfloat16", pieces, gathered,
+                           comm.p2p_s(pieces, slow) + comm.all_gather_s(gathered, 2, tp_link))
+
+    model, inputs, loss_fn, target = llama.build(size="8b", batch=8, seq=2048, n_layers=2, device="meta")
+    gm, gm2 = trace_pair(model, inputs, cluster=H100, loss_fn=loss_fn, example_target=target)
+    table = CutTable(gm)
+    (sg, sol), = _solve_all(gm, gm2, [8], False, batch=8, cluster=H100).values()
+    crossings, placed_as = table.crossings("layers.0")
+    placed = table.placed(crossings, placed_as, sg, sol.choice, 8)
+    forward = [p for c, p in zip(crossings, placed) if c.side == "forward"]
+    tables = [p for p in forward if p[1] == "R"]
+    split = [p for p in forward if p[1].startswith("S")]
+    assert len(tables) == 2 and len(split) == 1 and split[0][2] * 8 == split[0][0]
+    (_, whole, pieces, gathered), = table.messages(crossings, placed_as, sg, sol.choice, 8).forward
+    assert whole == split[0][2] + sum(t[0] for t in tables)
+    assert pieces == split[0][2] + sum(t[0] // 8 for t in tables) and gathered == sum(t[0] for t in tables)

@@ -229,13 +229,21 @@ def test_each_pipeline_cut_priced_on_its_own_link(gpt_small_build):
     preds = [st["predicted"] for st in plan.stages]
     cuts = plan.communication["p2p"]["pp"]["cuts"]
     assert [c["stages"] for c in cuts] == [[0, 1], [1, 2], [2, 3]] and "p2p_s" not in preds[-1]
-    for p, cut, link in zip(preds, cuts, [nvlink, network, nvlink]):  # each message (one per dtype) a transfer
+    tp_link = cluster.link_for_group(4, stride=1)
+
+    def cut_s(messages, link):  # each message (one per dtype) a transfer, then the tp gather of replicated values
+        return sum(comm.p2p_s(m["bytes"], link) + (comm.all_gather_s(m["tp_gather_bytes"], 4, tp_link)
+                                                    if "tp_gather_bytes" in m else 0.0) for m in messages)
+
+    for p, cut, link in zip(preds, cuts, [nvlink, network, nvlink]):
         assert cut["forward"] and cut["backward"] and p["send_bytes"] == sum(m["bytes"] for m in cut["forward"]) > 0
         assert p["back_bytes"] == sum(m["bytes"] for m in cut["backward"]) > 0
         assert (p["p2p_s"], p["p2p_back_s"]) == (cut["forward_s"], cut["backward_s"]) == (
-            sum(comm.p2p_s(m["bytes"], link) for m in cut["forward"]),
-            sum(comm.p2p_s(m["bytes"], link) for m in cut["backward"]))
-    assert preds[1]["p2p_s"] > 5 * preds[0]["p2p_s"]
+            cut_s(cut["forward"], link), cut_s(cut["backward"], link))
+    assert preds[1]["p2p_s"] > 3 * preds[0]["p2p_s"]
+    # the block output is replicated on tp: across nodes it goes as tp quarters gathered on NVLink
+    assert ["tp_gather_bytes" in m for c in cuts for m in c["forward"] + c["backward"]] == [False] * 2 + [True] * 2 + \
+        [False] * 2
     assert plan.predicted["p2p_s"] == max(max(p["p2p_s"], p["p2p_back_s"]) for p in preds[:-1])  # the slowest
     assert plan.communication["p2p"]["pp"]["time_s"] == pytest.approx(
         plan.schedule["microbatches"] * sum(p["p2p_s"] + p["p2p_back_s"] for p in preds[:-1]))

@@ -10,6 +10,10 @@ Node keys (``node.meta[KEY]``):
 - ``COST`` (:class:`NodeCost`, set by ``annotate_cost``): FLOPs, bytes moved,
   saved-activation bytes and a roofline time estimate.
 - ``LAYER`` (``str``, set by ``group_layers``): the layer path the node belongs to.
+- ``TP_PLACEMENT`` (``str``, set by ``shard_joint_graph`` on the per-rank program): the
+  tp placement ("R", "P", "S<d>"; "?" when two DTensors of different placements share the
+  node) of the DTensor whose local tensor the node makes. The pipeline sends a value
+  replicated on tp as 1/tp pieces (:mod:`autopar.runtime.pipeline`).
 
 Graph keys (``gm.meta[KEY]``):
 
@@ -32,6 +36,7 @@ LAYER = "autopar.layer"
 GRAPH = "autopar.graph"
 LAYERS = "autopar.layers"
 GRAD_RETURNS = "autopar.grad_returns"
+TP_PLACEMENT = "autopar.tp_placement"
 
 
 class Role(str, enum.Enum):

@@ -84,6 +84,10 @@ class Message:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[torch.dtype, ...]
+    replicated: tuple[bool, ...] = ()
+    """Per value, whether it is replicated on tp (``meta[TP_PLACEMENT] == "R"``; none when
+    empty): the runtime sends such a value as 1/tp pieces, one per tp rank, and the
+    receiving stage all-gathers them (:mod:`autopar.runtime.pipeline`)."""
 
     @property
     def nbytes(self) -> int:
@@ -248,7 +252,8 @@ def _tags(gm: fx.GraphModule, params: set[fx.Node]) -> tuple[dict[fx.Node, tuple
 def _message(names: list[fx.Node]) -> Message:
     return Message(names=tuple(n.name for n in names),
                    shapes=tuple(tuple(int(d) for d in n.meta["val"].shape) for n in names),
-                   dtypes=tuple(n.meta["val"].dtype for n in names))
+                   dtypes=tuple(n.meta["val"].dtype for n in names),
+                   replicated=tuple(n.meta.get(mk.TP_PLACEMENT) == "R" for n in names))
 
 
 def split_program(gm: fx.GraphModule, *, n_stages: int, placeholder_keys: list[str], loss_output: int,

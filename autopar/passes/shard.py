@@ -58,7 +58,7 @@ from torch import fx
 from torch.fx import traceback as fx_traceback
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.passes import meta_keys as mk
@@ -133,13 +133,41 @@ def _redistribute(args: Any, wanted: tuple[str, ...], mesh: DeviceMesh, tp_dim: 
         if tuple(want) == tuple(v.placements):
             return v
         if want[tp_dim].is_partial() and not v.placements[tp_dim].is_partial():
-            return reshards.get(v, tuple(want), lambda: _to_partial(v, mesh, tp_dim, want))
-        return reshards.get(v, tuple(want), lambda: v.redistribute(mesh, want))
+            moved = reshards.get(v, tuple(want), lambda: _to_partial(v, mesh, tp_dim, want))
+        else:
+            moved = reshards.get(v, tuple(want), lambda: v.redistribute(mesh, want))
+        note_tp_placement(moved, tp_dim)  # (a copy made on one stage may be read on the next)
+        return moved
 
     return tree_map(move, args)
 
 
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+
+
+def note_tp_placement(value: Any, tp_dim: int) -> None:
+    """While ``make_fx`` traces, write each DTensor's tp placement onto the program node that
+    makes its local tensor (``meta[TP_PLACEMENT]``; "?" where DTensors of two placements
+    share a node, e.g. ``from_local`` reinterpreting one tensor).
+
+    The pipeline reads it to send a value replicated on tp as 1/tp pieces, all-gathered on
+    the receiving stage (:mod:`autopar.runtime.pipeline`). The per-rank program keeps no
+    DTensors, so this is the only moment the placement and the node meet; a tensor the
+    tracer does not track (a constant) gets no mark and is sent whole. ``get_proxy_slot``
+    is the tracer's own lookup of a tensor's node (torch has no public one)."""
+    mode = get_proxy_mode()
+    if mode is None:
+        return
+    for v in tree_leaves(value):
+        if not isinstance(v, DTensor) or v.device_mesh.size(tp_dim) == 1:
+            continue
+        slot = get_proxy_slot(v._local_tensor, mode.tracer, None)
+        if slot is None:
+            continue
+        p = v.placements[tp_dim]
+        mark = "R" if p.is_replicate() else "P" if p.is_partial() else f"S{p.dim}" if type(p) is Shard else "?"
+        node = slot.proxy.node
+        node.meta[mk.TP_PLACEMENT] = mark if node.meta.get(mk.TP_PLACEMENT, mark) == mark else "?"
 
 
 def _contiguous(v: Any) -> Any:
@@ -344,6 +372,7 @@ def interpret(gm: fx.GraphModule, *, mesh: DeviceMesh, ops: dict[str, OpPlacemen
                 return fx.node.map_arg(node.args[0], lambda a: env[a])
             _run_node(node, env, info, mesh=mesh, ops=ops, params=params, inputs=inputs, loss_scale=loss_scale,
                       tp_dim=tp_dim, dp_dim=dp_dim, reshards=reshards, token_local=node in routing)
+            note_tp_placement(env.get(node), tp_dim)
         for a in done_after.get(node, ()):  # no consumer left: its resharded copies can go
             reshards.drop(env[a])
     raise ValueError("the joint graph has no output node")

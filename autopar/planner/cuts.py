@@ -13,8 +13,13 @@ cut between stage s and s + 1:
 
 Each value travels as this rank's local tensor: its tp shard when the sharding solution
 splits it over tp (1/tp of it: the sequence-sharded residual stream under sequence
-parallelism, or a hidden-dim shard), the whole value when replicated or partial; in the
-dtype the program computes it in (bf16 activations and gradients under a bf16-mixed
+parallelism, or a hidden-dim shard), the whole value when partial. A value replicated on
+tp (tp > 1) travels whole, or, where the plan says so for the message, as one piece of
+``ceil(numel / tp)`` elements per tp rank that the receiving stage's tp group all-gathers
+(Megatron-LM's scatter/gather of pipeline tensors): :class:`Messages` gives both sizes and
+:func:`autopar.planner.timing.cut_times` takes the faster on the cut's links, since the
+gather's latency outweighs the bytes saved on small messages and NVLink cuts. Values
+travel in the dtype the program computes them in (bf16 activations and gradients under a bf16-mixed
 policy; the joint graph is traced in the policy's dtypes). The values of one direction are
 flattened into one buffer per dtype: one ``isend`` per dtype and direction, every
 micro-batch. Two kinds of values never cross: views of a parameter (each piece re-makes
@@ -44,7 +49,7 @@ from autopar.passes.backward_split import tied_gradient_sums
 from autopar.passes.pipeline import PARAM_VIEWS
 from autopar.passes.strategies import StrategyGraph
 
-__all__ = ["Crossing", "CutTable", "Messages"]
+__all__ = ["Crossing", "CutTable", "Messages", "piece_bytes"]
 
 
 @dataclass(frozen=True)
@@ -68,20 +73,15 @@ class Crossing:
 
 @dataclass(frozen=True)
 class Messages:
-    """The messages of one cut for one micro-batch, per rank: bytes of each (one per dtype), each way."""
+    """The messages of one cut for one micro-batch, per rank, one per dtype, each way:
+    (dtype, bytes one rank sends with the values replicated on tp whole, bytes it sends with
+    them as tp pieces, bytes the receiving tp group then all-gathers: ``tp`` pieces of
+    each; 0 when no value of the message is replicated or tp == 1)."""
 
-    forward: tuple[tuple[str, float], ...]
-    """(dtype, bytes) sent from the stage before the cut to the one after it."""
-    backward: tuple[tuple[str, float], ...]
-    """(dtype, bytes) sent back."""
-
-    @property
-    def forward_bytes(self) -> float:
-        return sum(b for _, b in self.forward)
-
-    @property
-    def backward_bytes(self) -> float:
-        return sum(b for _, b in self.backward)
+    forward: tuple[tuple[str, float, float, float], ...]
+    """Sent from the stage before the cut to the one after it."""
+    backward: tuple[tuple[str, float, float, float], ...]
+    """Sent back."""
 
 
 class CutTable:
@@ -139,11 +139,18 @@ class CutTable:
     def messages(self, crossings: list[Crossing], placed_as: str | None, sg: StrategyGraph, choice: tuple[int, ...],
                  microbatch: int) -> Messages:
         """Per-rank bytes of the cut's messages at ``microbatch`` under the sharding ``choice``."""
-        out: dict[str, dict[str, float]] = {"forward": {}, "backward": {}}
-        for c, (_, _, nbytes) in zip(crossings, self.placed(crossings, placed_as, sg, choice, microbatch)):
-            dtype = str(c.dtype).removeprefix("torch.")
-            out[c.side][dtype] = out[c.side].get(dtype, 0) + nbytes
-        return Messages(forward=tuple(out["forward"].items()), backward=tuple(out["backward"].items()))
+        out: dict[str, dict[str, list[float]]] = {"forward": {}, "backward": {}}
+        tp = sg.axis_size
+        for c, (_, placement, nbytes) in zip(crossings, self.placed(crossings, placed_as, sg, choice, microbatch)):
+            totals = out[c.side].setdefault(str(c.dtype).removeprefix("torch."), [0, 0, 0])
+            totals[0] += nbytes
+            if placement == "R" and tp > 1:
+                piece = piece_bytes(nbytes, c.dtype, tp)
+                totals[1] += piece
+                totals[2] += piece * tp
+            else:
+                totals[1] += nbytes
+        return Messages(**{side: tuple((d, *t) for d, t in by.items()) for side, by in out.items()})
 
     def forward_share(self, layer: str, sg: StrategyGraph, choice: tuple[int, ...], microbatch: int) -> float:
         """The part of the forward values made in ``layer`` and read after it that one rank holds
@@ -159,7 +166,8 @@ class CutTable:
     def placed(self, crossings: list[Crossing], placed_as: str | None, sg: StrategyGraph, choice: tuple[int, ...],
                microbatch: int) -> list[tuple[int, str, int]]:
         """Per crossing: (its bytes at ``microbatch``, its placement on tp under ``choice``, the
-        bytes one rank sends: its tp shard, a 1/tp part since only even shards are candidates)."""
+        bytes one rank holds: its tp shard, a 1/tp part since only even shards are candidates;
+        else all of it)."""
         index = self._index(sg)
         twins = self.twins.get(placed_as, {}) if placed_as else {}
         out = []
@@ -176,6 +184,13 @@ class CutTable:
         if self._sg is not sg:
             self._sg, self._sg_index = sg, {n.name: v for v, n in enumerate(sg.nodes)}
         return self._sg_index
+
+
+def piece_bytes(nbytes: int, dtype: torch.dtype, tp: int) -> int:
+    """Bytes of one tp piece of a replicated value of ``nbytes``: ``ceil(numel / tp)`` elements
+    (the runtime pads the last piece, :mod:`autopar.runtime.pipeline`)."""
+    elem = dtype.itemsize
+    return -(-(nbytes // elem) // tp) * elem
 
 
 def _module(n: fx.Node) -> str:

@@ -19,12 +19,13 @@ from autopar.passes.layers import graph_hash
 from autopar.passes.strategies import StrategyGraph
 from autopar.plan import Plan
 from autopar.planner.context import context_record, cp_costs, find_attention, sequence_length
-from autopar.planner.cuts import CutTable
+from autopar.planner.cuts import CutTable, piece_bytes
 from autopar.planner.experts import experts_record, find_experts
 from autopar.planner.evaluation import evaluate
 from autopar.planner.ilp import Solution, build_problem
 from autopar.planner.recompute_keep import sac_recomputed_matmuls
 from autopar.planner.search import Candidate, Fixed
+from autopar.planner.timing import candidate_cut_sends
 from autopar.precision import Precision
 from autopar.zero_def import step_collective_counts
 
@@ -151,11 +152,12 @@ def _stand_in(path: str, layer_dict: dict) -> str | None:
 
 
 def _cut_tensors(gm: fx.GraphModule, stage_layers: list[list[str]], microbatch: int, sg: StrategyGraph,
-                 sol: Solution) -> list[dict]:
+                 sol: Solution, pieces: list[dict[str, set[str]]]) -> list[dict]:
     """Per cut (stage s -> s + 1), the tensors sent forward and the gradients sent back, as the
     runtime sends them (:mod:`autopar.planner.cuts`): each with the module that makes it and
     the one that reads it, its shape per micro-batch, dtype and bytes, its placement on tp and
-    the bytes one rank sends (its tp shard)."""
+    the bytes one rank sends: its tp shard, or its tp piece when replicated and its message
+    (``pieces[cut][side]`` names their dtypes) goes as pieces."""
     layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
     rep = {name: path for path, names in expanded_names(layers, info).items() for name in names}
@@ -169,9 +171,11 @@ def _cut_tensors(gm: fx.GraphModule, stage_layers: list[list[str]], microbatch: 
                                                                               microbatch)):
             shape = [microbatch if i == 0 and d == info.global_batch else int(d)
                      for i, d in enumerate(vals[c.tensor].shape)]
+            dtype = str(c.dtype).removeprefix("torch.")
+            if placement == "R" and dtype in pieces[s][c.side]:
+                rank_bytes = piece_bytes(rank_bytes, c.dtype, sg.axis_size)
             sends[c.side].append({"tensor": c.tensor, "from": c.source, "to": c.reader, "shape": shape,
-                                  "dtype": str(c.dtype).removeprefix("torch."), "bytes": whole,
-                                  "placement": placement, "rank_bytes": rank_bytes})
+                                  "dtype": dtype, "bytes": whole, "placement": placement, "rank_bytes": rank_bytes})
         out.append(sends)
     return out
 
@@ -240,16 +244,25 @@ def _overlap(best: Candidate, cp_exposed: dict[str, float]) -> list[dict[str, fl
     return out
 
 
-def _p2p_record(best: Candidate) -> dict:
+def _message(dtype: str, nbytes: float, gathered: float, count: int) -> dict:
+    """A pipeline message of the plan; ``tp_gather_bytes``: what the receiving tp group
+    all-gathers of it (the pieces of values replicated on tp), when anything."""
+    return {"dtype": dtype, "bytes": nbytes, "count": count, **({"tp_gather_bytes": gathered} if gathered else {})}
+
+
+def _p2p_record(best: Candidate, sends: tuple) -> dict:
     """One pipeline's p2p messages in a step (every dp x tp pipeline sends the same): per cut,
-    the messages of one micro-batch each way (one per dtype, the bytes one rank sends) and how
-    often each is sent (once per micro-batch), priced on the cut's link; and the totals."""
+    the messages of one micro-batch each way (one per dtype, the bytes one rank sends, and the
+    bytes the receiving tp group all-gathers when its replicated values go as tp pieces: the
+    runtime reads that choice here) and how often each is sent (once per micro-batch), priced
+    on the cut's link (``sends``: :func:`autopar.planner.timing.candidate_cut_sends`); and the
+    totals."""
     m = best.config.microbatches
     cuts = []
-    for s, st in enumerate(best.stages[:-1]):
+    for s, (fwd, back) in enumerate(sends):
         cuts.append({"stages": [s, s + 1],
-                     "forward": [{"dtype": d, "bytes": b, "count": m} for d, b in st.send_messages],
-                     "backward": [{"dtype": d, "bytes": b, "count": m} for d, b in st.back_messages],
+                     "forward": [_message(d, b, g, m) for d, b, g, _ in fwd],
+                     "backward": [_message(d, b, g, m) for d, b, g, _ in back],
                      "forward_s": best.p2p_cut_s[s], "backward_s": best.p2p_back_cut_s[s]})
     messages = [x for c in cuts for x in c["forward"] + c["backward"]]
     return {"count": sum(x["count"] for x in messages), "bytes": sum(x["bytes"] * x["count"] for x in messages),
@@ -264,6 +277,7 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
     cfg = best.config
     per_stage = cfg.dp * cfg.tp
     stages = []
+    sends = candidate_cut_sends(best, cluster)
     for s, st in enumerate(best.stages):
         stages.append({
             "layers": list(st.layers),
@@ -274,16 +288,18 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
                 "f_s": st.f_s, "b_s": st.b_s, "w_s": st.w_s,
                 "grad_sync_s": st.grad_sync_s, "optimizer_s": st.optimizer_s,
                 "inflight_microbatches": st.inflight,
-                "send_bytes": st.send_bytes,
-                **({"back_bytes": sum(b for _, b in st.back_messages), "p2p_s": best.p2p_cut_s[s],
+                "send_bytes": sum(m[1] for m in sends[s][0]) if s < len(sends) else 0.0,
+                **({"back_bytes": sum(m[1] for m in sends[s][1]), "p2p_s": best.p2p_cut_s[s],
                     "p2p_back_s": best.p2p_back_cut_s[s]} if s < len(best.p2p_cut_s) else {}),
                 "memory_bytes": {"params": st.params_bytes, "grads": st.grads_bytes,
                                  "optimizer": st.optimizer_bytes, "activations": st.activations_bytes,
                                  "total": st.memory_bytes},
             }})
-    for s, sends in enumerate(_cut_tensors(gm, [st["layers"] for st in stages], cfg.microbatch_size / cfg.cp, sg,
-                                           sol)):
-        stages[s]["sends"] = sends
+    pieces = [{side: {d for d, _, g, _ in cut if g} for side, cut in zip(("forward", "backward"), fb)}
+              for fb in sends]
+    for s, tensors in enumerate(_cut_tensors(gm, [st["layers"] for st in stages], cfg.microbatch_size / cfg.cp, sg,
+                                             sol, pieces)):
+        stages[s]["sends"] = tensors
     chosen = {sg.nodes[v].name: sg.nodes[v].candidates[sol.choice[v]] for v in range(len(sg.nodes))}
     token_sharded = _token_sharded_norms(gm, sg, chosen)
     layer_dict = {}
@@ -335,7 +351,7 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
                                          "bytes": sum(r["bytes"] * r["count"] for r in rows),
                                          "time_s": max(per_rank) / len(counts), "buckets": rows}
     if cfg.pp > 1:
-        communication["p2p"]["pp"] = _p2p_record(best)
+        communication["p2p"]["pp"] = _p2p_record(best, sends)
     experts = {}
     if cfg.ep > 1:
         experts = experts_record(find_experts(gm), ep=cfg.ep, dp=cfg.dp, tp=cfg.tp,

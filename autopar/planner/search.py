@@ -144,11 +144,13 @@ class Unit:
     """Parameters held per device under tensor parallelism (before ZeRO)."""
     transient_bytes: float = 0.0
     """Largest single-op working set beyond saved activations (``evaluation.LayerCost.transient_bytes``)."""
-    send_forward: tuple[tuple[str, float], ...] | None = None
-    """(dtype, bytes) of each message (one per dtype) one rank sends across a cut right after
-    this unit, per micro-batch (:mod:`autopar.planner.cuts`); None: one of ``boundary_bytes``."""
-    send_backward: tuple[tuple[str, float], ...] | None = None
-    """(dtype, bytes) of each gradient message sent back across that cut; None: one of ``boundary_bytes``."""
+    send_forward: tuple[tuple[str, float, float, float], ...] | None = None
+    """The messages (one per dtype) one rank sends across a cut right after this unit, per
+    micro-batch, as :class:`autopar.planner.cuts.Messages` gives them: (dtype, bytes, bytes
+    with replicated values as tp pieces, bytes the tp group gathers); None: one of
+    ``boundary_bytes``."""
+    send_backward: tuple[tuple[str, float, float, float], ...] | None = None
+    """The same for the gradient messages sent back across that cut; None: one of ``boundary_bytes``."""
     shared_params: tuple[tuple[str, str, float], ...] = ()
     """Parameters this unit reads that another unit owns (a tied embedding read by the output
     head): (name, owning unit, parameters per device). A stage without the owner holds a copy."""
@@ -170,9 +172,10 @@ class StagePlan:
     optimizer_s: float
     send_bytes: float
     """Bytes one rank sends to the next stage per micro-batch (0 on the last stage)."""
-    send_messages: tuple[tuple[str, float], ...] = ()
-    """Those bytes per message: (dtype, bytes), one message per dtype."""
-    back_messages: tuple[tuple[str, float], ...] = ()
+    send_messages: tuple[tuple[str, float, float, float], ...] = ()
+    """Those messages, one per dtype, as ``Unit.send_forward`` gives them (whole bytes, bytes
+    as tp pieces, gathered bytes: :func:`autopar.planner.timing.cut_sends` picks one way)."""
+    back_messages: tuple[tuple[str, float, float, float], ...] = ()
     """The gradient messages the next stage sends back across the cut, per micro-batch."""
     groups: tuple[GroupCost, ...] = ()
     """Per layer group (unit) of the stage: times per micro-batch and gradient-bucket bytes."""
@@ -522,9 +525,9 @@ def _sends(u: Unit, *, last: bool) -> dict:
     """A stage's p2p messages per micro-batch: across the cut after its last unit ``u``."""
     if last:
         return {"send_bytes": 0.0, "send_messages": (), "back_messages": ()}
-    fwd = u.send_forward if u.send_forward is not None else (("", u.boundary_bytes),)
-    back = u.send_backward if u.send_backward is not None else (("", u.boundary_bytes),)
-    return {"send_bytes": sum(b for _, b in fwd), "send_messages": tuple(fwd), "back_messages": tuple(back)}
+    fwd = u.send_forward if u.send_forward is not None else (("", u.boundary_bytes, u.boundary_bytes, 0.0),)
+    back = u.send_backward if u.send_backward is not None else (("", u.boundary_bytes, u.boundary_bytes, 0.0),)
+    return {"send_bytes": sum(m[1] for m in fwd), "send_messages": tuple(fwd), "back_messages": tuple(back)}
 
 
 def _infeasible(least, cluster: Cluster, fixed: Fixed, skipped_batch: int, batch: int, world: int) -> Exception:

@@ -18,7 +18,7 @@ from autopar.planner.bounds import FUSED_BACKWARD, _COLLECTIVE_S, _pipeline_boun
 if TYPE_CHECKING:
     from autopar.planner.search import Candidate, StagePlan
 
-__all__ = ["grad_sync_s", "simulate_stages", "cut_times", "step_spec", "pipeline_bound_s"]
+__all__ = ["grad_sync_s", "simulate_stages", "message_send", "cut_sends", "candidate_cut_sends", "cut_times", "step_spec", "pipeline_bound_s"]
 
 
 def grad_sync_s(grad_bytes: float, *, zero: int, dp: int, microbatches: int, link: comm.Link) -> float:
@@ -48,19 +48,54 @@ def simulate_stages(kind: str, *, microbatches: int, f_s: list[float], b_s: list
                     w_s=[0.0 if fused else w for w in w_s], p2p_s=p2p_s, p2p_back_s=p2p_back_s)
 
 
-def cut_times(stages: Sequence[StagePlan], links: Sequence[comm.Link]) -> tuple[tuple[float, float], ...]:
+def message_send(message: tuple[str, float, float, float], link: comm.Link, tp: int,
+                 tp_link: comm.Link | None) -> tuple[float, float, float]:
+    """How the runtime sends one pipeline message (:class:`autopar.planner.cuts.Messages`) over
+    ``link``: (bytes one rank sends, bytes its receiver's tp group all-gathers, seconds).
+    Its values replicated on tp go as tp pieces gathered on ``tp_link`` after the transfer
+    (Megatron-LM's scatter/gather) where that is faster than sending them whole: across
+    nodes for large messages; not on NVLink or for small ones, where the gather's latency
+    outweighs the bytes saved."""
+    _, whole, pieces, gathered = message
+    plain_s = comm.p2p_s(whole, link)
+    if gathered and tp > 1:
+        split_s = comm.p2p_s(pieces, link) + comm.all_gather_s(gathered, tp, tp_link)
+        if split_s < plain_s:
+            return pieces, gathered, split_s
+    return whole, 0.0, plain_s
+
+
+def cut_sends(stages: Sequence[StagePlan], links: Sequence[comm.Link], *, tp: int = 1,
+              tp_link: comm.Link | None = None) -> tuple[tuple[tuple, tuple], ...]:
     """Per cut, (the activation messages the stage before it sends, the gradient messages sent
-    back) for one micro-batch over the cut's link: each message (one per dtype) a transfer."""
-    return tuple((sum(comm.p2p_s(b, link) for _, b in st.send_messages),
-                  sum(comm.p2p_s(b, link) for _, b in st.back_messages)) for st, link in zip(stages, links))
+    back) for one micro-batch over the cut's link, each message (one per dtype) as
+    (dtype, :func:`message_send`'s bytes, gathered bytes and seconds)."""
+    def sends(messages, link):
+        return tuple((m[0], *message_send(m, link, tp, tp_link)) for m in messages)
+
+    return tuple((sends(st.send_messages, link), sends(st.back_messages, link)) for st, link in zip(stages, links))
+
+
+def cut_times(stages: Sequence[StagePlan], links: Sequence[comm.Link], *, tp: int = 1,
+              tp_link: comm.Link | None = None) -> tuple[tuple[float, float], ...]:
+    """Per cut, the seconds of (the activation messages, the gradient messages sent back) per
+    micro-batch: :func:`cut_sends`' transfers, one after another."""
+    return tuple((sum(m[3] for m in fwd), sum(m[3] for m in back))
+                 for fwd, back in cut_sends(stages, links, tp=tp, tp_link=tp_link))
+
+
+def candidate_cut_sends(c: Candidate, cluster: Cluster) -> tuple[tuple[tuple, tuple], ...]:
+    """:func:`cut_sends` of a candidate's cuts on ``cluster``'s links."""
+    cfg = c.config
+    links = cluster.pipeline_links(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, n_stages=len(c.stages))
+    return cut_sends(c.stages, links, tp=cfg.tp, tp_link=cluster.link_for_group(cfg.tp, stride=1))
 
 
 def step_spec(c: Candidate, cluster: Cluster) -> StepSpec:
     """The step program's inputs for a candidate: per stage its layer groups, optimizer time and
     p2p time over its cut's link; the dp link; the parameters two pipeline ranks share."""
     cfg = c.config
-    links = cluster.pipeline_links(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, n_stages=len(c.stages))
-    cuts = cut_times(c.stages, links)
+    cuts = [(sum(m[3] for m in fwd), sum(m[3] for m in back)) for fwd, back in candidate_cut_sends(c, cluster)]
     stages = tuple(StageCost(groups=st.groups, optimizer_s=st.optimizer_s,
                              send_s=cuts[s][0] if s < len(cuts) else 0.0,
                              send_back_s=cuts[s][1] if s < len(cuts) else 0.0) for s, st in enumerate(c.stages))

@@ -12,8 +12,20 @@ with stages sending to each other in both directions.
 Each message is one buffer per dtype (the named tensors flattened and
 concatenated) sent with ``isend`` and received with ``irecv`` into a buffer sized
 from the program's shapes; the peer is the rank with the same dp and tp
-coordinates on the neighbouring stage. Sends are waited for at the end of the
-step (the buffers stay referenced until then). A receive waits at most
+coordinates on the neighbouring stage. Where the plan says so for a message (its
+``tp_gather_bytes`` in ``communication["p2p"]["pp"]["cuts"]``), the values every
+tp rank holds whole (replicated on tp: rotary tables, a block output when the
+residual stream is not split) are not sent tp times over: tp rank ``t`` sends
+only piece ``t`` of each (its flattened elements cut in tp pieces of
+``ceil(numel / tp)``, the last one padded), at the end of the buffer, and the
+receiving stage's tp group all-gathers the pieces into the whole values. This is
+Megatron-LM's scatter/gather of pipeline tensors (Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", sec. 4.1): 1/tp of the bytes on the pipeline link, which may cross
+nodes, for an all-gather on the tp link, which stays inside one. The planner
+chooses it per message where it is faster
+(:func:`autopar.planner.timing.message_send`). Sends are waited for at the end
+of the step (the buffers stay referenced until then). A receive waits at most
 ``timeout_s``; every send, receive and compute piece (whose tp collectives wait on
 the tp group) runs under ``guard``, which turns a backend failure into an error
 naming the action and the peer (:mod:`autopar.runtime.watch`).
@@ -39,7 +51,7 @@ from torch.utils._pytree import tree_leaves
 from autopar.cost.schedule import make_schedule, parse_action, with_comm
 from autopar.passes.pipeline import INPUT_PREFIX, PARAM_PREFIX, Message, Piece, PipelineProgram
 
-__all__ = ["PipelineRunner"]
+__all__ = ["PipelineRunner", "tp_pieces"]
 
 _COMM = re.compile(r"(\d+)(SEND|RECV)_([FB])(\d+)")
 
@@ -60,7 +72,8 @@ class PipelineRunner:
                  rank_of_stage: Callable[[int], int], n_virtual: int = 1,
                  guard: Callable[[str, list[int] | None], ContextManager] = _no_guard, timeout_s: float | None = None,
                  tp_ranks: list[int] | None = None, begin_microbatch: Callable[[int], None] | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", tp_group: dist.ProcessGroup | None = None,
+                 tp_pieces: dict[tuple[int, str], frozenset[str]] | None = None):
         self.program = program
         self.device = torch.device(device)
         """Where receive buffers are created (this rank's device: NCCL receives only into device tensors)."""
@@ -72,6 +85,13 @@ class PipelineRunner:
         """Seconds a receive waits for its message (None: the process group's timeout)."""
         self.tp_ranks = tp_ranks or []
         """The ranks of this rank's tp group (their collectives run inside F, B and W)."""
+        self.tp_group = tp_group
+        """This rank's tp group: it all-gathers the pieces of replicated values a message brings."""
+        self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self.tp_pieces = tp_pieces or {}
+        """(cut, "F" or "B") -> the dtypes ("bfloat16") whose message sends its values replicated
+        on tp as tp pieces, gathered on arrival (the plan's choice, :func:`tp_pieces`)."""
         self.n_stages = len(program.stages)
         self.pp_rank = pp_rank
         self.n_micro = n_micro
@@ -189,8 +209,9 @@ class PipelineRunner:
         peer_stage, cut = (stage + 1, stage) if channel == "F" else (stage - 1, stage - 1)
         store = self._store[(stage, mb)]
         peer = self.rank_of_stage(peer_stage)
-        for part, (dtype, names) in enumerate(_by_dtype(msg)):
-            buf = torch.cat([store[n].reshape(-1) for n in names]) if names else torch.empty(0, dtype=dtype, device=self.device)
+        for part, (dtype, whole, split) in enumerate(_by_dtype(msg, self._pieces(cut, channel))):
+            flat = [store[n].reshape(-1) for n in whole] + [_piece(store[n], self.tp, self.tp_rank) for n in split]
+            buf = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=self.device)
             what = f"pipeline send of {_WHAT[channel]} for micro-batch {mb} from stage {stage} to rank {peer}"
             with self.guard(what, [peer]):
                 self._pending.append((dist.isend(buf, peer, tag=self._tag(channel, cut, mb, part)), buf, peer))
@@ -207,9 +228,10 @@ class PipelineRunner:
         peer = self.rank_of_stage(peer_stage)
         store = self._store.setdefault((stage, mb), {})
         shapes = dict(zip(msg.names, msg.shapes))
-        for part, (dtype, names) in enumerate(_by_dtype(msg)):
-            sizes = [_numel(shapes[n]) for n in names]
-            buf = torch.empty(sum(sizes), dtype=dtype, device=self.device)
+        for part, (dtype, whole, split) in enumerate(_by_dtype(msg, self._pieces(cut, channel))):
+            sizes = [_numel(shapes[n]) for n in whole]
+            pieces = [_piece_numel(_numel(shapes[n]), self.tp) for n in split]
+            buf = torch.empty(sum(sizes) + sum(pieces), dtype=dtype, device=self.device)
             what = (f"pipeline recv of {_WHAT[channel]} for micro-batch {mb} of stage {stage} from rank {peer} "
                     f"(stage {peer_stage})")
             with self.guard(what, [peer]):
@@ -218,8 +240,28 @@ class PipelineRunner:
                     work.wait()
                 else:
                     work.wait(timedelta(seconds=self.timeout_s))
-            for name, chunk in zip(names, buf.split(sizes)):
+            chunks = buf.split(sizes + [sum(pieces)])
+            for name, chunk in zip(whole, chunks):
                 store[name] = chunk.view(shapes[name])
+            if split:
+                self._gather(chunks[-1], split, pieces, shapes, store,
+                             f"{_WHAT[channel]} for micro-batch {mb} of stage {stage}")
+
+    def _pieces(self, cut: int, channel: str) -> frozenset[str]:
+        return self.tp_pieces.get((cut, channel), frozenset()) if self.tp > 1 else frozenset()
+
+    def _gather(self, mine: torch.Tensor, names: list[str], pieces: list[int], shapes: dict, store: dict,
+                what: str) -> None:
+        """All-gather over tp the pieces of replicated values one rank received (``mine``)
+        and put each whole value in ``store``."""
+        rows = torch.empty(self.tp * mine.numel(), dtype=mine.dtype, device=mine.device)
+        with self.guard(f"tp all-gather (ranks {self.tp_ranks}) of the replicated {what}", self.tp_ranks):
+            dist.all_gather_into_tensor(rows, mine.contiguous(), group=self.tp_group)
+        rows = rows.view(self.tp, mine.numel())
+        start = 0
+        for name, n in zip(names, pieces):
+            store[name] = rows[:, start:start + n].reshape(-1)[:_numel(shapes[name])].view(shapes[name])
+            start += n
 
 
 _WHAT = {"F": "activations", "B": "gradients"}
@@ -236,8 +278,35 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _by_dtype(msg: Message) -> list[tuple[torch.dtype, list[str]]]:
-    groups: dict[torch.dtype, list[str]] = {}
-    for name, dtype in zip(msg.names, msg.dtypes):
-        groups.setdefault(dtype, []).append(name)
-    return list(groups.items())
+def tp_pieces(plan_cuts: list[dict]) -> dict[tuple[int, str], frozenset[str]]:
+    """The plan's choice of messages that send replicated values as tp pieces, from
+    ``plan.communication["p2p"]["pp"]["cuts"]``: (cut, "F" or "B") -> dtypes."""
+    out = {}
+    for cut in plan_cuts:
+        for side, channel in (("forward", "F"), ("backward", "B")):
+            out[(cut["stages"][0], channel)] = frozenset(m["dtype"] for m in cut[side] if m.get("tp_gather_bytes"))
+    return out
+
+
+def _by_dtype(msg: Message, pieces: frozenset[str]) -> list[tuple[torch.dtype, list[str], list[str]]]:
+    """Per dtype of ``msg`` (one buffer each): the values sent whole, then those sent as tp
+    pieces (replicated on tp, in a dtype of ``pieces``)."""
+    groups: dict[torch.dtype, tuple[list[str], list[str]]] = {}
+    replicated = msg.replicated or (False,) * len(msg.names)
+    for name, dtype, rep in zip(msg.names, msg.dtypes, replicated):
+        split = rep and str(dtype).removeprefix("torch.") in pieces
+        groups.setdefault(dtype, ([], []))[1 if split else 0].append(name)
+    return [(dtype, whole, split) for dtype, (whole, split) in groups.items()]
+
+
+def _piece_numel(numel: int, tp: int) -> int:
+    return -(-numel // tp)
+
+
+def _piece(value: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """Piece ``rank`` of ``value``'s flattened elements cut in ``tp`` pieces (the last padded)."""
+    flat = value.reshape(-1)
+    n = _piece_numel(flat.numel(), tp)
+    if n * tp != flat.numel():
+        flat = torch.nn.functional.pad(flat, (0, n * tp - flat.numel()))
+    return flat[rank * n:(rank + 1) * n]

@@ -35,7 +35,7 @@ class PipelineBuild:
                                              stage_of_layers, tag_stages)
         from autopar.passes.shard import shard_joint_graph
         from autopar.runtime.executor import placements_for_graph
-        from autopar.runtime.pipeline import PipelineRunner
+        from autopar.runtime.pipeline import PipelineRunner, tp_pieces
         from autopar.runtime.startup import _check_scalar_loss, _layer_groups, _split_batch, _trace_params
         from autopar.runtime.zero import ShardedParams
 
@@ -109,7 +109,10 @@ class PipelineBuild:
                                      n_micro=m, n_virtual=n_stages // pp,
                                      rank_of_stage=lambda s: int(coords[s % pp, dp_rank, tp_rank]),
                                      guard=self._guard, timeout_s=self.timeout_s, tp_ranks=self._group_ranks("tp"),
-                                     begin_microbatch=self.params.begin_microbatch, device=self.torch_device)
+                                     begin_microbatch=self.params.begin_microbatch, device=self.torch_device,
+                                     tp_group=self.mesh.get_group("tp"),
+                                     tp_pieces=tp_pieces(plan.communication.get("p2p", {}).get("pp", {})
+                                                         .get("cuts", [])))
         self.last_stage_rank = int(coords[(n_stages - 1) % pp, 0, 0])
         self.step_program = None
         self.optimizer = self.optimizer_factory(self.params.optimizer_params())
@@ -160,7 +163,8 @@ class PipelineBuild:
         self.runner = PipelineRunner(self.pipeline, pp=pp, pp_rank=old.pp_rank, schedule=kind,
                                      n_micro=old.n_micro, n_virtual=n_stages // pp, rank_of_stage=old.rank_of_stage,
                                      guard=old.guard, timeout_s=old.timeout_s, tp_ranks=old.tp_ranks,
-                                     begin_microbatch=old.begin_microbatch, device=old.device)
+                                     begin_microbatch=old.begin_microbatch, device=old.device, tp_group=old.tp_group,
+                                     tp_pieces=old.tp_pieces)
         self.plan = replace(self.plan, schedule={**self.plan.schedule, "kind": kind})
 
     def _across_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -9,7 +9,8 @@ action list of the schedule (compute, sends and receives, in order).
 
 The Llama example (rotary tables computed before the first block and read by
 every block: values relayed through the stages between) runs 4 stages under
-ZB-H1; pp x dp and pp x tp compose the pipeline with the other axes. One compiled
+ZB-H1, and 2 stages with tp = 2 on two nodes with a slow network between them (the plan
+sends the tables, replicated on tp, as tp pieces all-gathered on arrival); pp x dp and pp x tp compose the pipeline with the other axes. One compiled
 model runs several schedules in turn (``set_schedule`` swaps only the action
 lists), 3 steps each, with the reference model training alongside.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.testing import spawn_world, tp_friendly_cluster
+from autopar.testing import slow_network_cluster, spawn_world, tp_friendly_cluster
 from parallel_compare import Reference, assert_matches, train_judged
 
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
@@ -71,6 +72,8 @@ def _train(rank, world, configs):
             report[f"{name}_{kind}"] = {
                 "raw": raw, "losses": losses, "grad_err": grad_err, "param_err": param_err,
                 "mesh": plan.mesh, "schedule": plan.schedule, "n_stages": len(plan.stages),
+                "tp_pieces": [m["dtype"] for c in plan.communication.get("p2p", {}).get("pp", {}).get("cuts", [])
+                              for m in c["forward"] + c["backward"] if m.get("tp_gather_bytes")],
                 "ran": list(pm.runner.log),
                 "expected": with_comm(sched, len(plan.stages))[pm.pp_mesh.get_local_rank("pp")],
             }
@@ -106,6 +109,9 @@ FOUR = _configs(4, 4) + [
     ("pp2xtp2", "gpt", GPT4, tp_friendly_cluster("1x4xcpu"), {"pp": 2, "dp": 1, "tp": 2, "microbatches": 4},
      ("1f1b", "zb-h1")),
     ("llama_pp4", "llama", {}, "1x4xcpu", {"pp": 4, "dp": 1, "tp": 1, "microbatches": 8}, ("zb-h1",)),
+    # across the slow network the rotary tables, replicated on tp, cross the cut as tp halves gathered on arrival
+    ("llama_pp2xtp2", "llama", {}, slow_network_cluster("2x2xcpu"), {"pp": 2, "dp": 1, "tp": 2, "microbatches": 4},
+     ("1f1b",)),
 ]
 
 
@@ -141,4 +147,5 @@ def test_pipelines_compose_with_dp_and_tp(four_ranks):
     r = four_ranks[0]
     assert r["pp2xdp2_zb-h1"]["mesh"] == {"pp": 2, "dp": 2, "tp": 1}
     assert r["pp2xtp2_1f1b"]["mesh"] == {"pp": 2, "dp": 1, "tp": 2}
+    assert r["llama_pp2xtp2_1f1b"]["tp_pieces"] == ["float32"] and not r["pp2xtp2_1f1b"]["tp_pieces"]
     assert r["pp4_m8_interleaved"]["n_stages"] == 8

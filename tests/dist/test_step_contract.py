@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.testing import spawn_world, tp_friendly_cluster
+from autopar.testing import slow_network_cluster, spawn_world, tp_friendly_cluster
 
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 
@@ -63,6 +63,8 @@ def _install_recorder(log: list, on: list):
     zero_reduce._reduce_scatter = wrap(zero_reduce._reduce_scatter, "reduce_scatter", 1)  # bytes of the whole input
     dist.isend = wrap_p2p(dist.isend, "send")
     dist.irecv = wrap_p2p(dist.irecv, "recv")
+    dist.all_gather_into_tensor = wrap(dist.all_gather_into_tensor, "pp_gather", 0)  # (only the pipeline's
+    # gathers look it up at call time: ZeRO's bound it at import, the program's are functional)
 
 
 def _run(rank, world, cases):
@@ -91,7 +93,7 @@ def _run(rank, world, cases):
         out[name] = {"log": list(log), "plan": pm.plan.communication, "pp": pp, "pp_rank": pp_rank,
                      "sp": pm.plan.sequence_parallel, "precision": pm.plan.model["precision"],
                      "sends": [st.get("sends") for st in pm.plan.stages],
-                     "dp_ranks": tuple(pm._group_ranks("dp")),
+                     "dp_ranks": tuple(pm._group_ranks("dp")), "tp_ranks": tuple(pm._group_ranks("tp")),
                      "pipeline": [int(r) for r in pm.pp_mesh.mesh[:, 0, 0]] if pp > 1 else [rank]}
     return out
 
@@ -109,6 +111,8 @@ FOUR = [
      {"pp": 2, "dp": 2, "tp": 1, "zero": 3, "microbatches": 4, "schedule": "zb-h1"}),
     ("pp2xtp2_sp_zbh2", "llama", 2, tp_friendly_cluster("1x4xcpu"),
      {"pp": 2, "dp": 1, "tp": 2, "sp": True, "microbatches": 4, "schedule": "zb-h2"}),
+    ("pp2xtp2_pieces_1f1b", "llama", 2, slow_network_cluster("2x2xcpu"),
+     {"pp": 2, "dp": 1, "tp": 2, "microbatches": 4, "schedule": "1f1b"}),
     ("pp2xdp2_interleaved_zero2", "gpt", 4, "1x4xcpu",
      {"pp": 2, "dp": 2, "tp": 1, "zero": 2, "microbatches": 4, "schedule": "interleaved"}),
     ("dp2xtp2_zero2", "llama", 2, tp_friendly_cluster("1x4xcpu"), {"dp": 2, "tp": 2, "zero": 2, "microbatches": 2}),
@@ -138,8 +142,8 @@ def _expected_dp(r) -> Counter:
 
 
 def _recorded_dp(r) -> Counter:
-    return Counter(e for e in r["log"] if e[0] != "send" and e[0] != "recv" and e[1] == r["dp_ranks"]
-                   and len(r["dp_ranks"]) > 1)
+    return Counter(e for e in r["log"] if e[0] in ("all_reduce", "reduce_scatter", "all_gather")
+                   and e[1] == r["dp_ranks"] and len(r["dp_ranks"]) > 1)
 
 
 def _check(results, name):
@@ -154,6 +158,9 @@ def _check(results, name):
                     if e[0] == "recv")
     assert sends == want, (name, sorted(sends.items()), sorted(want.items()))
     assert recvs == want, (name, sorted(recvs.items()), sorted(want.items()))
+    gathers = Counter((rank, *e[1:]) for rank in first["pipeline"] for e in results[rank][name]["log"]
+                      if e[0] == "pp_gather")
+    assert gathers == _expected_gathers(first, results, name), (name, sorted(gathers.items()))
     p2p = first["plan"].get("p2p", {}).get("pp", {"count": 0, "bytes": 0})
     assert (sum(want.values()), sum(b * k for (_, _, b), k in want.items())) == (p2p["count"], p2p["bytes"]), name
 
@@ -166,6 +173,19 @@ def _expected_p2p(r) -> Counter:
         for src, dst, side in ((a, b, "forward"), (b, a, "backward")):
             for msg in cut[side]:
                 want[(src, dst, msg["bytes"])] += msg["count"]
+    return want
+
+
+def _expected_gathers(r, results, name) -> Counter:
+    """(receiving rank, its tp group, bytes) of the tp all-gathers that rebuild the replicated
+    values of the plan's pipeline messages, each ``count`` times."""
+    want: Counter = Counter()
+    for cut in r["plan"].get("p2p", {}).get("pp", {}).get("cuts", []):
+        a, b = (r["pipeline"][s % r["pp"]] for s in cut["stages"])
+        for dst, side in ((b, "forward"), (a, "backward")):
+            for msg in cut[side]:
+                if msg.get("tp_gather_bytes"):
+                    want[(dst, results[dst][name]["tp_ranks"], msg["tp_gather_bytes"])] += msg["count"]
     return want
 
 
@@ -195,6 +215,29 @@ def test_pipeline_messages_are_per_rank_and_per_dtype(four):
     cut = bf16["plan"]["p2p"]["pp"]["cuts"][0]
     assert {m["dtype"] for m in cut["forward"] + cut["backward"]} == {"bfloat16"}
     assert {t["dtype"] for side in bf16["sends"][0].values() for t in side} == {"bfloat16"}
+
+
+def test_replicated_pipeline_values_travel_as_tp_pieces(four):
+    """Megatron-LM's scatter/gather of pipeline tensors, where the plan chooses it: across a
+    slow network the values every tp rank holds whole (the Llama rotary tables, relayed to
+    the second stage) cross the cut as one half per tp rank (tp = 2), and the receiving
+    stage's tp group all-gathers the halves, once per micro-batch; the plan's message bytes
+    and gathers equal what the ranks ran (``_check``). On fast links the same tables go
+    whole (the gather's latency costs more than the bytes it saves)."""
+    r = four[0]["pp2xtp2_pieces_1f1b"]
+    cut, sends = r["plan"]["p2p"]["pp"]["cuts"][0], r["sends"][0]
+    tables = [t for t in sends["forward"] if t["placement"] == "R"]
+    assert len(tables) == 2 and all(t["rank_bytes"] * 2 == t["bytes"] for t in tables)
+    (msg,) = cut["forward"]
+    assert msg["tp_gather_bytes"] == sum(t["bytes"] for t in tables)
+    assert "tp_gather_bytes" not in cut["backward"][0]  # (the tables need no gradient)
+    receiver = r["pipeline"][1]
+    gathers = [e for e in four[receiver]["pp2xtp2_pieces_1f1b"]["log"] if e[0] == "pp_gather"]
+    assert [e[2] for e in gathers] == [msg["tp_gather_bytes"]] * 4  # 4 micro-batches
+    fast = four[0]["pp2xtp2_sp_zbh2"]
+    assert [t["rank_bytes"] for t in fast["sends"][0]["forward"] if t["placement"] == "R"] == \
+        [t["bytes"] for t in tables]
+    assert not any(e[0] == "pp_gather" for rank in fast["pipeline"] for e in four[rank]["pp2xtp2_sp_zbh2"]["log"])
 
 
 def test_the_recorder_sees_the_buckets(two):
