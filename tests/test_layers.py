@@ -148,3 +148,37 @@ def test_backward_of_block_one_belongs_to_it():
     assert attention > 0
     assert h1.flops_fwd == sum(n.meta[mk.COST].flops for n in fwd)
     assert h1.flops_bwd == 2 * (h1.flops_fwd - attention) + 2.5 * attention
+
+
+def test_backward_ops_matching_no_forward_op_join_the_block_that_reads_them():
+    """Hugging Face's DeepSeek-V3 has backward ops in every block whose autograd ``seq_nr``
+    matches no forward op (copies of attention-gradient slices, parts of a norm's backward).
+    They joined the loss's layer, so each block's crossed every pipeline cut back from the last
+    stage; they now join the latest layer whose backward reads them. No backward value of the
+    loss's layer is read by a block any more, and the blocks' own backward values are read by
+    no later layer (a pipeline sends gradients back only)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import hf
+
+    transformers = pytest.importorskip("transformers")
+    config = hf.tiny_config(transformers.DeepseekV3Config, num_hidden_layers=3, first_k_dense_replace=1,
+                            use_cache=False)
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM._from_config(config, attn_implementation="sdpa")
+    ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    gm = group_layers(annotate_cost(trace_joint(model, {"input_ids": ids, "labels": ids.clone()}, loss_fn=None,
+                                                example_target=None, collapse_repeats=False), device=DEVICES["H100"]))
+    position = {x.path: i for i, x in enumerate(gm.meta[mk.LAYERS])}
+    blocks = {p for p in position if p.startswith("model.layers.")}
+    assert len(blocks) == 3
+    crossing = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.meta[mk.TRACE].role is not mk.Role.BACKWARD:
+            continue
+        readers = {u.meta[mk.LAYER] for u in n.users if u.op == "call_function"}
+        if n.meta[mk.LAYER] == LOSS_LAYER:
+            crossing += [(n.name, r) for r in readers & blocks]
+        assert all(position[r] <= position[n.meta[mk.LAYER]] for r in readers if r in position), n.format_node()
+    assert crossing == []

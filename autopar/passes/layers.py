@@ -7,7 +7,8 @@ whole module path when there is none ("lm_head", "transformer.wte"). Code
 written in a container's own forward (the model's, or "model" in a Hugging Face
 ``...ForCausalLM``) joins the layer before it in forward order, or the first
 layer if it comes before all of them. Backward nodes join the layer of the
-forward op they differentiate (same autograd ``seq_nr``); the adds that
+forward op they differentiate (same autograd ``seq_nr``), or, matching no forward
+op of the graph, the latest layer whose backward reads them; the adds that
 accumulate a tensor's gradients join the layer of the last gradient they sum.
 
 The structural signature hashes each node's op, its output shapes and dtypes and
@@ -83,6 +84,7 @@ def group_layers(gm: fx.GraphModule) -> fx.GraphModule:
     by_seq = {}
     for n in fwd:
         by_seq.setdefault(n.meta[mk.TRACE].seq_nr, layer[n])
+    unmatched = []  # backward ops differentiating no forward op of the graph
     for n in nodes:
         info = n.meta[mk.TRACE]
         if n in layer:
@@ -90,7 +92,10 @@ def group_layers(gm: fx.GraphModule) -> fx.GraphModule:
         if info.role is mk.Role.BACKWARD and n.meta.get("is_gradient_acc"):
             layer[n] = _layer_from_inputs(n, layer, order_of) or by_seq.get(info.seq_nr) or last
         elif info.role is mk.Role.BACKWARD:
-            layer[n] = by_seq.get(info.seq_nr) or _layer_from_users(n, layer) or last
+            if info.seq_nr in by_seq:
+                layer[n] = by_seq[info.seq_nr]
+            else:
+                unmatched.append(n)
         elif info.role in (mk.Role.PARAM, mk.Role.BUFFER):
             layer[n] = _layer_from_users(n, layer, forward_only=True) or first
         elif info.role in (mk.Role.INPUT, mk.Role.CONSTANT):
@@ -99,6 +104,9 @@ def group_layers(gm: fx.GraphModule) -> fx.GraphModule:
             layer[n] = last
         else:
             layer[n] = ""
+    position = {p: i for i, p in enumerate(order)}
+    for n in reversed(unmatched):  # (readers first)
+        layer[n] = _layer_from_backward_users(n, layer, position) or last
     for n in nodes:
         n.meta[mk.LAYER] = layer[n]
     gm.meta[mk.LAYERS] = tuple(_layer_infos(gm, order, layer, graph_info))
@@ -115,6 +123,19 @@ def _layer_from_inputs(n: fx.Node, layer: dict[fx.Node, str], order_of: dict[fx.
     """
     placed = [arg for arg in n.all_input_nodes if layer.get(arg)]
     return layer[max(placed, key=order_of.__getitem__)] if placed else ""
+
+
+def _layer_from_backward_users(n: fx.Node, layer: dict[fx.Node, str], position: dict[str, int]) -> str:
+    """A backward op whose autograd ``seq_nr`` matches no forward op joins the latest layer (in
+    forward order) whose backward reads it: the first of its readers to run, so a pipeline sends
+    it back, never forward.
+
+    Before, such ops joined the last layer, the loss's, wherever they were read. Hugging Face's
+    DeepSeek-V3 has them in every block (copies of attention-gradient slices, parts of a norm's
+    backward), and each block's then crossed every pipeline cut back from the last stage: at
+    4096 tokens a (1, 128, 4096, 128) bf16 copy per block, 134 MB, per micro-batch."""
+    found = [layer[u] for u in n.users if layer.get(u) in position]
+    return max(found, key=position.__getitem__) if found else ""
 
 
 def _layer_from_users(n: fx.Node, layer: dict[fx.Node, str], *, forward_only: bool = False) -> str:
