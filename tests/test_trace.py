@@ -302,3 +302,43 @@ def test_backward_of_a_linear_carries_its_path():
     assert all(n.meta[mk.TRACE].module_path == path and n.meta[mk.TRACE].module_class == "Linear" for n in bwd)
     weight_grad = [n for n in bwd if n.target is torch.ops.aten.mm.default and tuple(n.meta["val"].shape) == (256, 64)]
     assert weight_grad, "the c_fc weight gradient (4C, C) is missing"
+
+
+def test_latent_attention_traces_the_fused_kernel_and_computes_the_same():
+    """Multi-head latent attention (DeepSeek-V3: value heads narrower than query/key heads)
+    traces as the fused SDPA kernel on zero-padded values, not as SDPA's math decomposition
+    (bmm, a softmax over the whole score matrix, bmm: priced as unfused fp32 matmuls on a GPU);
+    the joint graph's loss and gradients equal the eager model's."""
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "examples"))
+    import hf
+
+    torch.manual_seed(0)
+    config = hf.tiny_config(transformers.DeepseekV3Config, num_hidden_layers=2, first_k_dense_replace=1,
+                            use_cache=False)
+    assert config.v_head_dim < config.qk_nope_head_dim + config.qk_rope_head_dim
+    model = transformers.DeepseekV3ForCausalLM._from_config(config, attn_implementation="sdpa")
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    gm = trace_joint(model, inputs, loss_fn=None, example_target=None, collapse_repeats=False)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert targets.count(flash) == 2 and torch.ops.aten.bmm.default not in targets
+    values = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        t = node.meta[mk.TRACE]
+        values.append(model.get_parameter(t.fqn).detach() if t.role is mk.Role.PARAM else
+                      model.get_buffer(t.fqn) if t.role is mk.Role.BUFFER else
+                      inputs[t.fqn] if t.role is mk.Role.INPUT else
+                      torch.ones(node.meta["val"].shape, dtype=node.meta["val"].dtype))
+    run = fx.Interpreter(gm, garbage_collect_values=False)
+    run.run(*values)
+    outputs = [run.env.get(a) for a in gm.graph.find_nodes(op="output")[0].args[0]]  # (flat, as the graph lists them)
+    eager = model(**inputs).loss
+    eager.backward()
+    info: mk.GraphTrace = gm.meta[mk.GRAPH]
+    torch.testing.assert_close(outputs[info.loss_output], eager.detach())
+    for fqn, i in info.grad_outputs.items():
+        torch.testing.assert_close(outputs[i], model.get_parameter(fqn).grad, msg=fqn)

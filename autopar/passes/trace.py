@@ -99,7 +99,7 @@ def trace_joint(
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     n_model_inputs = len(flat) - (example_target is not None)
-    with _collapsed(model, repeats), hf_training_paths(model), \
+    with _collapsed(model, repeats), hf_training_paths(model), _attention_fused_for_any_value_width(), \
             _fake_state(model, fake_mode, param_dtype, fake_device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fake_inputs = [_to_fake(x, fake_mode, param_dtype if i < n_model_inputs else None, fake_device)
@@ -309,6 +309,39 @@ def _export(wrapper: nn.Module, fake_inputs: list[Any], model_name: str):
     finally:
         fake_log.setLevel(level)
     return joint, flat_to_fqn
+
+
+@contextlib.contextmanager
+def _attention_fused_for_any_value_width() -> Iterator[None]:
+    """Trace SDPA with value heads narrower than query/key heads as the fused kernel, on values
+    zero-padded to the query/key width, and the output cut back.
+
+    Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4 MoE lite) has query/key heads of
+    192 and value heads of 128. The CPU flash kernel a trace picks takes one head width only, so
+    SDPA falls back to its math decomposition: two bmm and a softmax over the whole (T, T) score
+    matrix, upcast to fp32 on CPU. Priced as such on an H100 that is fp32 matmuls on non-tensor
+    cores and T x T scores through HBM: 64 ms for one of DeepSeek-V3's attention bmm at 2 x 4096
+    tokens, where a GPU runs one fused bf16 kernel. Zero value columns add nothing to the
+    output's kept columns and get zero gradient, so the padded kernel computes the same values
+    and gradients (the scale is the query width's either way); it is what Hugging Face's own
+    FlashAttention-2 path does for these models. The price is the padded columns' FLOPs in the
+    second matmul of attention (192 where 128 would do)."""
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+
+    def padded(query, key, value, *args, **kwargs):
+        width, value_width = query.shape[-1], value.shape[-1]
+        if key.shape[-1] != width or value_width >= width:
+            return sdpa(query, key, value, *args, **kwargs)
+        out = sdpa(query, key, F.pad(value, (0, width - value_width)), *args, **kwargs)
+        return out[..., :value_width]
+
+    F.scaled_dot_product_attention = padded
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
 
 
 @contextlib.contextmanager
