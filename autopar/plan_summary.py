@@ -163,9 +163,14 @@ def strategy_text(row: dict[str, Any]) -> str:
 
 
 def communication_rows(plan: Plan) -> list[dict[str, Any]]:
-    """Per (collective, mesh axis): calls, bytes and time per step, longest time first."""
+    """Per (collective, mesh axis): calls, bytes and time per step, longest time first; and the tp
+    all-gathers that rebuild the replicated values pipeline messages carry as tp pieces ("p2p
+    gather"; their time is also in the p2p row's)."""
     rows = [{"kind": kind, "axis": axis, "count": c["count"], "bytes": c["bytes"], "time_s": c["time_s"]}
             for kind, axes in plan.communication.items() for axis, c in axes.items()]
+    gathers = plan.communication.get("p2p", {}).get("pp", {}).get("tp_gathers")
+    if gathers:
+        rows.append({"kind": "p2p gather", "axis": "tp", **gathers})
     return sorted(rows, key=lambda r: (-r["time_s"], r["kind"], r["axis"]))
 
 

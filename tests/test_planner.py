@@ -244,6 +244,14 @@ def test_each_pipeline_cut_priced_on_its_own_link(gpt_small_build):
     # the block output is replicated on tp: across nodes it goes as tp quarters gathered on NVLink
     assert ["tp_gather_bytes" in m for c in cuts for m in c["forward"] + c["backward"]] == [False] * 2 + [True] * 2 + \
         [False] * 2
+    gathered = cuts[1]["forward"] + cuts[1]["backward"]
+    totals = plan.communication["p2p"]["pp"]["tp_gathers"]
+    assert totals == {"count": sum(m["count"] for m in gathered),
+                      "bytes": sum(m["tp_gather_bytes"] * m["count"] for m in gathered),
+                      "time_s": pytest.approx(sum(comm.all_gather_s(m["tp_gather_bytes"], 4, tp_link) * m["count"]
+                                                  for m in gathered))}
+    from autopar.plan_summary import communication_rows
+    assert {"kind": "p2p gather", "axis": "tp", **totals} in communication_rows(plan)
     assert plan.predicted["p2p_s"] == max(max(p["p2p_s"], p["p2p_back_s"]) for p in preds[:-1])  # the slowest
     assert plan.communication["p2p"]["pp"]["time_s"] == pytest.approx(
         plan.schedule["microbatches"] * sum(p["p2p_s"] + p["p2p_back_s"] for p in preds[:-1]))

@@ -14,6 +14,7 @@ from torch import fx
 
 import autopar
 from autopar.cluster import Cluster
+from autopar.cost import comm
 from autopar.passes import meta_keys as mk
 from autopar.passes.layers import graph_hash
 from autopar.passes.strategies import StrategyGraph
@@ -250,7 +251,7 @@ def _message(dtype: str, nbytes: float, gathered: float, count: int) -> dict:
     return {"dtype": dtype, "bytes": nbytes, "count": count, **({"tp_gather_bytes": gathered} if gathered else {})}
 
 
-def _p2p_record(best: Candidate, sends: tuple) -> dict:
+def _p2p_record(best: Candidate, sends: tuple, cluster: Cluster) -> dict:
     """One pipeline's p2p messages in a step (every dp x tp pipeline sends the same): per cut,
     the messages of one micro-batch each way (one per dtype, the bytes one rank sends, and the
     bytes the receiving tp group all-gathers when its replicated values go as tp pieces: the
@@ -265,8 +266,16 @@ def _p2p_record(best: Candidate, sends: tuple) -> dict:
                      "backward": [_message(d, b, g, m) for d, b, g, _ in back],
                      "forward_s": best.p2p_cut_s[s], "backward_s": best.p2p_back_cut_s[s]})
     messages = [x for c in cuts for x in c["forward"] + c["backward"]]
-    return {"count": sum(x["count"] for x in messages), "bytes": sum(x["bytes"] * x["count"] for x in messages),
-            "time_s": m * sum(c["forward_s"] + c["backward_s"] for c in cuts), "cuts": cuts}
+    out = {"count": sum(x["count"] for x in messages), "bytes": sum(x["bytes"] * x["count"] for x in messages),
+           "time_s": m * sum(c["forward_s"] + c["backward_s"] for c in cuts), "cuts": cuts}
+    gathered = [x for x in messages if x.get("tp_gather_bytes")]
+    if gathered:  # (their time is part of time_s above: a message's time is its transfer and its gather)
+        tp, link = best.config.tp, cluster.link_for_group(best.config.tp, stride=1)
+        out["tp_gathers"] = {"count": sum(x["count"] for x in gathered),
+                             "bytes": sum(x["tp_gather_bytes"] * x["count"] for x in gathered),
+                             "time_s": sum(comm.all_gather_s(x["tp_gather_bytes"], tp, link) * x["count"]
+                                           for x in gathered)}
+    return out
 
 
 def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, sol: Solution, cluster: Cluster,
@@ -351,7 +360,7 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
                                          "bytes": sum(r["bytes"] * r["count"] for r in rows),
                                          "time_s": max(per_rank) / len(counts), "buckets": rows}
     if cfg.pp > 1:
-        communication["p2p"]["pp"] = _p2p_record(best, sends)
+        communication["p2p"]["pp"] = _p2p_record(best, sends, cluster)
     experts = {}
     if cfg.ep > 1:
         experts = experts_record(find_experts(gm), ep=cfg.ep, dp=cfg.dp, tp=cfg.tp,
