@@ -112,6 +112,9 @@ FOUR = _configs(4, 4) + [
     # across the slow network the rotary tables, replicated on tp, cross the cut as tp halves gathered on arrival
     ("llama_pp2xtp2", "llama", {}, slow_network_cluster("2x2xcpu"), {"pp": 2, "dp": 1, "tp": 2, "microbatches": 4},
      ("1f1b",)),
+    # ... and GPT's block output and its gradient (memory-bound ops free: tp without sp keeps them replicated)
+    ("gpt_pp2xtp2_pieces", "gpt", GPT4, slow_network_cluster("2x2xcpu").with_overrides(hbm_bytes_per_s=1e14),
+     {"pp": 2, "dp": 1, "tp": 2, "microbatches": 4}, ("zb-h1",)),
 ]
 
 
@@ -148,4 +151,5 @@ def test_pipelines_compose_with_dp_and_tp(four_ranks):
     assert r["pp2xdp2_zb-h1"]["mesh"] == {"pp": 2, "dp": 2, "tp": 1}
     assert r["pp2xtp2_1f1b"]["mesh"] == {"pp": 2, "dp": 1, "tp": 2}
     assert r["llama_pp2xtp2_1f1b"]["tp_pieces"] == ["float32"] and not r["pp2xtp2_1f1b"]["tp_pieces"]
+    assert r["gpt_pp2xtp2_pieces_zb-h1"]["tp_pieces"] == ["float32", "float32"]  # forward and back
     assert r["pp4_m8_interleaved"]["n_stages"] == 8

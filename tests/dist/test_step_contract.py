@@ -113,6 +113,9 @@ FOUR = [
      {"pp": 2, "dp": 1, "tp": 2, "sp": True, "microbatches": 4, "schedule": "zb-h2"}),
     ("pp2xtp2_pieces_1f1b", "llama", 2, slow_network_cluster("2x2xcpu"),
      {"pp": 2, "dp": 1, "tp": 2, "microbatches": 4, "schedule": "1f1b"}),
+    # memory-bound ops free: Megatron's tp without sp, the block output and its gradient replicated
+    ("pp2xtp2_gpt_pieces_1f1b", "gpt", 2, slow_network_cluster("2x2xcpu").with_overrides(hbm_bytes_per_s=1e14),
+     {"pp": 2, "dp": 1, "tp": 2, "microbatches": 4, "schedule": "1f1b"}),
     ("pp2xdp2_interleaved_zero2", "gpt", 4, "1x4xcpu",
      {"pp": 2, "dp": 2, "tp": 1, "zero": 2, "microbatches": 4, "schedule": "interleaved"}),
     ("dp2xtp2_zero2", "llama", 2, tp_friendly_cluster("1x4xcpu"), {"dp": 2, "tp": 2, "zero": 2, "microbatches": 2}),
@@ -234,6 +237,10 @@ def test_replicated_pipeline_values_travel_as_tp_pieces(four):
     receiver = r["pipeline"][1]
     gathers = [e for e in four[receiver]["pp2xtp2_pieces_1f1b"]["log"] if e[0] == "pp_gather"]
     assert [e[2] for e in gathers] == [msg["tp_gather_bytes"]] * 4  # 4 micro-batches
+    gpt = four[0]["pp2xtp2_gpt_pieces_1f1b"]  # both ways: the block output forward, its gradient back
+    (fwd,), (back,) = gpt["plan"]["p2p"]["pp"]["cuts"][0]["forward"], gpt["plan"]["p2p"]["pp"]["cuts"][0]["backward"]
+    assert [t["placement"] for side in gpt["sends"][0].values() for t in side] == ["R", "R"]
+    assert fwd["tp_gather_bytes"] == back["tp_gather_bytes"] == 2 * fwd["bytes"] == 2 * back["bytes"]
     fast = four[0]["pp2xtp2_sp_zbh2"]
     assert [t["rank_bytes"] for t in fast["sends"][0]["forward"] if t["placement"] == "R"] == \
         [t["bytes"] for t in tables]
