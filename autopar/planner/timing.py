@@ -18,7 +18,8 @@ from autopar.planner.bounds import FUSED_BACKWARD, _COLLECTIVE_S, _pipeline_boun
 if TYPE_CHECKING:
     from autopar.planner.search import Candidate, StagePlan
 
-__all__ = ["grad_sync_s", "simulate_stages", "message_send", "cut_sends", "candidate_cut_sends", "cut_times", "step_spec", "pipeline_bound_s"]
+__all__ = ["grad_sync_s", "simulate_stages", "message_send", "cut_sends", "candidate_cut_sends", "cut_times",
+           "step_spec", "pipeline_bound_s"]
 
 
 def grad_sync_s(grad_bytes: float, *, zero: int, dp: int, microbatches: int, link: comm.Link) -> float:
