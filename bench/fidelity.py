@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/fidelity.py              # every row (several minutes on 2 cores)
     PYTHONPATH=. python bench/fidelity.py --only qwen  # rows whose label contains "qwen"
-    PYTHONPATH=. python bench/fidelity.py --moe        # the DeepSeek-V3 stand-in (about 80 s)
+    PYTHONPATH=. python bench/fidelity.py --moe        # the DeepSeek-V3 stand-in (about 60 s)
 
 Each row of bench/calibration.yaml that autopar can express is rebuilt from its
 published shape on "meta" (Llama 3.1 8B/70B/405B from examples/llama.py, Qwen3-32B

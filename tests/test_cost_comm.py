@@ -201,3 +201,17 @@ def test_context_attention_allgather_hides_nothing_and_cp1_costs_nothing():
     with pytest.raises(ValueError, match="variant 'ulysses'"):
         context_attention_cost(variant="ulysses", cp=2, kv_bytes=kv, dkv_bytes=dkv, forward_s=1.0, backward_s=1.0,
                                link=link)
+
+
+def test_all_to_all_across_nodes_runs_at_one_nic_per_rank():
+    """All-to-all has no ring to spread over a node's NICs: what a rank sends off its node
+    leaves through its own NIC. EP 32 over 4 H100 nodes: 3/4 of each buffer crosses the network
+    at one 400 Gb/s NIC (DeepEP reaches 57-58 GB/s per H800 there, built to saturate it), so
+    1 GB takes about 15 ms, not the 2-3 ms of ring collectives on 8 NICs' worth."""
+    link = group_link(group_size=32, stride=1, devices_per_node=8, device=H100)
+    nic = H100.inter_node_bytes_per_s * NETWORK_EFFICIENCY
+    assert link.all_to_all_bytes_per_s == pytest.approx(31 / 24 * nic)
+    assert all_to_all_s(1e9, 32, link) == pytest.approx(0.75 * 1e9 / nic + 31 * link.latency_s + link.base_latency_s)
+    assert all_to_all_s(1e9, 32, link) > 5 * all_gather_s(1e9, 32, link)
+    inside = group_link(group_size=8, stride=1, devices_per_node=8, device=H100)
+    assert inside.all_to_all_bytes_per_s is None  # (NVSwitch: the measured tables)

@@ -51,7 +51,7 @@ Calibration (:func:`group_link` builds the :class:`Link` of a group from it):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.cost.devices import DeviceSpec
 from autopar.cost.compute import MEMORY_EFFICIENCY
@@ -103,6 +103,9 @@ class Link:
     """Memory bandwidth of the group's devices for the local copy a collective along a tensor
     dim other than 0 makes (:func:`autopar.planner.ilp.reshard_s`); 0: not priced (the gloo
     CPU figures, and gradient buckets, which are flat)."""
+    all_to_all_bytes_per_s: float | None = None
+    """Bus bandwidth of all-to-all when it differs from ``bytes_per_s`` (a group across nodes:
+    :func:`group_link`)."""
 
     def __post_init__(self) -> None:
         if not self.bytes_per_s > 0:
@@ -185,7 +188,10 @@ def reduce_scatter_s(nbytes: float, group_size: int, link: Link) -> float:
 
 
 def all_to_all_s(nbytes: float, group_size: int, link: Link) -> float:
-    """All-to-all; ``nbytes`` is each rank's send buffer, ``(n-1)/n`` of which leaves the rank."""
+    """All-to-all; ``nbytes`` is each rank's send buffer, ``(n-1)/n`` of which leaves the rank.
+    Across nodes at the link's ``all_to_all_bytes_per_s`` (:func:`group_link`)."""
+    if link.all_to_all_bytes_per_s is not None:
+        link = replace(link, bytes_per_s=link.all_to_all_bytes_per_s)
     return _ring_s(nbytes, group_size, link, passes=1)
 
 
@@ -334,8 +340,19 @@ def group_link(*, group_size: int, stride: int, devices_per_node: int, device: D
     ar = nic if ppn == 1 else min(nic, nvswitch_busbw("all_reduce", ppn, device.intra_node_bytes_per_s))
     # a ring of ppn * nodes ranks has `nodes` network hops and the rest on NVLink
     hop = ((group_size - nodes) * NVLINK_HOP_LATENCY_S + nodes * NETWORK_HOP_LATENCY_S) / group_size
+    # All-to-all has no ring to spread over the node's NICs: what a rank sends to the other
+    # nodes, (n - ppn) / n of its buffer, leaves through its own NIC (its node-local part moves
+    # on NVLink meanwhile). In nccl-tests' bus bandwidth, (n - 1) / n of the buffer over the
+    # time: (n - 1) / (n - ppn) NICs' worth. DeepEP's dispatch and combine, built to saturate
+    # exactly this, reach 43-58 GB/s per H800 with a 400 Gb/s (~50 GB/s) CX7 at EP 16-64
+    # (deepseek-ai/DeepEP docs/legacy.md at 0297fc8, "Normal kernels"); ring collectives get
+    # ppn NICs' worth (above).
+    # (A group that straddles two nodes without tiling them, 4 of 6-GPU nodes, is taken as split
+    # in halves.)
+    off_node = group_size - ppn if group_size > ppn else max(1, group_size // 2)
+    a2a = (group_size - 1) / off_node * device.inter_node_bytes_per_s * NETWORK_EFFICIENCY
     return Link(bytes_per_s=ag, latency_s=hop, base_latency_s=NCCL_BASE_LATENCY_S, all_reduce_bytes_per_s=ar,
-                copy_bytes_per_s=copy)
+                copy_bytes_per_s=copy, all_to_all_bytes_per_s=min(a2a, ag))
 
 
 def stage_ranks(pp_rank: int, *, dp: int, tp: int) -> range:
