@@ -110,7 +110,7 @@ def test_a_replicated_cut_value_is_priced_whole_or_as_tp_pieces(traced):
     assert pieces * 2 == whole and gathered == whole  # (even sizes here)
     stage = StagePlan(layers=("layers.0",), f_s=0, b_s=0, w_s=0, comm_s=0, inflight=1, params_bytes=0,
                       grads_bytes=0, optimizer_bytes=0, activations_bytes=0, grad_sync_s=0, optimizer_s=0,
-                      send_bytes=whole, send_messages=msgs.forward, back_messages=msgs.backward)
+                      send_messages=msgs.forward, back_messages=msgs.backward)
     tp_link = H100.link_for_group(2, stride=1)
     slow = comm.Link(bytes_per_s=1e6, latency_s=5e-6)
     ((fast_fwd, _),), ((slow_fwd, _),) = (cut_sends([stage], [link], tp=2, tp_link=tp_link)

@@ -17,7 +17,7 @@ parallelism, or a hidden-dim shard), the whole value when partial. A value repli
 tp (tp > 1) travels whole, or, where the plan says so for the message, as one piece of
 ``ceil(numel / tp)`` elements per tp rank that the receiving stage's tp group all-gathers
 (Megatron-LM's scatter/gather of pipeline tensors): :class:`Messages` gives both sizes and
-:func:`autopar.planner.timing.cut_times` takes the faster on the cut's links, since the
+:func:`autopar.planner.timing.message_send` takes the faster on the cut's links, since the
 gather's latency outweighs the bytes saved on small messages and NVLink cuts. Values
 travel in the dtype the program computes them in (bf16 activations and gradients under a bf16-mixed
 policy; the joint graph is traced in the policy's dtypes). The values of one direction are

@@ -170,10 +170,9 @@ class StagePlan:
     activations_bytes: float
     grad_sync_s: float
     optimizer_s: float
-    send_bytes: float
-    """Bytes one rank sends to the next stage per micro-batch (0 on the last stage)."""
     send_messages: tuple[tuple[str, float, float, float], ...] = ()
-    """Those messages, one per dtype, as ``Unit.send_forward`` gives them (whole bytes, bytes
+    """What one rank sends to the next stage per micro-batch (nothing on the last stage): the
+    messages, one per dtype, as ``Unit.send_forward`` gives them (whole bytes, bytes
     as tp pieces, gathered bytes: :func:`autopar.planner.timing.cut_sends` picks one way)."""
     back_messages: tuple[tuple[str, float, float, float], ...] = ()
     """The gradient messages the next stage sends back across the cut, per micro-batch."""
@@ -524,10 +523,10 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
 def _sends(u: Unit, *, last: bool) -> dict:
     """A stage's p2p messages per micro-batch: across the cut after its last unit ``u``."""
     if last:
-        return {"send_bytes": 0.0, "send_messages": (), "back_messages": ()}
+        return {"send_messages": (), "back_messages": ()}
     fwd = u.send_forward if u.send_forward is not None else (("", u.boundary_bytes, u.boundary_bytes, 0.0),)
     back = u.send_backward if u.send_backward is not None else (("", u.boundary_bytes, u.boundary_bytes, 0.0),)
-    return {"send_bytes": sum(m[1] for m in fwd), "send_messages": tuple(fwd), "back_messages": tuple(back)}
+    return {"send_messages": tuple(fwd), "back_messages": tuple(back)}
 
 
 def _infeasible(least, cluster: Cluster, fixed: Fixed, skipped_batch: int, batch: int, world: int) -> Exception:
