@@ -256,8 +256,13 @@ def _balance_ranks(cuts: list[tuple[int, int]], pre_t: list[float], fits, pp: in
     points = [i for i, _ in cuts] + [cuts[-1][1]]
     n_stages = len(cuts)
 
+    memo: dict[float, float] = {}  # the moves revisit the same sums: formatting each was a third of this
+
     def rounded(t: float) -> float:
-        return float(f"{t:.9g}")
+        r = memo.get(t)
+        if r is None:
+            r = memo[t] = float(f"{t:.9g}")
+        return r
 
     def rank_sum(times: list[float], r: int) -> float:
         total = 0.0  # in stage order, so a rank's sum is the same float however it is reached
