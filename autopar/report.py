@@ -175,8 +175,10 @@ def _timeline_svg(plan: Plan) -> str:
     import matplotlib
 
     buf = io.StringIO()
-    with matplotlib.rc_context({"svg.fonttype": "none"}):  # text stays text: smaller, searchable
-        timeline_figure(plan).savefig(buf, format="svg")
+    # text stays text (smaller, searchable); a fixed id salt and no date: the same plan gives the
+    # same report byte for byte, so reports can be diffed like plan files
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "autopar"}):
+        timeline_figure(plan).savefig(buf, format="svg", metadata={"Date": None})
     svg = buf.getvalue()
     return svg[svg.index("<svg"):]  # drop the XML declaration and DOCTYPE: it sits inside HTML
 

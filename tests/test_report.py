@@ -334,3 +334,12 @@ def test_summary_and_html_show_hidden_and_exposed_communication(pipelined):
     page = render_html(pipelined)
     assert "Communication hidden vs exposed per pipeline rank" in page
     assert all(fmt_s(r["hidden_s"]) in page for r in rows)
+
+
+def test_html_report_is_the_same_bytes_for_the_same_plan(pipelined):
+    """A report can be diffed like the plan file: matplotlib's SVG carries a creation date and
+    element ids salted at random unless told otherwise."""
+    pytest.importorskip("matplotlib")
+    from autopar.report import render_html
+
+    assert render_html(pipelined) == render_html(pipelined)
