@@ -3,6 +3,7 @@
     PYTHONPATH=. python bench/fidelity.py              # every row (several minutes on 2 cores)
     PYTHONPATH=. python bench/fidelity.py --only qwen  # rows whose label contains "qwen"
     PYTHONPATH=. python bench/fidelity.py --moe        # the DeepSeek-V3 stand-in (about 60 s)
+    PYTHONPATH=. python bench/fidelity.py --qk-gathers # what torchtitan's Qwen3 TP program adds
 
 Each row of bench/calibration.yaml that autopar can express is rebuilt from its
 published shape on "meta" (Llama 3.1 8B/70B/405B from examples/llama.py, Qwen3-32B
@@ -227,13 +228,59 @@ def predict(row: Row) -> dict:
             "fits": peak <= device.hbm_bytes, "fits_reserve": peak <= 0.9 * device.hbm_bytes, "wall_s": wall}
 
 
+def qk_gathers() -> None:
+    """The work torchtitan's Qwen3 TP program does that autopar's pinned plan does not: an
+    estimate, priced with autopar's own collective and memory-bound functions, not a plan.
+
+    At d66b72a6a (and since the model's first commit, f9e8897a6) ``apply_non_moe_tp`` wraps
+    ``attention.q_norm`` and ``attention.k_norm`` in ``NoParallel(use_local_output=False)``,
+    whose output hook redistributes any output that is not ``Replicate()`` to it
+    (``torchtitan/distributed/__init__.py``). Their inputs are head-sharded (wq and wk are
+    column-parallel with DTensor outputs), so after each norm q and k are all-gathered
+    whole on every tp rank (along the heads dim, which costs a copy besides), and the rotary
+    embedding, and k's ``repeat_kv``, run on whole heads on every rank. SDPA then slices
+    the replicated q and k back to the rank's heads (DTensor's head-sharded strategy: no
+    redistribution cost), so the backward runs on head shards. With full AC the forward runs
+    twice (forward and recompute). Rotary embedding in bf16 (``x * cos + rotate_half(x) *
+    sin``: neg, cat, two muls, an add) reads and writes about ten q-sized tensors; repeat_kv
+    writes one. autopar's MIP keeps all of it on head shards, as it should; planning
+    torchtitan's exact program would take op-level placement pins, which autopar does not
+    have."""
+    from autopar.cost import comm
+    from autopar.cost.compute import MEMORY_EFFICIENCY
+
+    device = lookup_device("H100-96GB")
+    hbm = device.hbm_bytes_per_s * MEMORY_EFFICIENCY
+    layers, heads, kv_heads, head_dim, passes = 64, 64, 8, 128, 2  # Qwen3-32B; forward + recompute
+    print("| row | measured | planned | error | gathers | their copies | rotary on whole heads | "
+          "planned + these | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in (r for r in ROWS if r.model == "qwen3:32b" and r.fixed.get("tp", 1) > 1):
+        tp, tokens = row.fixed["tp"], row.local_batch * row.seq  # one tp group's micro-batch
+        link = Cluster(nodes=row.nodes, devices_per_node=8, device=device).link_for_group(tp, stride=1)
+        q, k = tokens * heads * head_dim * 2, tokens * kv_heads * head_dim * 2  # whole, bf16
+        gathers = layers * passes * (comm.all_gather_s(q, tp, link) + comm.all_gather_s(k, tp, link))
+        copies = layers * passes * 2 * (q + k) / hbm
+        whole = layers * passes * (tp - 1) / tp * (10 * (q + k) + q) / hbm
+        planned = predict(row)["tok_s"]
+        step = tokens / tp / planned + gathers + copies + whole  # seconds per step of one GPU
+        print(f"| {row.label} | {row.tok_s:g} | {planned:.0f} | {planned / row.tok_s - 1:+.1%} | {gathers:.2f} s | "
+              f"{copies:.2f} s | {whole:.2f} s | {tokens / tp / step:.0f} | {tokens / tp / step / row.tok_s - 1:+.1%} |",
+              flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="run rows whose label contains this (case-insensitive)")
     parser.add_argument("--moe", action="store_true", help="plan the DeepSeek-V3 stand-in instead of the rows")
+    parser.add_argument("--qk-gathers", action="store_true",
+                        help="estimate what torchtitan's replicated q/k norms add to the Qwen3 TP rows")
     args = parser.parse_args()
     if args.moe:
         moe_stand_in()
+        return
+    if args.qk_gathers:
+        qk_gathers()
         return
     rows = [r for r in ROWS if args.only.lower() in r.label.lower()]
     print("| row | GPUs | measured tok/s/GPU | predicted | error | measured GiB | predicted GiB | fits 95 GiB | MFU pred |")
