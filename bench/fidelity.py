@@ -264,9 +264,9 @@ def qk_gathers() -> None:
         whole = layers * passes * (tp - 1) / tp * (10 * (q + k) + q) / hbm
         planned = predict(row)["tok_s"]
         step = tokens / tp / planned + gathers + copies + whole  # seconds per step of one GPU
+        added = tokens / tp / step
         print(f"| {row.label} | {row.tok_s:g} | {planned:.0f} | {planned / row.tok_s - 1:+.1%} | {gathers:.2f} s | "
-              f"{copies:.2f} s | {whole:.2f} s | {tokens / tp / step:.0f} | {tokens / tp / step / row.tok_s - 1:+.1%} |",
-              flush=True)
+              f"{copies:.2f} s | {whole:.2f} s | {added:.0f} | {added / row.tok_s - 1:+.1%} |", flush=True)
 
 
 def main():
