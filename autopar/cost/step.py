@@ -52,11 +52,15 @@ __all__ = ["OVERLAP_SLOWDOWN", "GroupCost", "StageCost", "TiedCost", "StepSpec",
 
 OVERLAP_SLOWDOWN = 1.3
 """Compute runs this many times slower while a collective overlaps it on the same GPU
-(the collective's kernels take SMs and memory bandwidth). Hetu-Galvatron measured 1.3x
-on its GPUs ("overlap slowdown coefficient of computation and communication",
-``profile_hardware/overlap_test`` in https://github.com/PKU-DAIR/Hetu-Galvatron);
-../shared/calibration.yaml records 1.1-1.3x from the same source; we take its measured
-figure, the conservative end."""
+(the collective's kernels take SMs and memory bandwidth). Hetu-Galvatron's search-engine
+docs give 1.1-1.3 as the usual range of this coefficient; its profiler
+(``galvatron/profile_hardware/profile_overlap.py``: a 1024 x 4096 x 4096 fp32 matmul against a
+64 MB all-reduce, the larger of the two slowdowns) measured 1.126 in the configuration it
+ships (``hardware_configs/overlap_coefficient.json``, GPUs not stated; 1.146 in one revision),
+all read at cea12ff. We take the top of the range: on an H100 a GEMM sized to one wave of 132
+SMs loses a whole second wave to an NCCL kernel's 24 blocks (a report on NVIDIA's forum
+measured it near 2x), so the measured 1.13 is not a bound. Not calibrated on a GPU here
+(bench/calibration.yaml, ``overlap``)."""
 
 COMPUTE_KINDS = ("F", "B", "W", "BW", "OPT")
 COLLECTIVE_KINDS = ("UNSHARD", "REDUCE_GRAD", "TIED_REDUCE", "PARAM_GATHER")
