@@ -3,7 +3,6 @@
     PYTHONPATH=. python bench/fidelity.py              # every row (several minutes on 2 cores)
     PYTHONPATH=. python bench/fidelity.py --only qwen  # rows whose label contains "qwen"
     PYTHONPATH=. python bench/fidelity.py --moe        # the DeepSeek-V3 stand-in (about 60 s)
-    PYTHONPATH=. python bench/fidelity.py --qk-gathers # what torchtitan's Qwen3 TP program adds
 
 Each row of bench/calibration.yaml that autopar can express is rebuilt from its
 published shape on "meta" (Llama 3.1 8B/70B/405B from examples/llama.py, Qwen3-32B
@@ -33,6 +32,13 @@ gathers), not its memory. Rows run
 with torch.compile are marked and planned with ``make_plan(compiled_layers=...)``:
 the memory-bound ops of each transformer block (what torchtitan compiles) are priced
 as TorchInductor fuses them (:mod:`autopar.passes.fuse`); the rest as eager.
+
+The Qwen3 TP rows are planned as torchtitan's Qwen3 TP program runs, not as autopar would lay
+them out: its ``apply_non_moe_tp`` wraps ``q_norm`` and ``k_norm`` in ``NoParallel``, whose output
+hook redistributes to ``Replicate()``, so q and k are gathered whole after their norms and the
+rotary embedding runs on whole heads on every rank (forward, and again in full AC's
+recompute); ``make_plan(replicated=torchtitan_qk_replicated)`` keeps those ops' outputs whole
+and the MIP prices the gathers and the replicated work.
 
 torchtitan's op-level SAC (``_apply_op_sac`` in its ``parallelize_llama.py``) saves the outputs
 of matmuls, attention and reduce-scatters except every second matmul of a block (wk, wo, w3 of
@@ -79,6 +85,16 @@ class Row:
     source: str
 
 
+def _qwen3(dp: int, tp: int, lb: int, tok_s: float | None, mem_gib: float | None, compiled: bool = False) -> Row:
+    """A row of torchtitan's Qwen3-32B table (seq 4096, full AC; with tp, sp on the block norms as
+    its ``apply_non_moe_tp`` runs it); ``tok_s`` None: the run was out of memory."""
+    mesh = f"FSDP{dp}" + (f" TP{tp}" if tp > 1 else "")
+    label = f"Qwen3-32B {mesh} lb{lb} AC" + (" (compile)" if compiled else "") + ("" if tok_s else ": OOM")
+    return Row(label=label, model="qwen3:32b", nodes=dp * tp // 8, seq=4096, local_batch=lb,
+               fixed={"dp": dp, "tp": tp, "pp": 1, "zero": 3, "recompute": "full", **({"sp": True} if tp > 1 else {})},
+               tok_s=tok_s, mem_gib=mem_gib, compiled=compiled, source=_QW)
+
+
 # Published rows, read at their sources (see bench/calibration.yaml for what was verified).
 _TT = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 _ATP = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
@@ -102,27 +118,16 @@ ROWS = [
     Row(label="Llama3.1-70B FSDP32 TP8 lb16 AC", model="llama:70b", nodes=32, seq=8192, local_batch=16,
         fixed={"dp": 32, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
         tok_s=597.3, mem_gib=None, compiled=True, source=_ATP),
-    Row(label="Qwen3-32B FSDP8 lb2 AC (compile)", model="qwen3:32b", nodes=1, seq=4096, local_batch=2,
-        fixed={"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "full"},
-        tok_s=1874, mem_gib=81.85, compiled=True, source=_QW),
-    Row(label="Qwen3-32B FSDP8 lb2 AC", model="qwen3:32b", nodes=1, seq=4096, local_batch=2,
-        fixed={"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "full"},
-        tok_s=1614, mem_gib=89.33, compiled=False, source=_QW),
-    Row(label="Qwen3-32B FSDP8 lb1 AC", model="qwen3:32b", nodes=1, seq=4096, local_batch=1,
-        fixed={"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "full"},
-        tok_s=1444, mem_gib=81.47, compiled=False, source=_QW),
-    Row(label="Qwen3-32B FSDP16 lb4 AC", model="qwen3:32b", nodes=2, seq=4096, local_batch=4,
-        fixed={"dp": 16, "tp": 1, "pp": 1, "zero": 3, "recompute": "full"},
-        tok_s=1518, mem_gib=78.48, compiled=False, source=_QW),
-    Row(label="Qwen3-32B FSDP8 TP4 lb16 AC", model="qwen3:32b", nodes=4, seq=4096, local_batch=16,
-        fixed={"dp": 8, "tp": 4, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
-        tok_s=1139, mem_gib=70.20, compiled=False, source=_QW),
-    Row(label="Qwen3-32B FSDP4 TP8 lb16 AC", model="qwen3:32b", nodes=4, seq=4096, local_batch=16,
-        fixed={"dp": 4, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
-        tok_s=876, mem_gib=43.45, compiled=False, source=_QW),
-    Row(label="Qwen3-32B FSDP16 lb8 AC: OOM", model="qwen3:32b", nodes=2, seq=4096, local_batch=8,
-        fixed={"dp": 16, "tp": 1, "pp": 1, "zero": 3, "recompute": "full"},
-        tok_s=None, mem_gib=None, compiled=False, source=_QW),
+    _qwen3(8, 1, 2, 1874, 81.85, compiled=True),
+    _qwen3(8, 1, 2, 1614, 89.33),
+    _qwen3(8, 1, 1, 1444, 81.47),
+    _qwen3(16, 1, 4, 1518, 78.48),
+    _qwen3(8, 4, 16, 1139, 70.20),
+    _qwen3(4, 8, 16, 876, 43.45),
+    _qwen3(4, 8, 32, 883, 70.79),
+    _qwen3(8, 8, 32, 873, 63.27),
+    *(_qwen3(dp, tp, lb, None, None)  # the configurations the commit lists as out of memory
+      for dp, tp, lb in ((16, 1, 8), (16, 1, 16), (32, 1, 16), (16, 2, 16), (8, 4, 32), (4, 8, 64), (8, 8, 64))),
 ]
 
 
@@ -212,6 +217,32 @@ def _in_a_block(layer: str) -> bool:
     return len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit()
 
 
+def torchtitan_qk_replicated(gm) -> set[str]:
+    """The forward ops torchtitan's Qwen3 TP program runs on whole heads (``make_plan``'s
+    ``replicated``): the outputs of ``q_norm`` and ``k_norm``, which its ``NoParallel`` style
+    redistributes to ``Replicate()`` (``torchtitan/distributed/__init__.py`` at d66b72a6a), and
+    every op of the attention module between them and SDPA (the rotary embedding), which
+    DTensor then runs on replicated inputs; SDPA slices q and k back to the rank's heads. On
+    Hugging Face's graph: each norm module's last op, then its users in ``self_attn`` up to SDPA."""
+    from autopar.passes import meta_keys as mk
+
+    def forward_in(node, suffixes) -> bool:
+        t = node.meta.get(mk.TRACE)
+        return t is not None and t.role is mk.Role.FORWARD and t.module_path.endswith(suffixes)
+
+    norms = ("self_attn.q_norm", "self_attn.k_norm")
+    frontier = [n for n in gm.graph.nodes if forward_in(n, norms) and any(
+        forward_in(u, ("self_attn",)) for u in n.users)]  # each norm's output
+    out = {n.name for n in frontier}
+    while frontier:
+        for user in frontier.pop().users:
+            attention = "scaled_dot_product" in str(user.target)
+            if user.name not in out and forward_in(user, ("self_attn",)) and not attention:
+                out.add(user.name)
+                frontier.append(user)
+    return out
+
+
 def predict(row: Row) -> dict:
     device = lookup_device("H100-96GB")
     world = row.nodes * 8
@@ -221,66 +252,22 @@ def predict(row: Row) -> dict:
     fixed = dict(row.fixed, microbatch_size=row.local_batch, microbatches=1)
     start = time.perf_counter()
     plan = make_plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed,
-                     compiled_layers=_in_a_block if row.compiled else None)
+                     compiled_layers=_in_a_block if row.compiled else None,
+                     replicated=torchtitan_qk_replicated if row.model == "qwen3:32b" and row.fixed.get("tp", 1) > 1
+                     else None)
     wall = time.perf_counter() - start
     peak = plan.predicted["peak_memory_bytes"]
     return {"tok_s": plan.predicted["tokens_per_s"] / world, "mem_gib": peak / GIB, "mfu": plan.predicted["mfu"],
             "fits": peak <= device.hbm_bytes, "fits_reserve": peak <= 0.9 * device.hbm_bytes, "wall_s": wall}
 
 
-def qk_gathers() -> None:
-    """The work torchtitan's Qwen3 TP program does that autopar's pinned plan does not: an
-    estimate, priced with autopar's own collective and memory-bound functions, not a plan.
-
-    At d66b72a6a (and since the model's first commit, f9e8897a6) ``apply_non_moe_tp`` wraps
-    ``attention.q_norm`` and ``attention.k_norm`` in ``NoParallel(use_local_output=False)``,
-    whose output hook redistributes any output that is not ``Replicate()`` to it
-    (``torchtitan/distributed/__init__.py``). Their inputs are head-sharded (wq and wk are
-    column-parallel with DTensor outputs), so after each norm q and k are all-gathered
-    whole on every tp rank (along the heads dim, which costs a copy besides), and the rotary
-    embedding, and k's ``repeat_kv``, run on whole heads on every rank. SDPA then slices
-    the replicated q and k back to the rank's heads (DTensor's head-sharded strategy: no
-    redistribution cost), so the backward runs on head shards. With full AC the forward runs
-    twice (forward and recompute). Rotary embedding in bf16 (``x * cos + rotate_half(x) *
-    sin``: neg, cat, two muls, an add) reads and writes about ten q-sized tensors; repeat_kv
-    writes one. autopar's MIP keeps all of it on head shards, as it should; planning
-    torchtitan's exact program would take op-level placement pins, which autopar does not
-    have."""
-    from autopar.cost import comm
-    from autopar.cost.compute import MEMORY_EFFICIENCY
-
-    device = lookup_device("H100-96GB")
-    hbm = device.hbm_bytes_per_s * MEMORY_EFFICIENCY
-    layers, heads, kv_heads, head_dim, passes = 64, 64, 8, 128, 2  # Qwen3-32B; forward + recompute
-    print("| row | measured | planned | error | gathers | their copies | rotary on whole heads | "
-          "planned + these | error |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for row in (r for r in ROWS if r.model == "qwen3:32b" and r.fixed.get("tp", 1) > 1):
-        tp, tokens = row.fixed["tp"], row.local_batch * row.seq  # one tp group's micro-batch
-        link = Cluster(nodes=row.nodes, devices_per_node=8, device=device).link_for_group(tp, stride=1)
-        q, k = tokens * heads * head_dim * 2, tokens * kv_heads * head_dim * 2  # whole, bf16
-        gathers = layers * passes * (comm.all_gather_s(q, tp, link) + comm.all_gather_s(k, tp, link))
-        copies = layers * passes * 2 * (q + k) / hbm
-        whole = layers * passes * (tp - 1) / tp * (10 * (q + k) + q) / hbm
-        planned = predict(row)["tok_s"]
-        step = tokens / tp / planned + gathers + copies + whole  # seconds per step of one GPU
-        added = tokens / tp / step
-        print(f"| {row.label} | {row.tok_s:g} | {planned:.0f} | {planned / row.tok_s - 1:+.1%} | {gathers:.2f} s | "
-              f"{copies:.2f} s | {whole:.2f} s | {added:.0f} | {added / row.tok_s - 1:+.1%} |", flush=True)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="run rows whose label contains this (case-insensitive)")
     parser.add_argument("--moe", action="store_true", help="plan the DeepSeek-V3 stand-in instead of the rows")
-    parser.add_argument("--qk-gathers", action="store_true",
-                        help="estimate what torchtitan's replicated q/k norms add to the Qwen3 TP rows")
     args = parser.parse_args()
     if args.moe:
         moe_stand_in()
-        return
-    if args.qk_gathers:
-        qk_gathers()
         return
     rows = [r for r in ROWS if args.only.lower() in r.label.lower()]
     print("| row | GPUs | measured tok/s/GPU | predicted | error | measured GiB | predicted GiB | fits 95 GiB | MFU pred |")

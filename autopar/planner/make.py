@@ -53,7 +53,8 @@ RUNNERS_UP = 5
 
 def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, loss_fn: Callable | None = None,
               example_target: Any = None, fixed: dict | None = None, precision: str | None = None,
-              compiled_layers: Callable[[str], bool] | None = None, runnable: bool = False) -> Plan:
+              compiled_layers: Callable[[str], bool] | None = None, runnable: bool = False,
+              replicated: Callable[[fx.GraphModule], set[str]] | None = None) -> Plan:
     """Plan ``model`` for ``cluster``; see :func:`autopar.plan`.
 
     ``runnable``: only plans :func:`autopar.parallelize` can run today (expert parallelism
@@ -61,7 +62,12 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
 
     ``compiled_layers`` (a predicate on layer paths) prices those layers' memory-bound ops as
     ``torch.compile`` fuses them (:mod:`autopar.passes.fuse`): for predicting runs of programs
-    compiled that way (``bench/fidelity.py``), not what autopar's own runtime executes."""
+    compiled that way (``bench/fidelity.py``), not what autopar's own runtime executes.
+
+    ``replicated`` (traced graph -> names of its ops) keeps those ops' outputs whole on every tp
+    rank (the MIP may not shard them): for pricing a published program that does so
+    (``bench/fidelity.py``: torchtitan's Qwen3 TP plan gathers q and k after their norms), not
+    a layout autopar chooses. An op with no replicated strategy is left free."""
     cluster = parse_cluster(cluster)
     fixed_ = Fixed.from_dict(fixed)
     policy, why = resolve_precision(precision, model=model, gpu_cluster=cluster.device.name.lower() != "cpu")
@@ -79,7 +85,7 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
     t1 = time.perf_counter()
     with _frozen_heap():
         plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_, precision=policy, precision_source=why,
-                           ep_flat_only=runnable)
+                           ep_flat_only=runnable, replicated=frozenset(replicated(gm)) if replicated else frozenset())
     timings = {"trace_s": t1 - t0, **plan.timings}
     return Plan(**{k: getattr(plan, k) for k in plan.__dataclass_fields__ if k != "timings"}, timings=timings)
 
@@ -195,11 +201,12 @@ def _tp_options(cluster: Cluster, fixed: Fixed) -> list[int]:
 
 
 def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fixed: Fixed,
-                precision: Precision | None = None, precision_source: str = "", ep_flat_only: bool = False) -> Plan:
+                precision: Precision | None = None, precision_source: str = "", ep_flat_only: bool = False,
+                replicated: frozenset[str] = frozenset()) -> Plan:
     """Plan the traced pair. ``precision`` is the policy the graphs were traced under (None:
     read off the parameters' dtype, as plans did before policies: "fp32", else "bf16-mixed").
     A model with experts is searched over the ep degrees they allow (:func:`ep_options`) unless
-    ``fixed.ep`` pins one; ``ep_flat_only`` as in :func:`search`."""
+    ``fixed.ep`` pins one; ``ep_flat_only`` as in :func:`search`; ``replicated`` as in :func:`make_plan`."""
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
     layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
     batch = info.global_batch
@@ -225,7 +232,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     solved: dict[tuple[int, bool], tuple[StrategyGraph, Solution]] = {}
     with progress("solving the sharding MIP"):
         for (tp, sp), (sg, sol) in _solve_all(gm, gm2, _tp_options(cluster, fixed), fixed.sp, batch=batch,
-                                              cluster=cluster).items():
+                                              cluster=cluster, replicated=replicated).items():
             solved[tp, sp] = (sg, sol)
             if sol.limit:  # the plan records this for the chosen tp only; the others rank by it too
                 log.warning("sharding MIP at tp=%d (sp=%s) stopped at its limit of %d branch-and-bound nodes "
@@ -335,7 +342,8 @@ def _cores() -> int:
 
 
 def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_sp: bool | None, *, batch: int,
-               cluster: Cluster) -> dict[tuple[int, bool], tuple[StrategyGraph, Solution]]:
+               cluster: Cluster, replicated: frozenset[str] = frozenset()
+               ) -> dict[tuple[int, bool], tuple[StrategyGraph, Solution]]:
     """The sharding MIPs of every tp degree, each side of the sp decision its own MIP
     (:func:`_sp_sides`, :func:`_solve_side`): (tp, sp) -> (strategy graph, solution), in the
     order of ``tps`` (sp False first).
@@ -353,7 +361,8 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_s
 
     def one(tp: int, sp: bool | None, pinned: bool = pinned_sp is not None) -> Solution | None:
         ref = max(1, batch // max(1, cluster.world_size // tp))  # (the batch of one tp group)
-        return _solve_side(graphs[tp], tp, sp, norms=norms[tp], pinned=pinned, batch=ref, cluster=cluster)
+        return _solve_side(graphs[tp], tp, sp, norms=norms[tp], pinned=pinned, batch=ref, cluster=cluster,
+                           replicated=replicated)
 
     tasks: dict[tuple[int, bool | None], object] = {}
     workers = min(2 * len(tps), _cores())
@@ -407,14 +416,18 @@ def _sp_sides(norms: dict[int, int], tp: int, pinned: bool | None) -> tuple[bool
 
 
 def _solve_side(sg: StrategyGraph, tp: int, sp: bool | None, *, norms: dict[int, int], pinned: bool, batch: int,
-                cluster: Cluster) -> Solution | None:
+                cluster: Cluster, replicated: frozenset[str] = frozenset()) -> Solution | None:
     """The sharding MIP at ``tp`` on one side of the sp decision (None: unrestricted), the norm
-    ops ``norms`` restricted to it. A side with no solution is None unless pinned (then the
+    ops ``norms`` restricted to it, and the ops named in ``replicated`` to their replicated
+    strategies (:func:`make_plan`). A side with no solution is None unless pinned (then the
     MIP's InfeasibleError stands)."""
     link = cluster.link_for_group(tp, stride=1)
-    forbidden = frozenset() if sp is None else frozenset(
-        (v, i) for v, rank in norms.items() for i, s in enumerate(sg.nodes[v].candidates)
-        if token_sharded(s.outs[0], rank) != sp)
+    whole = {v for v, node in enumerate(sg.nodes)
+             if node.name in replicated and any(s.outs[:1] == ("R",) for s in node.candidates)}
+    forbidden = frozenset((v, i) for v in whole for i, s in enumerate(sg.nodes[v].candidates) if s.outs[:1] != ("R",))
+    if sp is not None:  # (a norm kept whole is not on the sp side's token shards)
+        forbidden |= {(v, i) for v, rank in norms.items() if v not in whole
+                      for i, s in enumerate(sg.nodes[v].candidates) if token_sharded(s.outs[0], rank) != sp}
     try:
         return solve(build_problem(sg, batch=batch, device=cluster.device, link=link, forbidden=forbidden))
     except autopar.InfeasibleError:
