@@ -42,6 +42,10 @@ def test_cpu_dry_run_without_ortools_writes_the_figures(tmp_path):
     assert m["predicted_step_s"] > 0 and m["measured_step_s"] > 0 and m["measured_peak_bytes"] > 0
     assert all(x == x and x > 0 for x in m["losses"])
     kinds = {r["kind"] for r in data["kernels"]["rows"]}
-    assert kinds == {"gemm", "attention"}
+    assert kinds == {"gemm", "attention", "causal attention fwd", "causal attention bwd"}
+    roles = {r.get("role") for r in data["kernels"]["rows"] if r.get("model")}
+    assert roles == {"forward", "input grad", "weight grad"}
     assert all(r["predicted_s_cpu"] > 0 and r["measured_s"] > 0 for r in data["kernels"]["rows"])
+    sustained = data["kernels"]["sustained"]
+    assert sustained["first_s"] > 0 and sustained["last_s"] > 0 and sustained["last_over_first"] > 0
     assert "wrote" in r.stdout
