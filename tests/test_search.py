@@ -327,13 +327,13 @@ def test_unrestricted_mip_when_neither_sp_side_has_a_solution(gpt_small, monkeyp
     side = make._solve_side
     asked = []
 
-    def no_pure_side(sg, tp, sp, *, norms, pinned, batch, cluster):
+    def no_pure_side(sg, tp, sp, *, pinned, **rest):
         asked.append((tp, sp))
         if sp is not None:
             if pinned:
                 raise autopar.InfeasibleError("stand-in: no solution on this side")
             return None
-        return side(sg, tp, sp, norms=norms, pinned=pinned, batch=batch, cluster=cluster)
+        return side(sg, tp, sp, pinned=pinned, **rest)
 
     monkeypatch.setattr(make, "_solve_side", no_pure_side)
     solved = make._solve_all(gm, gm2, [4], None, batch=16, cluster=cluster)
