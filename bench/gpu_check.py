@@ -197,7 +197,7 @@ def _fidelity_shapes(device: torch.device, specs: dict, *, tiny: bool, warmup: i
         def both():
             torch.autograd.grad(forward(), (q, k_, v), grad)
 
-        fwd = _time_s(lambda: forward(), device, warmup=warmup, iters=iters)
+        fwd = _time_s(forward, device, warmup=warmup, iters=iters)
         bwd = max(_time_s(both, device, warmup=warmup, iters=iters) - fwd, 1e-9)
         counted = 4.0 * bsz * heads * seq * seq * dim  # flop_counter's forward figure (causal counted full)
         moved = 2.0 * 4 * bsz * heads * seq * dim
