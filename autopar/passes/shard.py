@@ -527,11 +527,29 @@ def shard_joint_graph(gm: fx.GraphModule, *, mesh: DeviceMesh, ops: dict[str, Op
             program = make_fx(step, tracing_mode=tracing_mode)(*example)
     else:
         program = make_fx(step, tracing_mode=tracing_mode)(*example)
-    program.graph.eliminate_dead_code()
+    program.graph.eliminate_dead_code(is_impure_node=_impure)
     _reshape_computed_views(program.graph)
     program.recompile()
     program.meta[mk.GRAD_RETURNS] = tuple(returns)
     return program
+
+
+def _impure(node: fx.Node) -> bool:
+    """fx's test of a node that dead-code elimination must keep, except that an op whose only
+    randomness is a ``dropout_p`` of 0 is pure. The SDPA kernels carry the ``nondeterministic_seeded``
+    tag for their dropout, so fx keeps an unused call. On CUDA, DTensor's sharding propagation of
+    cuDNN attention leaves one such call in the traced program, on empty tensors of the CPU
+    (torch 2.11 on an H200, bench/gpu_check.py), which the step would then run and fail on."""
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+            and torch.Tag.nondeterministic_seeded in node.target.tags:
+        schema = node.target._schema.arguments
+        names = [a.name for a in schema]
+        if "dropout_p" in names:
+            i = names.index("dropout_p")
+            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", schema[i].default_value)
+            if p == 0:
+                return False
+    return node.is_impure()
 
 
 def _reshape_computed_views(graph: fx.Graph) -> None:

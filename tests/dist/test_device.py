@@ -125,6 +125,31 @@ def test_graph_factories_follow_the_mesh_device():
     assert on_mesh_device({"dtype": torch.float32}, MetaMesh()) == {"dtype": torch.float32}
 
 
+def test_an_unused_attention_without_dropout_is_dead_code():
+    """The program's dead-code pass drops an unused SDPA call with dropout 0 (on an H200, DTensor's
+    sharding propagation of cuDNN attention left one on empty CPU tensors, which the CUDA step then
+    ran and failed on), with the empty tensors it read; one with dropout, which draws random
+    numbers, stays, as does a used one."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopar.passes.shard import _impure
+
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+    def step(q):
+        stray = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device)
+        sdpa(stray, stray, stray, 0.0, True)  # unused, no dropout: dead
+        sdpa(q, q, q, 0.1, True)  # unused, but it draws random numbers
+        return sdpa(q, q, q, 0.0, True)[0]
+
+    graph = make_fx(step)(torch.randn(1, 2, 8, 4, device="meta")).graph  # meta: CPU kernels refuse dropout
+    attention = lambda: [n.args[3] for n in graph.nodes if n.target is sdpa]  # noqa: E731
+    assert attention() == [0.0, 0.1, 0.0]
+    graph.eliminate_dead_code(is_impure_node=_impure)
+    assert attention() == [0.1, 0.0]
+    assert not [n for n in graph.nodes if n.target is torch.ops.aten.empty_strided.default]
+
+
 def test_the_local_gpu_is_bound_before_the_first_collective(monkeypatch):
     """torch.cuda.set_device(LOCAL_RANK) must precede init_process_group (NCCL binds the current GPU)."""
     import autopar.parallel as parallel
