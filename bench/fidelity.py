@@ -150,21 +150,22 @@ def _register_causal_sdpa() -> str:
     return _CAUSAL_SDPA
 
 
-def qwen3_32b(batch: int, seq: int):
+def qwen3_32b(batch: int, seq: int, *, n_layers: int = 64, device: str = "meta"):
     """Qwen3-32B (Qwen/Qwen3-32B config.json: 64 layers, hidden 5120, 64 query and 8
-    key/value heads of 128, SwiGLU 25600, vocab 151936, untied head) on "meta", bf16,
-    causal SDPA (:func:`_register_causal_sdpa`)."""
+    key/value heads of 128, SwiGLU 25600, vocab 151936, untied head) on "meta" (or ``device``,
+    initialised; ``n_layers`` blocks: bench/gpu_blocks.py), bf16, causal SDPA
+    (:func:`_register_causal_sdpa`)."""
     import transformers
 
     config = transformers.Qwen3Config(
-        hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+        hidden_size=5120, intermediate_size=25600, num_hidden_layers=n_layers, num_attention_heads=64,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, use_cache=False,
         attention_dropout=0.0)
-    with torch.device("meta"):
+    with torch.device(device):
         model = transformers.Qwen3ForCausalLM._from_config(config, attn_implementation=_register_causal_sdpa(),
                                                             dtype=torch.bfloat16)
-    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")  # (B, T)
+    ids = torch.empty(batch, seq, dtype=torch.long, device=device)  # (B, T)
     return model, {"input_ids": ids, "labels": ids.clone()}, None, None
 
 

@@ -15,6 +15,12 @@
     the fidelity rows the model misses (Llama 3.1 8B's linears at 16,384 tokens, forward and both
     gradients) beside Qwen3-32B's, which it prices within 9%, their causal attention forward and
     backward, and one GEMM run for 5 s to show clock throttling under sustained load.
+(c) Whole blocks of the same rows (:mod:`gpu_blocks`): Llama 3.1 8B and Qwen3-32B at one and three
+    layers, eager bf16, forward and backward timed and profiled by kernel kind, against the sums
+    of autopar's per-node prices of the same graphs.
+
+The parts run (b), (c), (a), and the JSON file is rewritten after each, so a run cut short
+keeps what it measured.
 
 No OR-tools (the GPU machine has torch only): at world size 1 with tp=1 every op has
 exactly one useful strategy (nothing is sharded), so the sharding MIP has one answer;
@@ -27,6 +33,7 @@ Exits 2 with one line when CUDA is missing (unless ``--device cpu``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -39,7 +46,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import gpu_blocks  # noqa: E402
 import torch  # noqa: E402
 
 GEMMS = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 4096, 256), (4096, 4096, 512), (1024, 4096, 4096),
@@ -218,18 +227,22 @@ def _sustained(device: torch.device, shape: tuple[int, int, int], seconds: float
     a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
     b = torch.randn(k, n, dtype=torch.bfloat16, device=device)
     first = _time_s(lambda: torch.mm(a, b), device, warmup=2, iters=20)
+    state = {"first": gpu_blocks.gpu_state(device)}
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         for _ in range(20):
             torch.mm(a, b)
         _sync(device)
     last = _time_s(lambda: torch.mm(a, b), device, warmup=0, iters=20)
+    state["last"] = gpu_blocks.gpu_state(device)
     flops = 2.0 * m * n * k
     return {"shape": [m, n, k], "seconds": seconds, "first_s": first, "last_s": last, "last_over_first": last / first,
+            "gpu_state": state,
             "first_tflops": flops / first / 1e12, "last_tflops": flops / last / 1e12}
 
 
-def run_model(device: torch.device, cluster: str, *, tiny: bool, plan_file: str | None, steps: int) -> dict:
+def run_model(device: torch.device, cluster: str, *, tiny: bool, plan_file: str | None, steps: int,
+              dump_dir: Path | None = None) -> dict:
     """(a): parallelize a GPT in bf16 mixed at world size 1; predicted vs measured."""
     import gpt
 
@@ -245,7 +258,14 @@ def run_model(device: torch.device, cluster: str, *, tiny: bool, plan_file: str 
                              device=device.type, precision=None if plan_file else "bf16-mixed",
                              fixed=None if plan_file else {"microbatches": 1})
     t0 = time.perf_counter()
-    first_loss = pm.train_step(inputs, target)  # plans, traces, shards, compiles, then one step
+    try:
+        first_loss = pm.train_step(inputs, target)  # plans, traces, shards, compiles, then one step
+    except Exception:  # keep the programs that failed, to read them where there is no GPU
+        if dump_dir is not None:
+            for name in ("step_program", "gm"):
+                if (gm := getattr(pm, name, None)) is not None:
+                    (dump_dir / f"{name}.py").write_text(gm.code)
+        raise
     _sync(device)
     first_s = time.perf_counter() - t0
     pm.train_step(inputs, target)  # warm-up
@@ -279,6 +299,24 @@ def run_model(device: torch.device, cluster: str, *, tiny: bool, plan_file: str 
     }
 
 
+def _part(result: dict, key: str, fn) -> bool:
+    """``result[key] = fn()``; on an exception record it under ``key + "_error"`` and go on (one GPU
+    session should give every answer it can)."""
+    import traceback
+
+    try:
+        result[key] = fn()
+        return True
+    except Exception as e:
+        result[f"{key}_error"] = f"{type(e).__name__}: {e}"
+        result[f"{key}_traceback"] = traceback.format_exc()
+        print(f"{key} failed: {type(e).__name__}: {str(e)[:2000]}", file=sys.stderr)
+        return False
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def _out_path(arg: str | None) -> Path:
     if arg:
         return Path(arg)
@@ -295,6 +333,15 @@ def main(argv=None) -> int:
     p.add_argument("--plan", help="a plan file to run instead of planning")
     p.add_argument("--steps", type=int, default=5, help="timed training steps (after one warm-up)")
     p.add_argument("--skip-model", action="store_true", help="only calibrate the kernels")
+    p.add_argument("--attention-backend", choices=("default", "flash", "cudnn", "efficient"), default="default",
+                   help="SDPA backend of the kernels and blocks (torch.nn.attention.sdpa_kernel); default: torch's "
+                        "choice, which (a) always runs with")
+    p.add_argument("--hot", type=float, default=0.0, metavar="S",
+                   help="first run a GEMM back to back for S seconds, so that every figure is at sustained clocks")
+    p.add_argument("--sustain-step", type=float, default=0.0, metavar="S",
+                   help="after timing each deepest block model, run its step S seconds and time it again")
+    p.add_argument("--compiled-blocks", action="store_true",
+                   help="last, the Llama blocks again with each block through torch.compile")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/gpu_check.py needs a CUDA GPU (torch.cuda.is_available() is False); run it on a GPU "
@@ -317,23 +364,36 @@ def main(argv=None) -> int:
               "plan_source": args.plan or ("world size 1 without OR-tools: first allowed candidate of every op" if stub
                                            else "autopar planner (OR-tools)")}
     t0 = time.perf_counter()
-    failed = False
-    if not args.skip_model:
-        try:
-            result["model"] = run_model(device, cluster, tiny=args.tiny, plan_file=args.plan, steps=args.steps)
-        except Exception as e:  # record it and still calibrate: one GPU session should give both answers
-            import traceback
-
-            failed = True
-            result["model_error"] = f"{type(e).__name__}: {e}"
-            result["model_traceback"] = traceback.format_exc()
-            print(f"(a) failed: {type(e).__name__}: {str(e)[:2000]}", file=sys.stderr)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    result["kernels"] = calibrate(device, specs, tiny=args.tiny)
-    result["wall_s"] = time.perf_counter() - t0
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, sort_keys=True, default=str) + "\n")
+
+    def save():  # after each part: a run cut short by its time limit keeps what it measured
+        result["wall_s"] = time.perf_counter() - t0
+        out.write_text(json.dumps(result, indent=1, sort_keys=True, default=str) + "\n")
+
+    result["attention_backend"] = args.attention_backend
+    backend_only = contextlib.ExitStack()  # (b) and (c) run under the backend asked for; (a) as torch chooses
+    if args.attention_backend != "default":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                   "efficient": SDPBackend.EFFICIENT_ATTENTION}[args.attention_backend]
+        backend_only.enter_context(sdpa_kernel(backend))
+    if args.hot > 0:
+        result["hot_start"] = _sustained(device, (TINY_SUSTAINED if args.tiny else SUSTAINED)[0], args.hot)
+    result["kernels"] = calibrate(device, specs, tiny=args.tiny)
+    save()
+    failed = not _part(result, "blocks", lambda: gpu_blocks.blocks(device, specs, tiny=args.tiny, time_s=_time_s,
+                                                                   sustain_s=args.sustain_step))
+    save()
+    backend_only.close()
+    if not args.skip_model:
+        failed |= not _part(result, "model", lambda: run_model(device, cluster, tiny=args.tiny, plan_file=args.plan,
+                                                               steps=args.steps, dump_dir=out.parent))
+        save()
+    if args.compiled_blocks:
+        failed |= not _part(result, "blocks_compiled", lambda: gpu_blocks.blocks(
+            device, specs, tiny=args.tiny, time_s=_time_s, compiled=True))
+        save()
     m = result.get("model")
     if m:
         print(f"{m['model']} ({m['n_params'] / 1e9:.2f}B params, {m['precision']}) on {name}: step "
@@ -349,6 +409,16 @@ def main(argv=None) -> int:
     sus = result["kernels"]["sustained"]
     print(f"  sustained {tuple(sus['shape'])} for {sus['seconds']:g} s: {sus['first_tflops']:.1f} -> "
           f"{sus['last_tflops']:.1f} TFLOP/s (last/first time x{sus['last_over_first']:.3f})")
+    for model, b in [(m + tag, b) for key, tag in (("blocks", ""), ("blocks_compiled", " compiled"))
+                     for m, b in result.get(key, {}).items()]:
+        if "error" in b:
+            print(f"  {model} blocks: {b['error'][:200]}")
+            continue
+        sm = b["summary"]
+        ratios = ", ".join(f"{k.removeprefix('block_measured_over_predicted_')} x{v:.2f}" for k, v in sm.items()
+                           if k.startswith("block_measured_over_predicted_"))
+        print(f"  {model} block: forward {sm['block_forward_s'] * 1e3:.1f} ms, backward "
+              f"{sm['block_backward_s'] * 1e3:.1f} ms; measured/predicted: {ratios or 'no prediction'}")
     print(f"wrote {out}")
     return 1 if failed else 0
 

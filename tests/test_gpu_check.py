@@ -48,4 +48,15 @@ def test_cpu_dry_run_without_ortools_writes_the_figures(tmp_path):
     assert all(r["predicted_s_cpu"] > 0 and r["measured_s"] > 0 for r in data["kernels"]["rows"])
     sustained = data["kernels"]["sustained"]
     assert sustained["first_s"] > 0 and sustained["last_s"] > 0 and sustained["last_over_first"] > 0
-    assert "wrote" in r.stdout
+    blocks = data["blocks"]["llama-tiny"]
+    for depth in ("1", "3"):  # each depth measured and priced, by role and kernel kind
+        row = blocks["depths"][depth]
+        assert row["measured"]["forward_s"] > 0 and row["measured"]["forward_backward_s"] > 0
+        predicted = row["predicted"]["cpu"]
+        assert {"forward gemm", "backward gemm", "forward attention", "forward other"} <= set(predicted)
+        assert predicted["total"] == pytest.approx(sum(v for k, v in predicted.items() if k != "total"))
+    summary = blocks["summary"]
+    assert summary["block_predicted_s_cpu"] > 0 and summary["block_flops"] > 0
+    assert summary["block_measured_over_predicted_cpu"] == pytest.approx(
+        summary["block_forward_backward_s"] / summary["block_predicted_s_cpu"])
+    assert "llama-tiny block" in r.stdout and "wrote" in r.stdout
