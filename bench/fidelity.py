@@ -61,7 +61,7 @@ import torch  # noqa: E402
 from planner_speed import _example  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 from autopar.cluster import Cluster  # noqa: E402
-from autopar.cost.devices import lookup_device  # noqa: E402
+from autopar.cost.devices import HOPPER_FLASH2_ATTENTION_EFFICIENCY, lookup_device  # noqa: E402
 from autopar.planner.make import make_plan  # noqa: E402
 
 GIB = 2**30
@@ -187,7 +187,7 @@ def moe_stand_in() -> None:
     """torchtitan's DeepSeek-V3 671B run (#2107: 512 H100 80 GB, FSDP64 EP32 PP8 interleaved,
     local batch 16 at seq 4096, full AC, compile, forced load balance; plain all-to-all 346
     tok/s/GPU, 60.18 GiB) planned with zero=0 (see the module docstring)."""
-    device = lookup_device("H100")
+    device = torchtitan_device("H100")
     cluster = Cluster(nodes=64, devices_per_node=8, device=device.with_overrides(hbm_bytes=64 * device.hbm_bytes))
     model, inputs, _, _ = deepseek_v3_671b(64 * 16, 4096)
     fixed = {"dp": 64, "ep": 32, "tp": 1, "pp": 8, "zero": 0, "recompute": "full", "schedule": "interleaved",
@@ -198,6 +198,15 @@ def moe_stand_in() -> None:
     print(f"DeepSeek-V3 671B FSDP64 EP32 PP8 (zero=0 stand-in): predicted {tok_s:.0f} tok/s/GPU against 346 "
           f"measured ({tok_s / 346 - 1:+.1%}), MFU {plan.predicted['mfu']:.1%} against 9.83%, "
           f"{time.perf_counter() - start:.0f} s to plan")
+
+
+def torchtitan_device(name: str):
+    """The catalog's ``name`` with FlashAttention-2's efficiency: the kernel these runs' SDPA ran.
+    torchtitan's ``ScaledDotProductAttention`` (``torchtitan/models/attention.py`` at d66b72a6a)
+    puts FLASH_ATTENTION first and CUDNN_ATTENTION only on B200 (``has_cuda_capability(10, 0)``);
+    the Llama runs (9dec370, December 2024) called SDPA with torch's own order, where cuDNN was
+    opt-in after pytorch/pytorch#138522. The catalog's Hopper entries carry cuDNN's figure."""
+    return lookup_device(name).with_overrides(attention_efficiency=HOPPER_FLASH2_ATTENTION_EFFICIENCY)
 
 
 def build(row: Row):
@@ -245,7 +254,7 @@ def torchtitan_qk_replicated(gm) -> set[str]:
 
 
 def predict(row: Row) -> dict:
-    device = lookup_device("H100-96GB")
+    device = torchtitan_device("H100-96GB")
     world = row.nodes * 8
     # Capacity out of the way: every pinned configuration gets a plan, fit is judged below.
     cluster = Cluster(nodes=row.nodes, devices_per_node=8, device=device.with_overrides(hbm_bytes=64 * device.hbm_bytes))

@@ -126,6 +126,8 @@ def test_with_overrides_rejects_unknown_field():
         ("inter_node_bytes_per_s", "fast", "must be a number"),
         ("peak_flops_per_s", {"bf16": 1.0}, "missing"),
         ("name", "", "name"),
+        ("attention_efficiency", 1.5, "attention_efficiency is a fraction of peak"),
+        ("attention_efficiency", 0, "attention_efficiency must be finite and > 0"),
     ],
 )
 def test_invalid_figures_rejected(field, value, pattern):
@@ -140,6 +142,15 @@ def test_from_dict_requires_every_field():
     del data["hbm_bytes"]
     with pytest.raises(ValueError, match="missing fields \\['hbm_bytes'\\]"):
         DeviceSpec.from_dict(data)
+
+
+def test_from_dict_of_a_device_without_attention_efficiency_takes_the_default():
+    """Figures written before the field existed (plan files) still read; Hopper's carry cuDNN's figure."""
+    data = DEVICES["H100"].to_dict()
+    assert data["attention_efficiency"] == 0.50
+    del data["attention_efficiency"]
+    assert DeviceSpec.from_dict(data).attention_efficiency is None
+    assert DEVICES["A100-80GB"].attention_efficiency is None
 
 
 def test_grand_teton_h100_peak_lies_between_sxm_and_nvl():

@@ -25,21 +25,36 @@ Kernel-specific efficiencies (:func:`kernel_time_s`) replace the single matmul
 figure where the kind of kernel is known:
 
 - **GEMMs** (:func:`gemm_efficiency`, :func:`kernel_time_s`): a large bf16 GEMM
-  reaches ~81% of Hopper's dense peak; each dimension d costs a factor
+  reaches ~72% of Hopper's dense peak; each dimension d costs a factor
   ``1 - exp(-d / GEMM_HALF_DIM)`` (partly filled tiles and waves, too few k-steps to
   hide the prologue and epilogue), and each GEMM pays ``GEMM_LAUNCH_S`` on top.
-  The three constants are a least-squares fit (log error; 0.78-0.82 x 200-580 x
-  0-5 us grid) to 30 cuBLAS measurements on H100 (sm_90) that XLA ships as its
-  default matmul performance table (``xla/service/gpu/model/matmul_interpolator_data.h``,
-  openxla/xla, 2025; shapes 256-4096 per dim, batch 1-4): RMS error 13%, within
-  10% on 20 of the 30 points; the worst are skinny GEMMs with a long k (256x512x4096:
-  the curve says 137 TFLOP/s, measured 92). Measured points the tests reproduce
-  (TFLOP/s, bf16): 4096^3 783, 4096x4096x256 392, 4096x4096x512 543, 1024x4096x4096
-  738, 2048^3 632, 1024x2048x2048 524. The same fractions are applied to any
-  device's peak of the GEMM's dtype (tf32 and fp32 alike), for want of a table there.
-- **Attention** (``ATTENTION_EFFICIENCY = 0.35``): PyTorch's SDPA runs
-  FlashAttention-2 on Hopper; Shah et al., "FlashAttention-3" (2024), abstract and
-  fig. 1: FlashAttention-2 reaches about 35% of H100's peak (FA3 75%).
+  ``GEMM_PEAK_EFFICIENCY`` and ``GEMM_HALF_DIM`` are a least-squares fit (log error) to
+  74 cuBLAS timings on an H200 (``bench/gpu_check.py``, torch 2.11, two runs recorded in
+  ``bench/gpu_check_h200.json``: the 10 generic shapes and the 27 linears of the fidelity
+  rows, forward and both gradients, after the GPU had warmed up): RMS error 8.1%, 60 of
+  74 within 10%. The H200's tensor cores and clocks are the H100 SXM's, so the fit serves
+  both. The fit's own fixed cost came out at 20 us; that includes the dispatch of one
+  Python call between the two CUDA events around it, which a training step hides (its
+  kernels are queued ahead), so the kernel's own fixed cost keeps 5 us, the earlier fit's
+  figure below. The GPU was warm, not cold: run back to back for 5-15 s, an 8192^3 GEMM
+  falls from 767-774 to 651-665 TFLOP/s as the card reaches its 700 W cap and the SM
+  clock drops from 1980 to about 1450 MHz (NVML readings in the same file); a transformer
+  block's step time measured after 20 s of back-to-back steps is within 1.3% of the first
+  ones, so training runs at these warm rates. The earlier constants (0.81, 300, 5 us) were
+  fitted to the 30 H100 points XLA ships as its default matmul table
+  (``xla/service/gpu/model/matmul_interpolator_data.h``, openxla/xla, 2025): those are
+  cooler figures (4096^3 at 783 TFLOP/s against 691-735 here) and priced the fidelity rows'
+  linears 4-50% faster than they ran. The same fractions are applied to any device's
+  peak of the GEMM's dtype (tf32 and fp32 alike), for want of a table there.
+- **Attention** (``ATTENTION_EFFICIENCY = 0.35`` unless the device has its own
+  ``attention_efficiency``): PyTorch's SDPA ran FlashAttention-2 on Hopper until cuDNN's
+  kernel became its first choice there (torch 2.11 with cuDNN above 9.15; cuDNN was opt-in
+  after the 2.5 bugs, pytorch/pytorch#138522); Shah et al., "FlashAttention-3" (2024),
+  abstract and fig. 1: FlashAttention-2 reaches about 35% of H100's peak. Measured on the
+  H200 (same file, causal, head dim 128, FLOPs halved as below): FlashAttention-2 29%
+  (forward 31-32%, backward 27-30%), cuDNN's kernel 50% (forward 55-62%, backward 45-48%);
+  the Hopper entries of :mod:`autopar.cost.devices` carry the cuDNN figure, what autopar's
+  runtime runs there.
 - **Causal attention** (kind ``"causal_attention"``) executes half the FLOPs that are
   counted for it: ``torch.utils.flop_counter`` counts every attention as full ("NB: We
   aren't accounting for causal attention here", its sdpa formulas), while
@@ -50,7 +65,19 @@ figure where the kind of kernel is known:
   kernel takes ``CAUSAL_WORK_FRACTION`` x its counted FLOPs at that efficiency. The
   counted FLOPs (and MFU) keep the full figure, as torchtitan's and Megatron's MFU do.
 - **Everything else** (pointwise, reductions, copies) is memory bound: bytes /
-  (HBM bandwidth x ``MEMORY_EFFICIENCY``).
+  (HBM bandwidth x ``MEMORY_EFFICIENCY``). Eager PyTorch's kernels (kind ``"other"``) are
+  slower on fast memory: inside the Llama 3.1 8B and Qwen3-32B blocks on the H200 (same
+  file; the kernels of one block, profiled), they took 1.40-1.59x the time bytes / (4.8
+  TB/s x 0.8) gives, i.e. 0.50-0.57 of peak, about 2.6 TB/s; the slowest are PyTorch's
+  generic (not vectorised) elementwise kernels, which broadcast or stride (the rotary
+  embedding's products on transposed heads, the fp32 RMSNorm's). Their inner dims are
+  contiguous (whole 128-element rows), so no sector is fetched in vain: the limit is the
+  index arithmetic per element, which the SMs and clocks set, and those are the same on
+  every Hopper part. So they are priced at min(HBM x 0.8, ``EAGER_BYTES_PER_S`` = 2.64 TB/s):
+  on an H100 SXM (3.35 TB/s) that is 0.79 of peak, on the 2.4 TB/s parts 0.8. (One device:
+  whether the ceiling holds elsewhere is not measured.) TorchInductor's generated kernels
+  (kind ``"fused"``, :mod:`autopar.passes.fuse`) are not capped: the compiled Llama block's
+  memory-bound kernels took 0.8x the uncapped price.
 """
 
 from __future__ import annotations
@@ -62,6 +89,7 @@ from autopar.cost.devices import DeviceSpec
 __all__ = [
     "ATTENTION_EFFICIENCY",
     "CAUSAL_WORK_FRACTION",
+    "EAGER_BYTES_PER_S",
     "GEMM_HALF_DIM",
     "GEMM_LAUNCH_S",
     "GEMM_PEAK_EFFICIENCY",
@@ -80,15 +108,20 @@ MATMUL_EFFICIENCY = 0.6
 MEMORY_EFFICIENCY = 0.8
 """Achievable fraction of peak HBM bandwidth (BabelStream; see module docstring)."""
 
+EAGER_BYTES_PER_S = 2.64e12
+"""Ceiling on the HBM traffic per second of eager PyTorch's memory-bound kernels: 0.55 of an H200's
+4.8 TB/s, what they reached inside transformer blocks there (module docstring)."""
 
-GEMM_PEAK_EFFICIENCY = 0.81
-"""Fraction of dense peak a large GEMM reaches (fit to XLA's H100 cuBLAS table; see module docstring)."""
 
-GEMM_HALF_DIM = 300.0
+GEMM_PEAK_EFFICIENCY = 0.72
+"""Fraction of dense peak a large GEMM reaches (fit to H200 cuBLAS timings; see module docstring)."""
+
+GEMM_HALF_DIM = 190.0
 """Size scale of the small-dimension penalty ``1 - exp(-d / GEMM_HALF_DIM)`` (same fit)."""
 
 GEMM_LAUNCH_S = 5e-6
-"""Fixed time per GEMM kernel (launch, ramp and tail of its waves; same fit)."""
+"""Fixed time per GEMM kernel (launch, ramp and tail of its waves; the fit to XLA's H100 table:
+module docstring)."""
 
 ATTENTION_EFFICIENCY = 0.35
 """Fraction of peak FlashAttention-2 reaches on H100 (FlashAttention-3 paper; see module docstring)."""
@@ -96,7 +129,7 @@ ATTENTION_EFFICIENCY = 0.35
 CAUSAL_WORK_FRACTION = 0.5
 """Share of its counted (full) FLOPs a causal attention kernel executes (module docstring)."""
 
-KERNELS = ("gemm", "attention", "causal_attention", "other")
+KERNELS = ("gemm", "attention", "causal_attention", "fused", "other")
 """Kinds of kernel :func:`kernel_time_s` prices."""
 
 
@@ -160,8 +193,8 @@ def gemm_efficiency(m: float, n: float, k: float) -> float:
     """Achieved fraction of dense peak of one (m x k) @ (k x n) GEMM (batch folded into m).
 
     ``GEMM_PEAK_EFFICIENCY * prod(1 - exp(-d / GEMM_HALF_DIM))`` over d in (m, n, k):
-    rises monotonically with every dimension towards 0.81; a dimension of 300
-    costs a factor 0.63, one of 1024 a factor 0.97. Dimensions below 1 are
+    rises monotonically with every dimension towards 0.72; a dimension of 190
+    costs a factor 0.63, one of 1024 a factor 0.995. Dimensions below 1 are
     clamped to 1 (an empty GEMM costs nothing anyway).
     """
     for name, d in (("m", m), ("n", n), ("k", k)):
@@ -180,7 +213,7 @@ def kernel_time_s(
     device: DeviceSpec,
     dtype: str = "bf16",
     gemm: tuple[float, float, float] | None = None,
-    memory_efficiency: float = MEMORY_EFFICIENCY,
+    memory_efficiency: float | None = None,
 ) -> float:
     """Roofline time of one kernel, with the efficiency of its kind.
 
@@ -188,15 +221,22 @@ def kernel_time_s(
     ``gemm=(m, n, k)`` gets :func:`gemm_efficiency` plus :data:`GEMM_LAUNCH_S` (without
     a shape, the generic :data:`MATMUL_EFFICIENCY`); ``"attention"`` gets :data:`ATTENTION_EFFICIENCY`,
     ``"causal_attention"`` the same on :data:`CAUSAL_WORK_FRACTION` of ``flops`` (the counted figure);
-    ``"other"`` kernels get :data:`MATMUL_EFFICIENCY` for whatever FLOPs they do,
-    and every kind is bounded below by its bytes over the HBM bandwidth. The "cpu" device
-    (gloo test runs) keeps the flat :func:`compute_time_s` for every kind.
+    ``"other"`` and ``"fused"`` kernels get :data:`MATMUL_EFFICIENCY` for whatever FLOPs they do,
+    and every kind is bounded below by its bytes over the HBM bandwidth x :data:`MEMORY_EFFICIENCY`
+    (or ``memory_efficiency`` where given); for ``"other"`` (eager PyTorch's own kernels, not
+    ``"fused"``, TorchInductor's) that rate is capped at :data:`EAGER_BYTES_PER_S`. The attention
+    kinds take the device's own ``attention_efficiency`` where it has one. The "cpu" device (gloo test runs) keeps the
+    flat :func:`compute_time_s` for every kind.
     """
     if kind not in KERNELS:
         raise ValueError(f"unknown kernel kind {kind!r}; expected one of {list(KERNELS)}")
     if device.name == "cpu":  # the gloo CPU figure has no kernel measurements: flat roofline
         return compute_time_s(flops=flops, bytes_moved=bytes_moved, device=device, dtype=dtype,
-                              memory_efficiency=memory_efficiency)
+                              memory_efficiency=memory_efficiency or MEMORY_EFFICIENCY)
+    if memory_efficiency is None:
+        memory_efficiency = MEMORY_EFFICIENCY
+        if kind == "other":
+            memory_efficiency = min(memory_efficiency, EAGER_BYTES_PER_S / device.hbm_bytes_per_s)
     if kind == "gemm" and gemm is not None:
         if flops == 0:
             return 0.0
@@ -204,10 +244,11 @@ def kernel_time_s(
                               matmul_efficiency=max(gemm_efficiency(*gemm), 1e-6),
                               memory_efficiency=memory_efficiency)
         return roof + GEMM_LAUNCH_S
+    attention = device.attention_efficiency or ATTENTION_EFFICIENCY
     if kind == "causal_attention":
-        flops, eff = flops * CAUSAL_WORK_FRACTION, ATTENTION_EFFICIENCY
+        flops, eff = flops * CAUSAL_WORK_FRACTION, attention
     elif kind == "attention":
-        eff = ATTENTION_EFFICIENCY
+        eff = attention
     else:
         eff = MATMUL_EFFICIENCY
     return compute_time_s(flops=flops, bytes_moved=bytes_moved, device=device, dtype=dtype,

@@ -48,7 +48,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["DEVICES", "DTYPES", "DeviceSpec", "lookup_device"]
+__all__ = ["DEVICES", "DTYPES", "HOPPER_CUDNN_ATTENTION_EFFICIENCY", "HOPPER_FLASH2_ATTENTION_EFFICIENCY", "DeviceSpec",
+           "lookup_device"]
 
 DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
 """The dtype keys every :attr:`DeviceSpec.peak_flops_per_s` holds."""
@@ -96,6 +97,9 @@ class DeviceSpec:
     """Per-step latency (alpha) of a collective inside a node."""
     inter_node_latency_s: float
     """Per-step latency (alpha) of a collective across nodes."""
+    attention_efficiency: float | None = None
+    """Fraction of the dense peak the attention kernel that runs on this device reaches (FLOPs of a
+    causal one halved); None: :data:`autopar.cost.compute.ATTENTION_EFFICIENCY`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -126,6 +130,11 @@ class DeviceSpec:
             allow_zero = name.endswith("_latency_s")
             value = _check_number(owner, name, getattr(self, name), allow_zero=allow_zero)
             object.__setattr__(self, name, float(value))
+        if self.attention_efficiency is not None:
+            eff = _check_number(owner, "attention_efficiency", self.attention_efficiency, allow_zero=False)
+            if eff > 1:
+                raise ValueError(f"{owner}: attention_efficiency is a fraction of peak, in (0, 1]; got {eff!r}")
+            object.__setattr__(self, "attention_efficiency", float(eff))
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (one of :data:`DTYPES`)."""
@@ -144,14 +153,16 @@ class DeviceSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DeviceSpec:
-        """Build from :meth:`to_dict` output; every field is required."""
+        """Build from :meth:`to_dict` output; every field without a default is required (a dict
+        written before ``attention_efficiency`` existed reads as the default)."""
         names = {f.name for f in dataclasses.fields(cls)}
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
         unknown = sorted(set(data) - names)
-        missing = sorted(names - set(data))
+        missing = sorted(required - set(data))
         if unknown or missing:
             raise ValueError(
                 f"device figures: missing fields {missing}, unknown fields {unknown}; "
-                f"expected exactly {sorted(names)}"
+                f"expected {sorted(required)} and optionally {sorted(names - required)}"
             )
         return cls(**data)
 
@@ -185,6 +196,14 @@ class DeviceSpec:
 def _peaks(*, fp32: float, tf32: float, bf16: float, fp16: float) -> dict[str, float]:
     return {"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": fp16}
 
+
+# The attention kernel PyTorch's SDPA runs on Hopper (sm90) from torch 2.11 with its bundled cuDNN
+# above 9.15: cuDNN's fused attention (seen in the H200's profiles, bench/gpu_check_h200.json),
+# which reached 50% of the dense bf16 peak there (causal, head dim 128, FLOPs halved; forward
+# 55-62%, backward 45-48%). FlashAttention-2, the kernel before it, reached 29%
+# (autopar.cost.compute's module docstring).
+HOPPER_CUDNN_ATTENTION_EFFICIENCY = 0.50
+HOPPER_FLASH2_ATTENTION_EFFICIENCY = 0.29
 
 # Latency assumptions shared by the GPU entries (see module docstring).
 _NVLINK_LATENCY_S = 5e-6
@@ -229,6 +248,7 @@ _H100 = DeviceSpec(
     inter_node_bytes_per_s=50e9,  # [DGX-H100] ConnectX-7 400 Gb/s per GPU
     intra_node_latency_s=_NVLINK_LATENCY_S,
     inter_node_latency_s=_NETWORK_LATENCY_S,
+    attention_efficiency=HOPPER_CUDNN_ATTENTION_EFFICIENCY,
 )
 
 # Meta's Grand Teton H100 (the machine of torchtitan's published Llama 3 and Qwen3 runs):
@@ -257,6 +277,7 @@ _H100_96GB = DeviceSpec(
     inter_node_bytes_per_s=50e9,  # [GT] 400 Gb/s per GPU
     intra_node_latency_s=_NVLINK_LATENCY_S,
     inter_node_latency_s=_NETWORK_LATENCY_S,
+    attention_efficiency=HOPPER_CUDNN_ATTENTION_EFFICIENCY,
 )
 
 _H200 = DeviceSpec(
@@ -268,6 +289,7 @@ _H200 = DeviceSpec(
     inter_node_bytes_per_s=50e9,  # DGX H200 keeps DGX H100's ConnectX-7 400 Gb/s per GPU
     intra_node_latency_s=_NVLINK_LATENCY_S,
     inter_node_latency_s=_NETWORK_LATENCY_S,
+    attention_efficiency=HOPPER_CUDNN_ATTENTION_EFFICIENCY,
 )
 
 # [B200] per GPU: BF16/FP16 4.5 PFLOP/s and TF32 2.2 PFLOP/s with sparsity -> 2.25

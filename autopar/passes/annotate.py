@@ -55,7 +55,8 @@ class GemmShape(tuple):
 
 def kernel_of(node: fx.Node) -> tuple[str, GemmShape | None]:
     """The kind of kernel a ``call_function`` node runs ("gemm", "attention", "causal_attention",
-    "other") and, for a GEMM, its global shape (for :func:`autopar.cost.compute.kernel_time_s`).
+    "fused" for a memory-bound op that ``fuse_memory_bound`` put in a compiled kernel, "other")
+    and, for a GEMM, its global shape (for :func:`autopar.cost.compute.kernel_time_s`).
     An SDPA kernel (forward or backward) is causal when its ``is_causal`` argument is true."""
     target = node.target
     if target in _GEMM_OPERANDS:
@@ -79,7 +80,7 @@ def kernel_of(node: fx.Node) -> tuple[str, GemmShape | None]:
     name = str(getattr(target, "__name__", target))
     if any(word in name for word in _ATTENTION_WORDS):
         return ("causal_attention" if _is_causal(node) else "attention"), None
-    return "other", None
+    return ("fused" if node.meta.get(mk.FUSED) else "other"), None
 
 
 def _is_causal(node: fx.Node) -> bool:

@@ -83,12 +83,15 @@ def fuse_memory_bound(gm: fx.GraphModule, *, device: DeviceSpec, compiled: Calla
                 continue
             seen.add((consumer, via))
             delta.setdefault(consumer, [0.0, 0.0])[0] += tensor_bytes(via.meta.get("val"))
-    for node, (less_read, less_written) in delta.items():
+    fused = [n for n in gm.graph.nodes if _fusible(n, compiled)]
+    for node in fused:  # every memory-bound op of a compiled layer runs in a generated kernel
+        less_read, less_written = delta.get(node, (0.0, 0.0))
         cost = node.meta[mk.COST]
         read = max(0.0, cost.bytes_read - less_read)
         written = max(0.0, cost.bytes_written - less_written)
         dtype = compute_dtype or _dtype_name(node.meta.get("val"))
+        node.meta[mk.FUSED] = True
         node.meta[mk.COST] = dataclasses.replace(
             cost, bytes_read=read, bytes_written=written,
-            time_s=kernel_time_s(kind="other", flops=0.0, bytes_moved=read + written, device=device, dtype=dtype))
+            time_s=kernel_time_s(kind="fused", flops=0.0, bytes_moved=read + written, device=device, dtype=dtype))
     return internal

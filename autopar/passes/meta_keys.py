@@ -10,6 +10,8 @@ Node keys (``node.meta[KEY]``):
 - ``COST`` (:class:`NodeCost`, set by ``annotate_cost``): FLOPs, bytes moved,
   saved-activation bytes and a roofline time estimate.
 - ``LAYER`` (``str``, set by ``group_layers``): the layer path the node belongs to.
+- ``FUSED`` (``True``, set by ``fuse_memory_bound``): a memory-bound op of a compiled layer, run
+  inside a TorchInductor kernel (priced as kernel kind "fused", not "other").
 - ``TP_PLACEMENT`` (``str``, set by ``shard_joint_graph`` on the per-rank program): the
   tp placement ("R", "P", "S<d>"; "?" when two DTensors of different placements share the
   node) of the DTensor whose local tensor the node makes. The pipeline sends a value
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 TRACE = "autopar.trace"
 COST = "autopar.cost"
 LAYER = "autopar.layer"
+FUSED = "autopar.fused"
 GRAPH = "autopar.graph"
 LAYERS = "autopar.layers"
 GRAD_RETURNS = "autopar.grad_returns"
