@@ -209,12 +209,21 @@ def torchtitan_device(name: str):
     return lookup_device(name).with_overrides(attention_efficiency=HOPPER_FLASH2_ATTENTION_EFFICIENCY)
 
 
+def torchtitan_loss(pred, labels):
+    """torchtitan's Llama loss (``train.py`` at 9dec370): cross-entropy of the logits upcast to fp32,
+    where examples/llama.py's runs in the logits' bf16. At Llama 3's 128k vocabulary the fp32 copy
+    and its gradient are several GB of HBM traffic per micro-batch. (Hugging Face's Qwen3 loss,
+    as torchtitan's, upcasts too.)"""
+    return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
 def build(row: Row):
     dp = row.fixed["dp"]
     batch = dp * row.local_batch
     family, size = row.model.split(":")
     if family == "llama":
-        return _example("llama").build(size=size, batch=batch, seq=row.seq)
+        model, inputs, _, target = _example("llama").build(size=size, batch=batch, seq=row.seq)
+        return model, inputs, torchtitan_loss, target
     assert family == "qwen3" and size == "32b", row.model
     return qwen3_32b(batch, row.seq)
 
