@@ -1,4 +1,4 @@
-"""One-GPU check of autopar's CUDA path and compute model: a prepared script, ~3-5 minutes on an H200.
+"""One-GPU check of autopar's CUDA path and compute model: a prepared script, 1-2 minutes on an H200.
 
     python bench/gpu_check.py                         # on a machine with one CUDA GPU
     python bench/gpu_check.py --out /tmp/gpu.json     # where the figures go (default: $OUT/gpu_check.json,
@@ -13,14 +13,16 @@
     ``autopar.cost.compute.kernel_time_s`` for the GPU found (H200 or H100 in the catalog)
     and for H100, so the efficiency constants there can be recalibrated; then the GEMMs of
     the fidelity rows the model misses (Llama 3.1 8B's linears at 16,384 tokens, forward and both
-    gradients) beside Qwen3-32B's, which it prices within 9%, their causal attention forward and
+    gradients) beside Qwen3-32B's, their causal attention forward and
     backward, and one GEMM run for 5 s to show clock throttling under sustained load.
 (c) Whole blocks of the same rows (:mod:`gpu_blocks`): Llama 3.1 8B and Qwen3-32B at one and three
     layers, eager bf16, forward and backward timed and profiled by kernel kind, against the sums
     of autopar's per-node prices of the same graphs.
 
-The parts run (b), (c), (a), and the JSON file is rewritten after each, so a run cut short
-keeps what it measured.
+The parts run (b), (c), (a) (then the compiled blocks, with ``--compiled-blocks``), and the JSON
+file is rewritten after each, so a run cut short keeps what it measured; when (a)'s first step
+fails, the step program's and joint graph's code are written beside it. The four H200 runs of
+2026-12-04 are in ``bench/gpu_check_h200.json``.
 
 No OR-tools (the GPU machine has torch only): at world size 1 with tp=1 every op has
 exactly one useful strategy (nothing is sharded), so the sharding MIP has one answer;
