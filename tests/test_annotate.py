@@ -127,6 +127,38 @@ def test_cpu_flash_attention_flops_by_hand(gpt_tiny):
     assert [n.meta[mk.COST].flops for n in bwd] == [backward_by_hand] * len(bwd)
 
 
+def test_grouped_query_attention_flops_with_formulas_that_want_equal_heads(monkeypatch):
+    """``enable_gqa=True`` (8 query heads, 2 key/value heads): the FLOPs of the broadcast heads, also
+    where the flop formulas assert equal heads (torch 2.11's did: the H200 machine failed to price
+    Hugging Face's Qwen3 there), here stood in by formulas that refuse fewer key/value heads."""
+
+    class GQA(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.kv = nn.Linear(32, 32), nn.Linear(32, 8)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q = self.q(x).view(b, t, 8, 4).transpose(1, 2)
+            k = self.kv(x).view(b, t, 2, 4).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True).sum()
+
+    b, s, h, d = 2, 16, 8, 4
+    gm = trace_joint(GQA(), (torch.randn(b, s, 32),))
+    strict = {}
+    for name in ("sdpa_flop_count", "sdpa_backward_flop_count"):
+        real = getattr(flop_counter, name)
+
+        def equal_heads(*shapes, real=real):
+            assert len({shape[1] for shape in shapes}) == 1, f"heads differ: {shapes}"
+            return real(*shapes)
+
+        strict[name] = equal_heads
+    for name, fn in strict.items():
+        monkeypatch.setattr(flop_counter, name, fn)
+    attention = {str(n.target): node_flops(n) for n in ops(gm) if "attention" in str(n.target)}
+    assert sorted(attention.values()) == [4 * b * h * s * s * d, 10 * b * h * s * s * d]
+
 
 def test_moe_expert_flops_by_hand():
     """Hugging Face Mixtral's experts, traced as autopar's experts op: every routed token goes

@@ -174,6 +174,8 @@ def node_flops(node: fx.Node) -> float:
         return 0.0
     args, kwargs = _vals(node.args), _vals(node.kwargs)
     out = node.meta.get("val")
+    if any(word in str(packet) for word in _ATTENTION_WORDS):
+        args = _kv_heads_as_query(args, backward="backward" in str(packet))
     formula = flop_counter.flop_registry.get(packet)
     if formula is not None:
         return float(formula(*args, **kwargs, out_val=out))
@@ -189,6 +191,24 @@ def node_flops(node: fx.Node) -> float:
     if name == "transformers::grouped_mm_fallback_backward":  # (input, weight, offs, grad_output)
         return 2 * _grouped_mm_flops(args[0].shape, args[1].shape)
     return 0.0
+
+
+def _kv_heads_as_query(args: list, *, backward: bool) -> list:
+    """An SDPA op's arguments with key and value given the query's heads where they have fewer
+    (grouped-query attention, ``enable_gqa=True``): the kernel does the work of the broadcast heads,
+    and torch 2.11's flop formulas assert equal heads (``sdpa_flop_count``: "query/key/value shapes
+    are incompatible"; 2.13's broadcast them). Shapes only: the formulas read nothing else."""
+    iq = 1 if backward else 0  # the backward ops take the output's gradient first
+    if len(args) < iq + 3 or not all(isinstance(a, torch.Tensor) and a.dim() == 4 for a in args[iq:iq + 3]):
+        return args
+    q = args[iq]
+    heads = q.shape[1]
+    fixed = list(args)
+    for i in (iq + 1, iq + 2):
+        t = args[i]
+        if t.shape[1] != heads:
+            fixed[i] = torch.empty((t.shape[0], heads, *t.shape[2:]), dtype=t.dtype, device="meta")
+    return fixed
 
 
 def _grouped_mm_flops(a_shape, b_shape) -> float:
