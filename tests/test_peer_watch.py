@@ -38,6 +38,7 @@ def world():
     yield store, watch, alive
     stop.set()
     watch.close()
+    assert not watch._thread.is_alive()  # no beat left in flight for the interpreter's exit
 
 
 def test_a_dead_peer_is_named_and_one_that_gave_up_says_on_what(world):

@@ -99,8 +99,19 @@ class PeerWatch:
                 return
 
     def close(self) -> None:
-        """Stop beating and record a clean exit (peers still waiting on this rank then say so)."""
+        """Stop beating, wait for the beat in flight, and record a clean exit (peers still waiting on
+        this rank then say so).
+
+        The wait matters at exit (``close`` runs from ``atexit``): a daemon thread still inside the
+        store's C++ call when the interpreter finalises is ended by CPython with ``pthread_exit``, whose
+        forced unwinding through the binding's frames can abort the process ("terminate called without
+        an active exception"). A rank of ``examples/train.py`` under torchrun aborted so once after
+        its last step, in CI; that this was the cause is likely, not shown (18 runs here did not
+        repeat it). It waits one detection window at most, so a store that no longer answers cannot
+        hold the exit."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.window_s)
         with contextlib.suppress(Exception):
             self._store.set(f"{_PREFIX}exited/{self.rank}", "1")
 
