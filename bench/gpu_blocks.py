@@ -17,7 +17,6 @@ Predicted figures need only the CPU (``predicted(...)``); measured ones a GPU (`
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -34,38 +33,24 @@ GEMM_WORDS = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "gemv", "matmul")
 ATTENTION_WORDS = ("flash", "fmha", "attention", "attn", "sdpa")
 
 
-def _llama_example():
-    spec = importlib.util.spec_from_file_location("gpu_blocks_llama", ROOT / "examples" / "llama.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # the trace looks the forward's module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
 def build(model: str, n_layers: int, device: str):
     """``(module, call)``: the model with ``n_layers`` blocks (bf16; initialised unless on meta) and
     a function running its loss on one micro-batch (the example inputs for tracing on meta)."""
+    from fidelity import qwen3_32b  # (imported late: the GPU machine stands OR-tools in first)
+    from planner_speed import _example
+
     batch, seq = (TINY_MODELS | MODELS)[model]
     if model.startswith("llama"):
         size = "8b" if model == "llama3-8b" else "tiny"
-        m, (tokens,), loss_fn, target = _llama_example().build(size=size, batch=batch, seq=seq, n_layers=n_layers,
+        m, (tokens,), loss_fn, target = _example("llama").build(size=size, batch=batch, seq=seq, n_layers=n_layers,
                                                                 device=device, dtype="bf16")
         return m, {"inputs": (tokens,), "loss_fn": loss_fn, "target": target,
                    "run": lambda: loss_fn(m(tokens), target)}
-    sys.path.insert(0, str(ROOT / "bench"))
-    from fidelity import qwen3_32b
-
     m, inputs, _, _ = qwen3_32b(batch, seq, n_layers=n_layers, device=device)
     if device != "meta":
         ids = torch.randint(0, m.config.vocab_size, (batch, seq), device=device)
         inputs = {"input_ids": ids, "labels": ids}
     return m, {"inputs": inputs, "loss_fn": None, "target": None, "run": lambda: m(**inputs).loss}
-
-
-def _in_a_block(layer: str) -> bool:
-    """A transformer block's path ("layers.<i>"): what torchtitan compiles (bench/fidelity.py)."""
-    parts = layer.split(".")
-    return len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit()
 
 
 def predicted(model: str, n_layers: int, devices: dict, *, compiled: bool = False) -> dict:
@@ -77,6 +62,7 @@ def predicted(model: str, n_layers: int, devices: dict, *, compiled: bool = Fals
     from autopar.passes.fuse import fuse_memory_bound
     from autopar.passes.layers import group_layers
     from autopar.passes.trace import trace_joint
+    from fidelity import _in_a_block
 
     m, spec = build(model, n_layers, "meta")
     gm = trace_joint(m, spec["inputs"], loss_fn=spec["loss_fn"], example_target=spec["target"],
@@ -230,3 +216,47 @@ def _model_blocks(model: str, device: torch.device, specs: dict, time_s, compile
         summary["block_flops"] = (hi["predicted"]["flops"] - lo["predicted"]["flops"]) / span
         summary["block_measured_tflops"] = summary["block_flops"] / summary["block_forward_backward_s"] / 1e12
     return {"depths": rows, "summary": summary}
+
+
+def reprice(path: Path) -> list[tuple[str, str, float, float]]:
+    """Every block measured in ``path`` (``bench/gpu_check.py``'s JSON, one run or a ``{"runs": ...}``
+    record) against the current prices on an H200, with the attention efficiency of the kernel its
+    profile shows (cuDNN's or FlashAttention-2's): (run, model, measured s, predicted s) per block."""
+    import json
+
+    from autopar.cost.devices import (HOPPER_CUDNN_ATTENTION_EFFICIENCY, HOPPER_FLASH2_ATTENTION_EFFICIENCY,
+                                      lookup_device)
+
+    data = json.loads(Path(path).read_text())
+    runs = data.get("runs", {"run": data})
+    rows, prices = [], {}
+    for run_name, run in runs.items():
+        for key, compiled in (("blocks", False), ("blocks_compiled", True)):
+            for model, b in run.get(key, {}).items():
+                if "summary" not in b:
+                    continue
+                kernels = [name for name, _ in b["depths"][str(DEPTHS[-1])]["measured"]["profile"]["top"]]
+                cudnn = any("cudnn" in k and "sdpa" in k for k in kernels)
+                eff = HOPPER_CUDNN_ATTENTION_EFFICIENCY if cudnn else HOPPER_FLASH2_ATTENTION_EFFICIENCY
+                device = lookup_device("H200").with_overrides(attention_efficiency=eff)
+                for n in DEPTHS:
+                    if (model, n, compiled, eff) not in prices:
+                        prices[model, n, compiled, eff] = predicted(model, n, {"H200": device},
+                                                                    compiled=compiled)["H200"]["total"]
+                block = (prices[model, DEPTHS[-1], compiled, eff] - prices[model, DEPTHS[0], compiled, eff]) / (
+                    DEPTHS[-1] - DEPTHS[0])
+                label = f"{model}{' compiled' if compiled else ''} ({'cuDNN' if cudnn else 'FlashAttention-2'})"
+                rows.append((run_name, label, b["summary"]["block_forward_backward_s"], block))
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    parser = argparse.ArgumentParser(description="Blocks recorded by bench/gpu_check.py against the current prices")
+    parser.add_argument("json", nargs="?", default=str(ROOT / "bench" / "gpu_check_h200.json"))
+    for run_name, label, measured_s, predicted_s in reprice(Path(parser.parse_args().json)):
+        print(f"{run_name:<22} {label:<40} block {measured_s * 1e3:6.1f} ms measured, {predicted_s * 1e3:6.1f} ms "
+              f"predicted: x{measured_s / predicted_s:.2f}")

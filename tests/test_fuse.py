@@ -53,6 +53,20 @@ def test_nothing_compiled_changes_nothing():
     assert costs(gm) == before
 
 
+def test_fusing_again_after_annotating_again_prices_the_same():
+    """Annotating a fused graph again (for another device, or a graph reused across plans) prices it
+    eager again, so fusing then gives what the first fusion gave, not eager prices marked fused."""
+    compiled = lambda layer: layer == "layers.1"  # noqa: E731
+    gm = graph()
+    fuse_memory_bound(gm, device=H100, compiled=compiled)
+    first = costs(gm)
+    annotate_cost(gm, device=DEVICES["H200"])
+    annotate_cost(gm, device=H100)
+    assert not any(mk.FUSED in n.meta for n in gm.graph.nodes)
+    fuse_memory_bound(gm, device=H100, compiled=compiled)
+    assert costs(gm) == first
+
+
 def test_intermediates_of_a_compiled_block_leave_hbm():
     gm = graph()
     before = costs(gm)

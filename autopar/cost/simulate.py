@@ -177,11 +177,7 @@ def simulate_step(spec: StepSpec, *, timeline: bool = True) -> StepResult:
     only the rest is lowered and run through the event engine."""
     prefix = None if timeline else time_prefix(spec)
     if prefix is None:
-        if timeline:
-            return simulate_program(lower_step(spec), overlap_slowdown=spec.overlap_slowdown)
-        if not spec.overlap_slowdown >= 1:
-            raise ValueError(f"overlap_slowdown must be >= 1, got {spec.overlap_slowdown!r}")
-        return replace(_Engine(lower_step(spec), spec.overlap_slowdown, ordered=False).run(), timeline=[])
+        return simulate_program(lower_step(spec), overlap_slowdown=spec.overlap_slowdown, timeline=timeline)
     # (time_prefix checked the spec, overlap_slowdown >= 1 included)
     res = _Engine(lower_step(spec, prefix=prefix), spec.overlap_slowdown, known=prefix.ends, free=prefix.free,
                   ordered=False).run()
@@ -192,7 +188,8 @@ def simulate_step(spec: StepSpec, *, timeline: bool = True) -> StepResult:
                    bubble_fraction=(capacity - sum(busy)) / capacity if capacity > 0 else 0.0)
 
 
-def simulate_program(program: dict[int, list[Op]], *, overlap_slowdown: float = 1.0) -> StepResult:
+def simulate_program(program: dict[int, list[Op]], *, overlap_slowdown: float = 1.0,
+                     timeline: bool = True) -> StepResult:
     """Time per-rank op lists with one compute stream and FIFO collective streams per rank.
 
     Rules (the module :mod:`autopar.cost.step` says what the ops are):
@@ -210,11 +207,13 @@ def simulate_program(program: dict[int, list[Op]], *, overlap_slowdown: float = 
     - Compute progresses at ``1 / overlap_slowdown`` while any collective of its rank is in
       flight (the collective kernels take SMs and memory bandwidth).
 
+    ``timeline=False`` leaves the result's timeline empty (faster; the search drops it).
+
     Raises ValueError naming each rank's blocked op when the lists deadlock.
     """
     if not overlap_slowdown >= 1:
         raise ValueError(f"overlap_slowdown must be >= 1, got {overlap_slowdown!r}")
-    return _Engine(program, overlap_slowdown).run()
+    return _Engine(program, overlap_slowdown, ordered=timeline).run()
 
 
 class _Engine:

@@ -62,16 +62,20 @@ def fuse_memory_bound(gm: fx.GraphModule, *, device: DeviceSpec, compiled: Calla
     Contract: needs ``meta[COST]`` (:func:`autopar.passes.annotate.annotate_cost`), ``meta[TRACE]``
     and ``meta[LAYER]`` (:func:`autopar.passes.layers.group_layers`); run it once per graph.
     """
+    # every memory-bound op of a compiled layer runs in a generated kernel (kind "fused"; decided
+    # once, before marking: the mark changes what kernel_of says)
+    fused = [n for n in gm.graph.nodes if _fusible(n, compiled)]
+    fusible = set(fused)
     delta: dict[fx.Node, list[float]] = {}  # node -> [bytes no longer read, bytes no longer written]
     internal = 0
-    for node in gm.graph.nodes:
-        if not _fusible(node, compiled) or node.meta[mk.COST].saved_bytes > 0:
+    for node in fused:
+        if node.meta[mk.COST].saved_bytes > 0:
             continue
         size = tensor_bytes(node.meta.get("val"))
         readers = list(_readers(node))
         role = node.meta[mk.TRACE].role
         if not readers or size == 0 or not all(
-                _fusible(c, compiled) and c.meta[mk.TRACE].role is role for c, _ in readers):
+                c in fusible and c.meta[mk.TRACE].role is role for c, _ in readers):
             continue
         if any(via is not node and via.meta[mk.COST].saved_bytes > 0 for _, via in readers):
             continue
@@ -83,8 +87,7 @@ def fuse_memory_bound(gm: fx.GraphModule, *, device: DeviceSpec, compiled: Calla
                 continue
             seen.add((consumer, via))
             delta.setdefault(consumer, [0.0, 0.0])[0] += tensor_bytes(via.meta.get("val"))
-    fused = [n for n in gm.graph.nodes if _fusible(n, compiled)]
-    for node in fused:  # every memory-bound op of a compiled layer runs in a generated kernel
+    for node in fused:
         less_read, less_written = delta.get(node, (0.0, 0.0))
         cost = node.meta[mk.COST]
         read = max(0.0, cost.bytes_read - less_read)
