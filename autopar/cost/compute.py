@@ -78,6 +78,20 @@ figure where the kind of kernel is known:
   whether the ceiling holds elsewhere is not measured.) TorchInductor's generated kernels
   (kind ``"fused"``, :mod:`autopar.passes.fuse`) are not capped: the compiled Llama block's
   memory-bound kernels took 0.8x the uncapped price.
+- **Float8 GEMMs** (kind ``"fp8_gemm"``, :mod:`autopar.passes.float8`): torchao's tensorwise
+  Float8 training casts both operands of each of a linear's three GEMMs (forward, input
+  gradient, weight gradient) from bf16 to float8 and runs the GEMM on the FP8 tensor cores,
+  whose dense peak is twice bf16's on Hopper (the device's ``fp8_flops_per_s``). The GEMM
+  gets the bf16 shape curve applied to that peak: cuBLASLt's FP8 GEMM at 8192^3 on H100 SXM
+  runs at about 1,610 TFLOP/s, 0.81 of 1,979 (a public cross-check report of 16 GPUs, 1,599
+  to 1,630 TFLOP/s), where its bf16 GEMM reaches 0.72-0.78 of 989 (the H200 timings above),
+  so the same fraction is, if anything, cautious. Each operand's cast costs
+  ``FLOAT8_CAST_BYTES_PER_ELEMENT`` = 3 bytes per element at the memory rate (the bf16 read and
+  the float8 write of the compiled cast; under ``torch.compile``, which torchtitan requires for
+  Float8, the scale's amax reduction fuses into the kernel that produced the tensor). Per
+  tensor that is 6 bytes per element over its two uses, the amax, cast and transposed copy of
+  a compiled program; the weight's casts are overcounted where FSDP's float8 all-gather casts
+  the shards (not modelled). Nothing is measured here: no FP8 part has been lent.
 """
 
 from __future__ import annotations
@@ -90,7 +104,9 @@ __all__ = [
     "ATTENTION_EFFICIENCY",
     "CAUSAL_WORK_FRACTION",
     "EAGER_BYTES_PER_S",
+    "FLOAT8_CAST_BYTES_PER_ELEMENT",
     "GEMM_HALF_DIM",
+    "GEMM_KINDS",
     "GEMM_LAUNCH_S",
     "GEMM_PEAK_EFFICIENCY",
     "MATMUL_EFFICIENCY",
@@ -129,7 +145,13 @@ ATTENTION_EFFICIENCY = 0.35
 CAUSAL_WORK_FRACTION = 0.5
 """Share of its counted (full) FLOPs a causal attention kernel executes (module docstring)."""
 
-KERNELS = ("gemm", "attention", "causal_attention", "fused", "other")
+FLOAT8_CAST_BYTES_PER_ELEMENT = 3.0
+"""HBM bytes per element of a Float8 GEMM's operand cast: bf16 read, float8 write (module docstring)."""
+
+GEMM_KINDS = ("gemm", "fp8_gemm")
+"""The kernel kinds that are GEMMs (bf16 or the plan's dtype, and Float8)."""
+
+KERNELS = ("gemm", "fp8_gemm", "attention", "causal_attention", "fused", "other")
 """Kinds of kernel :func:`kernel_time_s` prices."""
 
 
@@ -217,7 +239,8 @@ def kernel_time_s(
 ) -> float:
     """Roofline time of one kernel, with the efficiency of its kind.
 
-    ``kind`` is one of :data:`KERNELS`. A ``"gemm"`` with its per-device shape
+    ``kind`` is one of :data:`KERNELS`. A ``"gemm"`` (or ``"fp8_gemm"``: at the device's FP8 peak,
+    plus its operands' casts, :data:`FLOAT8_CAST_BYTES_PER_ELEMENT`) with its per-device shape
     ``gemm=(m, n, k)`` gets :func:`gemm_efficiency` plus :data:`GEMM_LAUNCH_S` (without
     a shape, the generic :data:`MATMUL_EFFICIENCY`); ``"attention"`` gets :data:`ATTENTION_EFFICIENCY`,
     ``"causal_attention"`` the same on :data:`CAUSAL_WORK_FRACTION` of ``flops`` (the counted figure);
@@ -237,6 +260,8 @@ def kernel_time_s(
         memory_efficiency = MEMORY_EFFICIENCY
         if kind == "other":
             memory_efficiency = min(memory_efficiency, EAGER_BYTES_PER_S / device.hbm_bytes_per_s)
+    if kind == "fp8_gemm":
+        return _float8_gemm_s(flops, bytes_moved, device, gemm, memory_efficiency)
     if kind == "gemm" and gemm is not None:
         if flops == 0:
             return 0.0
@@ -253,3 +278,20 @@ def kernel_time_s(
         eff = MATMUL_EFFICIENCY
     return compute_time_s(flops=flops, bytes_moved=bytes_moved, device=device, dtype=dtype,
                           matmul_efficiency=eff, memory_efficiency=memory_efficiency)
+
+
+def _float8_gemm_s(flops: float, bytes_moved: float, device: DeviceSpec, gemm: tuple[float, float, float] | None,
+                   memory_efficiency: float) -> float:
+    """A Float8 GEMM of per-device shape ``gemm`` = (m, n, k): the GEMM at the FP8 peak with the
+    bf16 shape curve, then the casts of its (m, k) and (k, n) operands (module docstring)."""
+    if device.fp8_flops_per_s is None:
+        raise ValueError(f"device {device.name!r} has no FP8 tensor cores (fp8_flops_per_s is None): "
+                         "price its linears in bf16, or plan for a device that has them (H100, H200, B200)")
+    if gemm is None:
+        raise ValueError("a Float8 GEMM is priced from its shape: pass gemm=(m, n, k)")
+    if flops == 0:
+        return 0.0
+    m, n, k = gemm
+    rate = device.hbm_bytes_per_s * memory_efficiency
+    gemm_s = max(flops / (device.fp8_flops_per_s * max(gemm_efficiency(m, n, k), 1e-6)), bytes_moved / rate)
+    return gemm_s + FLOAT8_CAST_BYTES_PER_ELEMENT * (m * k + k * n) / rate + GEMM_LAUNCH_S

@@ -100,6 +100,9 @@ class DeviceSpec:
     attention_efficiency: float | None = None
     """Fraction of the dense peak the attention kernel that runs on this device reaches (FLOPs of a
     causal one halved); None: :data:`autopar.cost.compute.ATTENTION_EFFICIENCY`."""
+    fp8_flops_per_s: float | None = None
+    """Dense FP8 (e4m3/e5m2) tensor-core peak; None: the device has no FP8 tensor cores. Used only
+    for GEMMs priced as Float8 training runs them (:mod:`autopar.passes.float8`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -135,6 +138,9 @@ class DeviceSpec:
             if eff > 1:
                 raise ValueError(f"{owner}: attention_efficiency is a fraction of peak, in (0, 1]; got {eff!r}")
             object.__setattr__(self, "attention_efficiency", float(eff))
+        if self.fp8_flops_per_s is not None:
+            fp8 = _check_number(owner, "fp8_flops_per_s", self.fp8_flops_per_s, allow_zero=False)
+            object.__setattr__(self, "fp8_flops_per_s", float(fp8))
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (one of :data:`DTYPES`)."""
@@ -154,7 +160,7 @@ class DeviceSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DeviceSpec:
         """Build from :meth:`to_dict` output; every field without a default is required (a dict
-        written before ``attention_efficiency`` existed reads as the default)."""
+        written before ``attention_efficiency`` or ``fp8_flops_per_s`` existed reads as the default)."""
         names = {f.name for f in dataclasses.fields(cls)}
         required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
         unknown = sorted(set(data) - names)
@@ -238,6 +244,8 @@ _A100_80GB = DeviceSpec(
 # [H100] SXM: FP32 67 TFLOP/s; TF32 989, BF16/FP16 1,979 TFLOP/s with sparsity
 # -> 494.5 and 989.5 dense. [H200] quotes the same compute figures.
 _HOPPER_PEAKS = _peaks(fp32=67e12, tf32=494.5e12, bf16=989.5e12, fp16=989.5e12)
+# [H100] SXM FP8 3,958 TFLOP/s with sparsity -> 1,979 dense ([H200] the same).
+_HOPPER_FP8 = 1979e12
 
 _H100 = DeviceSpec(
     name="H100",
@@ -249,6 +257,7 @@ _H100 = DeviceSpec(
     intra_node_latency_s=_NVLINK_LATENCY_S,
     inter_node_latency_s=_NETWORK_LATENCY_S,
     attention_efficiency=HOPPER_CUDNN_ATTENTION_EFFICIENCY,
+    fp8_flops_per_s=_HOPPER_FP8,
 )
 
 # Meta's Grand Teton H100 (the machine of torchtitan's published Llama 3 and Qwen3 runs):
@@ -260,7 +269,7 @@ _H100 = DeviceSpec(
 # we don't know its exact value". The two ends, dense BF16, as torchtitan's own MFU code
 # takes them from NVIDIA's H100 page (pytorch/torchtitan, torchtitan/tools/utils.py,
 # get_peak_flops: SXM 989e12, NVL 835e12): we take the middle of that interval, 912 TFLOP/s
-# (0.922 of SXM), for every tensor-core dtype, and say so: it is the centre of the range the
+# (0.922 of SXM), for every tensor-core dtype (FP8 too), and say so: it is the centre of the range the
 # source gives, not a measurement, so its error is up to +-8.4%. (torchtitan quotes MFU
 # against the SXM figure, 389.87 TFLOP/s = 39.42% for Qwen3-32B; autopar's predicted MFU
 # for this device is against 912.) The achieved-efficiency tables of compute.py (measured on
@@ -278,6 +287,7 @@ _H100_96GB = DeviceSpec(
     intra_node_latency_s=_NVLINK_LATENCY_S,
     inter_node_latency_s=_NETWORK_LATENCY_S,
     attention_efficiency=HOPPER_CUDNN_ATTENTION_EFFICIENCY,
+    fp8_flops_per_s=_HOPPER_FP8 * _H100_500W_PEAK_FRACTION,
 )
 
 _H200 = DeviceSpec(
@@ -290,14 +300,16 @@ _H200 = DeviceSpec(
     intra_node_latency_s=_NVLINK_LATENCY_S,
     inter_node_latency_s=_NETWORK_LATENCY_S,
     attention_efficiency=HOPPER_CUDNN_ATTENTION_EFFICIENCY,
+    fp8_flops_per_s=_HOPPER_FP8,
 )
 
 # [B200] per GPU: BF16/FP16 4.5 PFLOP/s and TF32 2.2 PFLOP/s with sparsity -> 2.25
-# and 1.1 dense; FP32 75 TFLOP/s. Memory: 180 GB as sold in DGX B200 (1,440 GB for
+# and 1.1 dense; FP32 75 TFLOP/s; FP8 9 PFLOP/s with sparsity -> 4.5 dense. Memory: 180 GB as sold in DGX B200 (1,440 GB for
 # 8 GPUs; the chip carries 192 GB, of which 180 GB is enabled), 8 TB/s (64 TB/s / 8).
 _B200 = DeviceSpec(
     name="B200",
     peak_flops_per_s=_peaks(fp32=75e12, tf32=1.1e15, bf16=2.25e15, fp16=2.25e15),
+    fp8_flops_per_s=4.5e15,
     hbm_bytes=180 * _GIB,  # [B200] 1,440 GB / 8 GPUs
     hbm_bytes_per_s=8e12,  # [B200] 64 TB/s / 8 GPUs
     intra_node_bytes_per_s=900e9,  # [B200] NVLink 5 1.8 TB/s bidirectional

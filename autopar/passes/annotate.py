@@ -54,7 +54,8 @@ class GemmShape(tuple):
 
 
 def kernel_of(node: fx.Node) -> tuple[str, GemmShape | None]:
-    """The kind of kernel a ``call_function`` node runs ("gemm", "attention", "causal_attention",
+    """The kind of kernel a ``call_function`` node runs ("gemm", "fp8_gemm" for a GEMM that
+    ``mark_float8_linears`` marked, "attention", "causal_attention",
     "fused" for a memory-bound op that ``fuse_memory_bound`` put in a compiled kernel, "other")
     and, for a GEMM, its global shape (for :func:`autopar.cost.compute.kernel_time_s`).
     An SDPA kernel (forward or backward) is causal when its ``is_causal`` argument is true."""
@@ -67,7 +68,8 @@ def kernel_of(node: fx.Node) -> tuple[str, GemmShape | None]:
             k, n = int(a.shape[-1]), int(b.shape[-1])
             # tensor inputs in order: addmm's bias comes first
             offset = 1 if target is aten.addmm.default and isinstance(node.args[0], fx.Node) else 0
-            return "gemm", GemmShape((m, n, k, offset, offset + 1, a.dim(), b.dim()))
+            return ("fp8_gemm" if node.meta.get(mk.FLOAT8) else "gemm"), \
+                GemmShape((m, n, k, offset, offset + 1, a.dim(), b.dim()))
         return "gemm", None
     experts = _EXPERTS_OPERANDS.get(target.name().split(".")[0]) if isinstance(target, torch._ops.OpOverload) \
         else None

@@ -12,6 +12,8 @@ Node keys (``node.meta[KEY]``):
 - ``LAYER`` (``str``, set by ``group_layers``): the layer path the node belongs to.
 - ``FUSED`` (``True``, set by ``fuse_memory_bound``): a memory-bound op of a compiled layer, run
   inside a TorchInductor kernel (priced as kernel kind "fused", not "other").
+- ``FLOAT8`` (``True``, set by ``mark_float8_linears``): a GEMM of an ``nn.Linear`` that a Float8
+  training run executes in float8 (priced as kernel kind "fp8_gemm", not "gemm").
 - ``TP_PLACEMENT`` (``str``, set by ``shard_joint_graph`` on the per-rank program): the
   tp placement ("R", "P", "S<d>"; "?" when two DTensors of different placements share the
   node) of the DTensor whose local tensor the node makes. The pipeline sends a value
@@ -36,6 +38,7 @@ TRACE = "autopar.trace"
 COST = "autopar.cost"
 LAYER = "autopar.layer"
 FUSED = "autopar.fused"
+FLOAT8 = "autopar.float8"
 GRAPH = "autopar.graph"
 LAYERS = "autopar.layers"
 GRAD_RETURNS = "autopar.grad_returns"

@@ -53,7 +53,8 @@ RUNNERS_UP = 5
 
 def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, loss_fn: Callable | None = None,
               example_target: Any = None, fixed: dict | None = None, precision: str | None = None,
-              compiled_layers: Callable[[str], bool] | None = None, runnable: bool = False,
+              compiled_layers: Callable[[str], bool] | None = None, float8_linears: Callable[[str], bool] | None = None,
+              runnable: bool = False,
               replicated: Callable[[fx.GraphModule], set[str]] | None = None) -> Plan:
     """Plan ``model`` for ``cluster``; see :func:`autopar.plan`.
 
@@ -63,6 +64,10 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
     ``compiled_layers`` (a predicate on layer paths) prices those layers' memory-bound ops as
     ``torch.compile`` fuses them (:mod:`autopar.passes.fuse`): for predicting runs of programs
     compiled that way (``bench/fidelity.py``), not what autopar's own runtime executes.
+
+    ``float8_linears`` (a predicate on module paths) prices those ``nn.Linear`` modules' GEMMs as
+    torchao's Float8 training runs them (:mod:`autopar.passes.float8`), for the same purpose: the
+    plan is priced so, autopar's runtime does not convert the linears.
 
     ``replicated`` (traced graph -> names of its ops) keeps those ops' outputs whole on every tp
     rank (the MIP may not shard them): for pricing a published program that does so
@@ -82,6 +87,11 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
 
         for g in (gm, gm2):
             fuse_memory_bound(g, device=cluster.device, compiled=compiled_layers)
+    if float8_linears is not None:
+        from autopar.passes.float8 import mark_float8_linears
+
+        for g in (gm, gm2):
+            mark_float8_linears(g, device=cluster.device, linears=float8_linears)
     t1 = time.perf_counter()
     with _frozen_heap():
         plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_, precision=policy, precision_source=why,

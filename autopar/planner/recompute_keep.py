@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from autopar.cost.compute import GEMM_KINDS
 from autopar.planner.ilp import Problem, Solution
 
 __all__ = ["kept_bytes", "sac_recomputed_matmuls"]
@@ -47,7 +48,7 @@ def sac_recomputed_matmuls(g) -> frozenset[int]:
     count: dict[str, int] = defaultdict(int)
     out = set()
     for v, node in enumerate(g.nodes):
-        if node.kind == "op" and node.phase == "F" and node.kernel == "gemm":
+        if node.kind == "op" and node.phase == "F" and node.kernel in GEMM_KINDS:
             count[node.layer] += 1
             if count[node.layer] % 2 == 0:
                 out.add(v)
@@ -137,7 +138,7 @@ def _sac(g, layer: str, members: list[int], inputs, layer_input, recomputed) -> 
         node = g.nodes[v]
         if node.kind != "op" or node.phase != "F":
             continue
-        if node.kernel in ("gemm", "attention", "causal_attention") and v not in recomputed:
+        if node.kernel in (*GEMM_KINDS, "attention", "causal_attention") and v not in recomputed:
             kept.update((v, o) for o in range(len(node.out_bytes)))
         kept.update(value for value in inputs[v] if layer_input(value, layer))
     return kept
