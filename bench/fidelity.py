@@ -1,6 +1,6 @@
 """Fidelity: autopar's predictions against published training runs, pinned to their configurations.
 
-    PYTHONPATH=. python bench/fidelity.py              # every row (about 50 s on 2 cores)
+    PYTHONPATH=. python bench/fidelity.py              # every row (about 60 s on 2 cores)
     PYTHONPATH=. python bench/fidelity.py --only qwen  # rows whose label contains "qwen"
     PYTHONPATH=. python bench/fidelity.py --moe        # the DeepSeek-V3 stand-in (about 60 s)
 
@@ -22,16 +22,32 @@ both torchtitan benchmark files say so), so the cluster uses the catalog's
 so that a configuration that does not fit still gets a plan; "fits" then compares
 the predicted peak with the device's 95 GiB (and the planner's own 10% reserve).
 
-Rows left out, and why: the context-parallel tables (8B and 405B; cp itself is planned
-now, but both tables ran Float8), MoE rows, Float8 rows (no fp8 pricing). The MoE rows: Qwen3-235B
-(Megatron-LM) folds ep over tp and dp, which autopar's ep (folded over dp) cannot express;
-DeepSeek-V3 671B (torchtitan, FSDP64 EP32 PP8) shards the experts' state over the dp/ep
-replicas, and autopar neither prices nor runs ZeRO with ep. ``--moe`` plans that run with
-``zero=0`` and everything else as published: a stand-in for its throughput (ZeRO-3 adds
-gathers), not its memory. Rows run
-with torch.compile are marked and planned with ``make_plan(compiled_layers=...)``:
+Rows run with torch.compile are marked and planned with ``make_plan(compiled_layers=...)``:
 the memory-bound ops of each transformer block (what torchtitan compiles) are priced
-as TorchInductor fuses them (:mod:`autopar.passes.fuse`); the rest as eager.
+as TorchInductor fuses them (:mod:`autopar.passes.fuse`); the rest as eager. Rows run with
+Float8 (torchao's tensorwise recipe, which torchtitan applies to every linear but the output
+head) are planned with ``make_plan(float8_linears=...)``: those GEMMs at the FP8 peak plus the
+casts of their operands (:mod:`autopar.passes.float8`). Not priced: FSDP's and tp's float8
+all-gathers (bytes halved) and async TP (the tp collectives overlapped with the GEMMs), which
+some of those rows also ran, so they lean pessimistic.
+
+The pipeline rows (405B, FSDP8 TP8 PP8) are pinned as torchtitan's pipeline program runs FSDP:
+``parallelize_llama.py`` at 9dec370 shards each block with ``reshard_after_forward=False`` under
+pp ("to avoid per-microbatch all-gathers"), and torch's ``PipelineStage`` runs each backward with
+gradient sync and resharding off until the last micro-batch, so a stage's parameters and
+gradients stay whole through the step and are gathered and reduce-scattered once: ZeRO-1's
+program (``zero=1``), not ZeRO-3's. The micro-batches are torchtitan's default, one per stage
+(8 of 4 sequences; table 6: 8 of 1), and interleaved runs two stages per rank (its
+``generate_split_points`` default for multi-stage schedules). The context-parallel rows (8B and
+405B) use torchtitan's default ``allgather`` rotation, and local batch 1 (8B) or 8 (405B) per
+FSDP group of cp ranks.
+
+Rows left out, and why: the async-TP columns (not priced), the Float8 rowwise rows (another
+kernel), and the MoE rows. Qwen3-235B (Megatron-LM) folds ep over tp and dp, which autopar's ep
+(folded over dp) cannot express; DeepSeek-V3 671B (torchtitan, FSDP64 EP32 PP8) shards the
+experts' state over the dp/ep replicas, and autopar neither prices nor runs ZeRO with ep.
+``--moe`` plans that run with ``zero=0`` and everything else as published: a stand-in for its
+throughput (ZeRO-3 adds gathers), not its memory.
 
 The Qwen3 TP rows are planned as torchtitan's Qwen3 TP program runs, not as autopar would lay
 them out: its ``apply_non_moe_tp`` wraps ``q_norm`` and ``k_norm`` in ``NoParallel``, whose output
@@ -83,6 +99,8 @@ class Row:
     """Measured peak memory (GiB, torch's reserved memory as torchtitan logs it)."""
     compiled: bool
     source: str
+    float8: bool = False
+    """torchao's tensorwise Float8 linears (every nn.Linear but the output head)."""
 
 
 def _qwen3(dp: int, tp: int, lb: int, tok_s: float | None, mem_gib: float | None, compiled: bool = False) -> Row:
@@ -118,6 +136,41 @@ ROWS = [
     Row(label="Llama3.1-70B FSDP32 TP8 lb16 AC", model="llama:70b", nodes=32, seq=8192, local_batch=16,
         fixed={"dp": 32, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
         tok_s=597.3, mem_gib=None, compiled=True, source=_ATP),
+    Row(label="Llama3.1-8B FSDP8 lb2 SAC (compile, Float8)", model="llama:8b", nodes=1, seq=8192, local_batch=2,
+        fixed={"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "sac"},
+        tok_s=8532, mem_gib=76.8, compiled=True, float8=True, source=_TT + " table 1"),
+    Row(label="Llama3.1-8B FSDP128 lb2 SAC (compile, Float8)", model="llama:8b", nodes=16, seq=8192, local_batch=2,
+        fixed={"dp": 128, "tp": 1, "pp": 1, "zero": 3, "recompute": "sac"},
+        tok_s=8380, mem_gib=61.8, compiled=True, float8=True, source=_TT + " table 3"),
+    Row(label="Llama3.1-8B FSDP8 TP8 lb12 SAC (compile, Float8)", model="llama:8b", nodes=8, seq=8192,
+        local_batch=12, fixed={"dp": 8, "tp": 8, "pp": 1, "zero": 3, "recompute": "sac", "sp": True},
+        tok_s=5078.1, mem_gib=None, compiled=True, float8=True, source=_ATP + " (float8 tensorwise)"),
+    Row(label="Llama3.1-70B FSDP32 TP8 lb16 AC (compile, Float8)", model="llama:70b", nodes=32, seq=8192,
+        local_batch=16, fixed={"dp": 32, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
+        tok_s=809.8, mem_gib=None, compiled=True, float8=True, source=_ATP + " (float8 tensorwise)"),
+    Row(label="Llama3.1-70B FSDP32 TP8 lb16 AC (compile, Float8; 2024)", model="llama:70b", nodes=32, seq=8192,
+        local_batch=16, fixed={"dp": 32, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
+        tok_s=829, mem_gib=71.9, compiled=True, float8=True, source=_TT + " table 4"),
+    *(Row(label=f"Llama3.1-405B FSDP8 TP8 PP8 lb32 AC {name} (compile, Float8, async TP)", model="llama:405b",
+          nodes=64, seq=8192, local_batch=32,
+          fixed={"dp": 8, "tp": 8, "pp": 8, "zero": 1, "recompute": "full", "sp": True, "schedule": schedule,
+                 "microbatch_size": 4, "microbatches": 8, **extra},
+          tok_s=tok_s, mem_gib=mem, compiled=True, float8=True, source=_TT + " table 5")
+      for name, schedule, extra, tok_s, mem in (("1F1B", "1f1b", {}, 100, 82.5),
+                                                ("interleaved", "interleaved", {"virtual_stages": 2}, 128, 72.7))),
+    *(Row(label=f"Llama3.1-405B FSDP{8 // cp} CP{cp} TP8 PP8 seq {seq // 1024}k AC 1F1B (compile, Float8, async TP)",
+          model="llama:405b", nodes=64, seq=seq, local_batch=8,
+          fixed={"dp": 8, "cp": cp, "tp": 8, "pp": 8, "zero": 1, "recompute": "full", "sp": True, "schedule": "1f1b",
+                 "cp_variant": "allgather", "microbatch_size": 1, "microbatches": 8},
+          tok_s=tok_s, mem_gib=mem, compiled=True, float8=True, source=_TT + " table 6")
+      for cp, seq, tok_s, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
+                                  (8, 262144, 16, 84.9))),
+    *(Row(label=f"Llama3.1-8B FSDP{8 // cp} CP{cp} seq {seq // 1024}k AC (compile, Float8)", model="llama:8b", nodes=1,
+          seq=seq, local_batch=1, fixed={"dp": 8, "cp": cp, "tp": 1, "pp": 1, "zero": 3, "recompute": "full",
+                                         "cp_variant": "allgather"},
+          tok_s=tok_s, mem_gib=mem, compiled=True, float8=True, source=_TT + " table 2")
+      for cp, seq, tok_s, mem in ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
+                                  (8, 262144, 548, 84.5))),
     _qwen3(8, 1, 2, 1874, 81.85, compiled=True),
     _qwen3(8, 1, 2, 1614, 89.33),
     _qwen3(8, 1, 1, 1444, 81.47),
@@ -219,7 +272,7 @@ def torchtitan_loss(pred, labels):
 
 def build(row: Row):
     dp = row.fixed["dp"]
-    batch = dp * row.local_batch
+    batch = dp // row.fixed.get("cp", 1) * row.local_batch  # a cp group shares its sequences
     family, size = row.model.split(":")
     if family == "llama":
         model, inputs, _, target = _example("llama").build(size=size, batch=batch, seq=row.seq)
@@ -234,6 +287,12 @@ def _in_a_block(layer: str) -> bool:
     "model.layers.<i>" (Hugging Face)."""
     parts = layer.split(".")
     return len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit()
+
+
+def torchtitan_float8(path: str) -> bool:
+    """The linears torchtitan converts to Float8 (``torchtitan/float8.py`` at 9dec370:
+    ``module_filter_fn=lambda mod, fqn: fqn != "output"``): all but the output head."""
+    return path != "output"
 
 
 def torchtitan_qk_replicated(gm) -> set[str]:
@@ -268,10 +327,11 @@ def predict(row: Row) -> dict:
     # Capacity out of the way: every pinned configuration gets a plan, fit is judged below.
     cluster = Cluster(nodes=row.nodes, devices_per_node=8, device=device.with_overrides(hbm_bytes=64 * device.hbm_bytes))
     model, inputs, loss_fn, target = build(row)
-    fixed = dict(row.fixed, microbatch_size=row.local_batch, microbatches=1)
+    fixed = {"microbatch_size": row.local_batch, "microbatches": 1, **row.fixed}  # (pp rows name their own)
     start = time.perf_counter()
     plan = make_plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed,
                      compiled_layers=_in_a_block if row.compiled else None,
+                     float8_linears=torchtitan_float8 if row.float8 else None,
                      replicated=torchtitan_qk_replicated if row.model == "qwen3:32b" and row.fixed.get("tp", 1) > 1
                      else None)
     wall = time.perf_counter() - start
