@@ -27,9 +27,9 @@ the memory-bound ops of each transformer block (what torchtitan compiles) are pr
 as TorchInductor fuses them (:mod:`autopar.passes.fuse`); the rest as eager. Rows run with
 Float8 (torchao's tensorwise recipe, which torchtitan applies to every linear but the output
 head) are planned with ``make_plan(float8_linears=...)``: those GEMMs at the FP8 peak plus the
-casts of their operands (:mod:`autopar.passes.float8`). Not priced: FSDP's and tp's float8
-all-gathers (bytes halved) and async TP (the tp collectives overlapped with the GEMMs), which
-some of those rows also ran, so they lean pessimistic.
+casts of their operands (:mod:`autopar.passes.float8`); not priced: FSDP's and tp's float8
+all-gathers (bytes halved). Rows run with async TP are planned with ``make_plan(async_tp=True)``:
+tp all-gathers into GEMMs and reduce-scatters out of them overlapped with those GEMMs.
 
 The pipeline rows (405B, FSDP8 TP8 PP8) are pinned as torchtitan's pipeline program runs FSDP:
 ``parallelize_llama.py`` at 9dec370 shards each block with ``reshard_after_forward=False`` under
@@ -42,8 +42,7 @@ program (``zero=1``), not ZeRO-3's. The micro-batches are torchtitan's default, 
 405B) use torchtitan's default ``allgather`` rotation, and local batch 1 (8B) or 8 (405B) per
 FSDP group of cp ranks.
 
-Rows left out, and why: the async-TP columns (not priced), the Float8 rowwise rows (another
-kernel), and the MoE rows. Qwen3-235B (Megatron-LM) folds ep over tp and dp, which autopar's ep
+Rows left out, and why: the Float8 rowwise rows (another kernel), and the MoE rows. Qwen3-235B (Megatron-LM) folds ep over tp and dp, which autopar's ep
 (folded over dp) cannot express; DeepSeek-V3 671B (torchtitan, FSDP64 EP32 PP8) shards the
 experts' state over the dp/ep replicas, and autopar neither prices nor runs ZeRO with ep.
 ``--moe`` plans that run with ``zero=0`` and everything else as published: a stand-in for its
@@ -101,6 +100,8 @@ class Row:
     source: str
     float8: bool = False
     """torchao's tensorwise Float8 linears (every nn.Linear but the output head)."""
+    async_tp: bool = False
+    """torch's async TP (tp collectives overlapped with the GEMMs next to them)."""
 
 
 def _qwen3(dp: int, tp: int, lb: int, tok_s: float | None, mem_gib: float | None, compiled: bool = False) -> Row:
@@ -136,6 +137,12 @@ ROWS = [
     Row(label="Llama3.1-70B FSDP32 TP8 lb16 AC", model="llama:70b", nodes=32, seq=8192, local_batch=16,
         fixed={"dp": 32, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
         tok_s=597.3, mem_gib=None, compiled=True, source=_ATP),
+    Row(label="Llama3.1-8B FSDP8 TP8 lb12 SAC (async TP)", model="llama:8b", nodes=8, seq=8192, local_batch=12,
+        fixed={"dp": 8, "tp": 8, "pp": 1, "zero": 3, "recompute": "sac", "sp": True},
+        tok_s=4809.4, mem_gib=None, compiled=True, async_tp=True, source=_ATP),
+    Row(label="Llama3.1-70B FSDP32 TP8 lb16 AC (async TP)", model="llama:70b", nodes=32, seq=8192, local_batch=16,
+        fixed={"dp": 32, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
+        tok_s=652.4, mem_gib=None, compiled=True, async_tp=True, source=_ATP),
     Row(label="Llama3.1-8B FSDP8 lb2 SAC (compile, Float8)", model="llama:8b", nodes=1, seq=8192, local_batch=2,
         fixed={"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "sac"},
         tok_s=8532, mem_gib=76.8, compiled=True, float8=True, source=_TT + " table 1"),
@@ -148,6 +155,15 @@ ROWS = [
     Row(label="Llama3.1-70B FSDP32 TP8 lb16 AC (compile, Float8)", model="llama:70b", nodes=32, seq=8192,
         local_batch=16, fixed={"dp": 32, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
         tok_s=809.8, mem_gib=None, compiled=True, float8=True, source=_ATP + " (float8 tensorwise)"),
+    Row(label="Llama3.1-8B FSDP8 TP8 lb12 SAC (compile, Float8, async TP)", model="llama:8b", nodes=8, seq=8192,
+        local_batch=12, fixed={"dp": 8, "tp": 8, "pp": 1, "zero": 3, "recompute": "sac", "sp": True},
+        tok_s=5570.1, mem_gib=None, compiled=True, float8=True, async_tp=True, source=_ATP + " (float8 tensorwise)"),
+    Row(label="Llama3.1-70B FSDP32 TP8 lb16 AC (compile, Float8, async TP)", model="llama:70b", nodes=32, seq=8192,
+        local_batch=16, fixed={"dp": 32, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
+        tok_s=942.4, mem_gib=None, compiled=True, float8=True, async_tp=True, source=_ATP + " (float8 tensorwise)"),
+    Row(label="Llama3.1-70B FSDP32 TP8 lb16 AC (compile, Float8, async TP; 2024)", model="llama:70b", nodes=32,
+        seq=8192, local_batch=16, fixed={"dp": 32, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
+        tok_s=876, mem_gib=67.6, compiled=True, float8=True, async_tp=True, source=_TT + " table 4"),
     Row(label="Llama3.1-70B FSDP32 TP8 lb16 AC (compile, Float8; 2024)", model="llama:70b", nodes=32, seq=8192,
         local_batch=16, fixed={"dp": 32, "tp": 8, "pp": 1, "zero": 3, "recompute": "full", "sp": True},
         tok_s=829, mem_gib=71.9, compiled=True, float8=True, source=_TT + " table 4"),
@@ -155,14 +171,14 @@ ROWS = [
           nodes=64, seq=8192, local_batch=32,
           fixed={"dp": 8, "tp": 8, "pp": 8, "zero": 1, "recompute": "full", "sp": True, "schedule": schedule,
                  "microbatch_size": 4, "microbatches": 8, **extra},
-          tok_s=tok_s, mem_gib=mem, compiled=True, float8=True, source=_TT + " table 5")
+          tok_s=tok_s, mem_gib=mem, compiled=True, float8=True, async_tp=True, source=_TT + " table 5")
       for name, schedule, extra, tok_s, mem in (("1F1B", "1f1b", {}, 100, 82.5),
                                                 ("interleaved", "interleaved", {"virtual_stages": 2}, 128, 72.7))),
     *(Row(label=f"Llama3.1-405B FSDP{8 // cp} CP{cp} TP8 PP8 seq {seq // 1024}k AC 1F1B (compile, Float8, async TP)",
           model="llama:405b", nodes=64, seq=seq, local_batch=8,
           fixed={"dp": 8, "cp": cp, "tp": 8, "pp": 8, "zero": 1, "recompute": "full", "sp": True, "schedule": "1f1b",
                  "cp_variant": "allgather", "microbatch_size": 1, "microbatches": 8},
-          tok_s=tok_s, mem_gib=mem, compiled=True, float8=True, source=_TT + " table 6")
+          tok_s=tok_s, mem_gib=mem, compiled=True, float8=True, async_tp=True, source=_TT + " table 6")
       for cp, seq, tok_s, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
                                   (8, 262144, 16, 84.9))),
     *(Row(label=f"Llama3.1-8B FSDP{8 // cp} CP{cp} seq {seq // 1024}k AC (compile, Float8)", model="llama:8b", nodes=1,
@@ -331,7 +347,7 @@ def predict(row: Row) -> dict:
     start = time.perf_counter()
     plan = make_plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed,
                      compiled_layers=_in_a_block if row.compiled else None,
-                     float8_linears=torchtitan_float8 if row.float8 else None,
+                     float8_linears=torchtitan_float8 if row.float8 else None, async_tp=row.async_tp,
                      replicated=torchtitan_qk_replicated if row.model == "qwen3:32b" and row.fixed.get("tp", 1) > 1
                      else None)
     wall = time.perf_counter() - start

@@ -8,8 +8,10 @@ the outer search with it, and tests check each MIP's objective against it."""
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from autopar.cost.compute import GEMM_KINDS
+from autopar.cost.step import OVERLAP_SLOWDOWN
 from autopar.planner.ilp import (Problem, Solution, _edge_link, _param_bytes, _tensor_groups, inner_reduce_s, node_cost_s,
                                  reshard_s)
 from autopar.planner.recompute_keep import kept_bytes, sac_recomputed_matmuls
@@ -130,6 +132,7 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
     for v, ws in _working_sets(problem, solution).items():
         layer = g.nodes[v].layer
         transient[layer] = max(transient[layer], ws)
+    adjacency = _adjacency(g) if problem.async_tp else None
     for group in _tensor_groups(g):
         src = g.nodes[group[0].src]
         p = src.candidates[solution.choice[group[0].src]].outs[group[0].src_out]
@@ -144,6 +147,10 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
             t, kind = reshard_s(p, q, nbytes, g.axis_size, _edge_link(problem, dst.kind))
             if not t:
                 continue
+            if problem.async_tp and kind in ("all_gather", "reduce_scatter"):
+                link = _edge_link(problem, dst.kind)  # the transfer alone: no launch, no local copy
+                moved = reshard_s(p, q, nbytes, g.axis_size, replace(link, copy_bytes_per_s=0.0))[0] - link.latency_s
+                t -= _async_tp_hidden_s(problem, solution, moved, kind, group, q, adjacency)
             phase = "W" if dst.kind == "param" else (dst.phase or src.phase or "F")
             com[dst.layer][phase] += t * weight / dst.weight  # per instance, chain edges amortised
             total_comm += weight * t
@@ -159,3 +166,68 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
               for name in dict.fromkeys(n.layer for n in g.nodes)}
     return CostBreakdown(total_s=total_comp + total_comm, compute_s=total_comp, comm_s=total_comm,
                          layers=layers, collectives={k: dict(v) for k, v in collectives.items()})
+
+
+def _adjacency(g) -> tuple[dict[int, list], dict[int, list]]:
+    """(edges out of each node, edges into each node), virtual edges left out."""
+    outs: dict[int, list] = defaultdict(list)
+    ins: dict[int, list] = defaultdict(list)
+    for e in g.edges:
+        if not e.virtual:
+            outs[e.src].append(e)
+            ins[e.dst].append(e)
+    return outs, ins
+
+
+_VIEW_HOPS = 4
+"""How many FLOP-free ops (views, reshapes, casts) may stand between a tp collective and the GEMM it
+overlaps under async TP."""
+
+
+def _gemms(problem: Problem, starts, step) -> set[int]:
+    """The GEMM ops reached from ``starts`` through at most :data:`_VIEW_HOPS` FLOP-free ops, each
+    hop by ``step(v) -> next nodes``."""
+    g, found, frontier = problem.graph, set(), set(starts)
+    for _ in range(_VIEW_HOPS + 1):
+        nxt = set()
+        for v in frontier:
+            node = g.nodes[v]
+            if node.kind != "op":
+                continue
+            if node.kernel in GEMM_KINDS:
+                found.add(v)
+            elif node.flops(problem.batch) == 0:
+                nxt.update(step(v))
+        frontier = nxt
+    return found
+
+
+def _async_tp_hidden_s(problem: Problem, solution: Solution, comm_s: float, kind: str, group, q: str,
+                       adjacency) -> float:
+    """The part of a tp collective's transfer (``comm_s``: not its launch latency, nor the local copy
+    of a collective along a dim other than 0, which stay on the compute stream) that async TP
+    hides behind the GEMM(s) next to it.
+
+    Async TP (torch's micro-pipelined TP, ``torch._inductor.fx_passes.micro_pipeline_tp``, which
+    torchtitan's ``enable_async_tensor_parallel`` turns on under ``torch.compile``) splits an
+    all-gather that feeds GEMMs, and a reduce-scatter of a GEMM's partial sums, into tp - 1
+    peer-to-peer steps, each overlapped with the GEMM of one chunk. What it can hide: the GEMMs'
+    time but one chunk's (the local chunk's GEMM runs under the first transfer, the last under
+    none), and compute runs :data:`autopar.cost.step.OVERLAP_SLOWDOWN` times slower while a
+    transfer is in flight, so a collective of ``c`` seconds costs ``c / slowdown`` of compute
+    time it cannot hide: the hidden part is ``min(c / slowdown, gemms x (tp - 1) / tp)`` (the
+    simulator's own overlap rule, :func:`autopar.cost.simulate.simulate_program`). The gathered
+    tensor's GEMMs are the consumers that need placement ``q``, through views; a reduce-scatter's
+    is its producer, through views."""
+    g = problem.graph
+    outs, ins = adjacency
+    if kind == "all_gather":
+        starts = [e.dst for e in group if g.nodes[e.dst].candidates[solution.choice[e.dst]].ins[e.dst_in] == q]
+        gemms = _gemms(problem, starts, lambda v: [e.dst for e in outs[v]])
+    else:
+        gemms = _gemms(problem, [group[0].src], lambda v: [e.src for e in ins[v]])
+    if not gemms:
+        return 0.0
+    n = g.axis_size
+    gemm_s = sum(node_cost_s(problem, v, g.nodes[v].candidates[solution.choice[v]]) for v in gemms)
+    return min(comm_s / OVERLAP_SLOWDOWN, gemm_s * (n - 1) / n)

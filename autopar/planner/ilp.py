@@ -93,6 +93,9 @@ class Problem:
     forbidden: frozenset[tuple[int, int]] = frozenset()
     """(node, candidate) pairs the solution may not use (a pinned decision, e.g. sequence
     parallelism on or off): their x is fixed to 0."""
+    async_tp: bool = False
+    """Price a solution's tp all-gathers into GEMMs and reduce-scatters out of them as async TP
+    overlaps them (:func:`autopar.planner.evaluation.evaluate`; the MIP itself prices them exposed)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,10 +221,11 @@ def _param_bytes(problem: Problem, v: int, s: Strategy) -> float:
 
 
 def build_problem(graph: StrategyGraph, *, batch: float, device: DeviceSpec, link: Link,
-                  compute_dtype: str | None = None, forbidden: frozenset[tuple[int, int]] = frozenset()) -> Problem:
+                  compute_dtype: str | None = None, forbidden: frozenset[tuple[int, int]] = frozenset(),
+                  async_tp: bool = False) -> Problem:
     """The ILP of ``graph`` with costs at micro-batch ``batch`` (plain data; nothing solved)."""
     return Problem(graph=graph, batch=batch, device=device, link=link, compute_dtype=compute_dtype,
-                   forbidden=frozenset(forbidden))
+                   forbidden=frozenset(forbidden), async_tp=async_tp)
 
 
 def _tensor_groups(g: StrategyGraph) -> list[list]:

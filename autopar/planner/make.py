@@ -54,7 +54,7 @@ RUNNERS_UP = 5
 def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, loss_fn: Callable | None = None,
               example_target: Any = None, fixed: dict | None = None, precision: str | None = None,
               compiled_layers: Callable[[str], bool] | None = None, float8_linears: Callable[[str], bool] | None = None,
-              runnable: bool = False,
+              async_tp: bool = False, runnable: bool = False,
               replicated: Callable[[fx.GraphModule], set[str]] | None = None) -> Plan:
     """Plan ``model`` for ``cluster``; see :func:`autopar.plan`.
 
@@ -68,6 +68,11 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
     ``float8_linears`` (a predicate on module paths) prices those ``nn.Linear`` modules' GEMMs as
     torchao's Float8 training runs them (:mod:`autopar.passes.float8`), for the same purpose: the
     plan is priced so, autopar's runtime does not convert the linears.
+
+    ``async_tp`` prices the tp all-gathers into GEMMs and reduce-scatters out of them as torch's
+    async TP overlaps them with those GEMMs (:func:`autopar.planner.evaluation._async_tp_hidden_s`),
+    for the same purpose: autopar's runtime runs them blocking, and the sharding MIP, which picks
+    the layout, prices them so too.
 
     ``replicated`` (traced graph -> names of its ops) keeps those ops' outputs whole on every tp
     rank (the MIP may not shard them): for pricing a published program that does so
@@ -95,7 +100,8 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
     t1 = time.perf_counter()
     with _frozen_heap():
         plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_, precision=policy, precision_source=why,
-                           ep_flat_only=runnable, replicated=frozenset(replicated(gm)) if replicated else frozenset())
+                           ep_flat_only=runnable, replicated=frozenset(replicated(gm)) if replicated else frozenset(),
+                           async_tp=async_tp)
     timings = {"trace_s": t1 - t0, **plan.timings}
     return Plan(**{k: getattr(plan, k) for k in plan.__dataclass_fields__ if k != "timings"}, timings=timings)
 
@@ -212,11 +218,11 @@ def _tp_options(cluster: Cluster, fixed: Fixed) -> list[int]:
 
 def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fixed: Fixed,
                 precision: Precision | None = None, precision_source: str = "", ep_flat_only: bool = False,
-                replicated: frozenset[str] = frozenset()) -> Plan:
+                replicated: frozenset[str] = frozenset(), async_tp: bool = False) -> Plan:
     """Plan the traced pair. ``precision`` is the policy the graphs were traced under (None:
     read off the parameters' dtype, as plans did before policies: "fp32", else "bf16-mixed").
     A model with experts is searched over the ep degrees they allow (:func:`ep_options`) unless
-    ``fixed.ep`` pins one; ``ep_flat_only`` as in :func:`search`; ``replicated`` as in :func:`make_plan`."""
+    ``fixed.ep`` pins one; ``ep_flat_only`` as in :func:`search`; ``replicated`` and ``async_tp`` as in :func:`make_plan`."""
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
     layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
     batch = info.global_batch
@@ -263,7 +269,8 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
             # under cp a rank holds 1/cp of each sequence: it costs what mbs / cp sequences cost
             # (every cost is affine in the batch; autopar.planner.context)
             tokens = mbs / cp
-            problem = build_problem(sg, batch=tokens, device=cluster.device, link=cluster.link_for_group(tp, stride=1))
+            problem = build_problem(sg, batch=tokens, device=cluster.device, link=cluster.link_for_group(tp, stride=1),
+                                    async_tp=async_tp)
             ev = evaluate(problem, sol)
             units = []
             local = _local_param_counts(sg, sol, tp)
@@ -322,7 +329,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     best = ranked[0]
     sg, sol = solved[best.config.tp, best.config.sp]
     plan = to_plan(gm, best, ranked[1:RUNNERS_UP + 1], sg, sol, cluster, fixed, stats, policy, precision_source,
-                    timings={"solve_s": t1 - t0, "search_s": t2 - t1})
+                    timings={"solve_s": t1 - t0, "search_s": t2 - t1}, async_tp=async_tp)
     if cps:
         plan.context.update(cp_decision(best, other, cps, seq=sequence_length(gm)))
     return plan

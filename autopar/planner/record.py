@@ -279,7 +279,8 @@ def _p2p_record(best: Candidate, sends: tuple, cluster: Cluster) -> dict:
 
 
 def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, sol: Solution, cluster: Cluster,
-             fixed: Fixed, stats: dict, policy: Precision, precision_source: str, timings: dict) -> Plan:
+             fixed: Fixed, stats: dict, policy: Precision, precision_source: str, timings: dict,
+             async_tp: bool = False) -> Plan:
     precision = policy.name
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
     layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
@@ -333,7 +334,7 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
                        "out": list(s.outs), "in": list(s.ins)}
         position[n.layer] += 1
     ev = evaluate(build_problem(sg, batch=cfg.microbatch_size / cfg.cp, device=cluster.device,
-                                link=cluster.link_for_group(cfg.tp, stride=1)), sol)
+                                link=cluster.link_for_group(cfg.tp, stride=1), async_tp=async_tp), sol)
     communication: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
     for kind, c in ev.collectives.items():
         communication[kind]["tp"] = {"count": c["count"] * cfg.microbatches, "bytes": c["bytes"] * cfg.microbatches,
