@@ -42,8 +42,8 @@ program (``zero=1``), not ZeRO-3's. The micro-batches are torchtitan's default, 
 405B) use torchtitan's default ``allgather`` rotation, and local batch 1 (8B) or 8 (405B) per
 FSDP group of cp ranks.
 
-Rows left out, and why: the Float8 rowwise rows (another kernel), and the MoE rows. Qwen3-235B (Megatron-LM) folds ep over tp and dp, which autopar's ep
-(folded over dp) cannot express; DeepSeek-V3 671B (torchtitan, FSDP64 EP32 PP8) shards the
+Rows left out, and why: the Float8 rowwise rows (another kernel), and the MoE rows. Qwen3-235B
+(Megatron-LM) folds ep over tp and dp, which autopar's ep (folded over dp) cannot express; DeepSeek-V3 671B (torchtitan, FSDP64 EP32 PP8) shards the
 experts' state over the dp/ep replicas, and autopar neither prices nor runs ZeRO with ep.
 ``--moe`` plans that run with ``zero=0`` and everything else as published: a stand-in for its
 throughput (ZeRO-3 adds gathers), not its memory.

@@ -35,7 +35,7 @@ Sources:
   https://www.nvidia.com/en-us/data-center/h200/
 - [B200] NVIDIA DGX B200 datasheet (1,440 GB HBM3e and 64 TB/s for 8 GPUs,
   8x ConnectX-7 400 Gb/s, 1.8 TB/s NVLink 5 per GPU) and the HGX B200 spec table
-  (per-GPU FP16/BF16 4.5 PFLOP/s sparse, TF32 2.2 PFLOP/s sparse, FP32 75 TFLOP/s),
+  (per-GPU FP8 9 and FP16/BF16 4.5 PFLOP/s sparse, TF32 2.2 PFLOP/s sparse, FP32 75 TFLOP/s),
   https://resources.nvidia.com/en-us-dgx-systems/dgx-b200-datasheet ,
   https://www.nvidia.com/en-us/data-center/hgx/
 """
@@ -304,8 +304,9 @@ _H200 = DeviceSpec(
 )
 
 # [B200] per GPU: BF16/FP16 4.5 PFLOP/s and TF32 2.2 PFLOP/s with sparsity -> 2.25
-# and 1.1 dense; FP32 75 TFLOP/s; FP8 9 PFLOP/s with sparsity -> 4.5 dense. Memory: 180 GB as sold in DGX B200 (1,440 GB for
-# 8 GPUs; the chip carries 192 GB, of which 180 GB is enabled), 8 TB/s (64 TB/s / 8).
+# and 1.1 dense; FP32 75 TFLOP/s; FP8 9 PFLOP/s with sparsity -> 4.5 dense. Memory: 180 GB as
+# sold in DGX B200 (1,440 GB for 8 GPUs; the chip carries 192 GB, of which 180 GB is enabled),
+# 8 TB/s (64 TB/s / 8).
 _B200 = DeviceSpec(
     name="B200",
     peak_flops_per_s=_peaks(fp32=75e12, tf32=1.1e15, bf16=2.25e15, fp16=2.25e15),

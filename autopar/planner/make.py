@@ -222,7 +222,8 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     """Plan the traced pair. ``precision`` is the policy the graphs were traced under (None:
     read off the parameters' dtype, as plans did before policies: "fp32", else "bf16-mixed").
     A model with experts is searched over the ep degrees they allow (:func:`ep_options`) unless
-    ``fixed.ep`` pins one; ``ep_flat_only`` as in :func:`search`; ``replicated`` and ``async_tp`` as in :func:`make_plan`."""
+    ``fixed.ep`` pins one; ``ep_flat_only`` as in :func:`search`; ``replicated`` and ``async_tp`` as in
+    :func:`make_plan`."""
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
     layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
     batch = info.global_batch
