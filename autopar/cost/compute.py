@@ -84,11 +84,12 @@ figure where the kind of kernel is known:
   whose dense peak is twice bf16's on Hopper (the device's ``fp8_flops_per_s``). The GEMM
   gets the bf16 shape curve applied to that peak: cuBLASLt's FP8 GEMM at 8192^3 on H100 SXM
   runs at about 1,610 TFLOP/s, 0.81 of 1,979 (a public cross-check report of 16 GPUs, 1,599
-  to 1,630 TFLOP/s), where its bf16 GEMM reaches 0.72-0.78 of 989 (the H200 timings above),
-  so the same fraction is, if anything, cautious. Each operand's cast costs
-  ``FLOAT8_CAST_BYTES_PER_ELEMENT`` = 3 bytes per element at the memory rate (the bf16 read and
-  the float8 write of the compiled cast; under ``torch.compile``, which torchtitan requires for
-  Float8, the scale's amax reduction fuses into the kernel that produced the tensor). Per
+  to 1,630 TFLOP/s), where a bf16 GEMM of that size reached 0.66-0.78 of 989 on the H200, warm
+  to cold (the timings above), so the same fraction is, if anything, cautious. Each operand's
+  cast costs ``FLOAT8_CAST_BYTES_PER_ELEMENT`` = 3 bytes per element at the memory rate (the
+  bf16 read and the float8 write of the compiled cast; the scale's amax reduction is assumed
+  fused into the kernel that produced the tensor, under ``torch.compile``, which torchtitan
+  requires for Float8). Per
   tensor that is 6 bytes per element over its two uses, the amax, cast and transposed copy of
   a compiled program; the weight's casts are overcounted where FSDP's float8 all-gather casts
   the shards (not modelled). Nothing is measured here: no FP8 part has been lent.
