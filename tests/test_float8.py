@@ -107,6 +107,9 @@ def test_every_gemm_of_the_selected_linears_is_marked_forward_and_backward():
     assert sorted(kinds[("layers.1.lin", "fp8_gemm")]) == sorted([f, b, b])
     assert sorted(kinds[("head", "gemm")]) == sorted([f, b, b])  # left out, as torchtitan leaves its head
     assert marked == 5
+    again = {n.name: n.meta[mk.COST].time_s for n in gm.graph.nodes if n.op == "call_function"}
+    assert mark_float8_linears(gm, device=H100, linears=lambda path: path != "head") == 5  # idempotent
+    assert {n.name: n.meta[mk.COST].time_s for n in gm.graph.nodes if n.op == "call_function"} == again
 
 
 def test_a_predicate_that_selects_nothing_and_a_device_without_fp8_are_refused():

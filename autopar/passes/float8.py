@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from torch import fx
 
-from autopar.cost.compute import kernel_time_s
+from autopar.cost.compute import GEMM_KINDS, kernel_time_s
 from autopar.cost.devices import DeviceSpec
 from autopar.passes import meta_keys as mk
 from autopar.passes.annotate import kernel_of
@@ -44,7 +44,8 @@ def mark_float8_linears(gm: fx.GraphModule, *, device: DeviceSpec, linears: Call
     Float8 GEMMs; return how many GEMMs were marked.
 
     Contract: needs ``meta[COST]`` and ``meta[TRACE]`` (:func:`autopar.passes.annotate.annotate_cost`);
-    changes ``meta[COST].time_s`` of the marked nodes in place. Raises ``ValueError`` if
+    changes ``meta[COST].time_s`` of the marked nodes in place (marking a marked graph again changes
+    nothing). Raises ``ValueError`` if
     ``device`` has no FP8 tensor cores, or if no linear matched (a predicate that selects
     nothing is a mistake, not a bf16 plan)."""
     if device.fp8_flops_per_s is None:
@@ -56,7 +57,7 @@ def mark_float8_linears(gm: fx.GraphModule, *, device: DeviceSpec, linears: Call
             continue
         kind, shape = kernel_of(node)
         trace = node.meta[mk.TRACE]
-        if kind != "gemm" or shape is None or trace.module_class != "Linear" or not linears(trace.module_path):
+        if kind not in GEMM_KINDS or shape is None or trace.module_class != "Linear" or not linears(trace.module_path):
             continue
         node.meta[mk.FLOAT8] = True
         cost = node.meta[mk.COST]
