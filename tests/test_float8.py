@@ -144,3 +144,33 @@ def test_a_plan_with_float8_linears_is_faster_and_keeps_its_sac_recompute():
     # the same work counted, the recomputed (every second) forward GEMMs included
     hardware = fp8.predicted["hardware_flops_per_step"]
     assert hardware == bf16.predicted["hardware_flops_per_step"] > fp8.predicted["model_flops_per_step"]
+
+
+def test_tensor_parallel_all_gathers_into_float8_linears_move_float8():
+    """torchao's float8 tensor-parallel styles cast a linear's input to float8 before its tp
+    all-gather, and its output's gradient before the backward all-gather: half the bytes of bf16.
+    Reduce-scatters (partial sums) stay in bf16. Same layout, only the all-gathers change; the head
+    left in bf16 keeps its all-gather at full width."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import llama
+
+    model, inputs, loss_fn, target = llama.build(size="8b", n_layers=2, batch=8, seq=2048, device="meta")
+    fixed = {"tp": 8, "sp": True, "dp": 1, "pp": 1, "zero": 0, "recompute": "none", "microbatch_size": 8,
+             "microbatches": 1}
+    kw = dict(cluster="1x8xH100", loss_fn=loss_fn, example_target=target, fixed=fixed)
+    bf16 = make_plan(model, inputs, **kw)
+    every = make_plan(model, inputs, float8_linears=lambda path: True, **kw)
+    blocks = make_plan(model, inputs, float8_linears=lambda path: path != "output", **kw)
+    assert bf16.ops == every.ops == blocks.ops
+
+    def tp(plan, kind):
+        return plan.communication[kind]["tp"]
+
+    assert tp(every, "all_gather")["bytes"] == tp(bf16, "all_gather")["bytes"] / 2
+    assert tp(every, "all_gather")["time_s"] < tp(bf16, "all_gather")["time_s"]
+    head = tp(bf16, "all_gather")["bytes"] / tp(bf16, "all_gather")["count"]  # every gather here is the same size
+    assert tp(blocks, "all_gather")["bytes"] == tp(every, "all_gather")["bytes"] + head / 2
+    assert tp(every, "reduce_scatter") == tp(bf16, "reduce_scatter")

@@ -132,7 +132,8 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
     for v, ws in _working_sets(problem, solution).items():
         layer = g.nodes[v].layer
         transient[layer] = max(transient[layer], ws)
-    adjacency = _adjacency(g) if problem.async_tp else None
+    float8 = any(n.kernel == "fp8_gemm" for n in g.nodes)
+    adjacency = _adjacency(g) if problem.async_tp or float8 else None
     for group in _tensor_groups(g):
         src = g.nodes[group[0].src]
         p = src.candidates[solution.choice[group[0].src]].outs[group[0].src_out]
@@ -147,15 +148,20 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
             t, kind = reshard_s(p, q, nbytes, g.axis_size, _edge_link(problem, dst.kind))
             if not t:
                 continue
+            sent = nbytes
+            if (float8 and kind == "all_gather" and src.kind != "param" and src.dtype in ("bf16", "fp16")
+                    and _feeds_float8_only(problem, solution, group, q, adjacency)):
+                sent = nbytes / 2  # float8 all-gather (see _feeds_float8_only)
+                t = reshard_s(p, q, sent, g.axis_size, _edge_link(problem, dst.kind))[0]
             if problem.async_tp and kind in ("all_gather", "reduce_scatter"):
                 link = _edge_link(problem, dst.kind)  # the transfer alone: no launch, no local copy
-                moved = reshard_s(p, q, nbytes, g.axis_size, replace(link, copy_bytes_per_s=0.0))[0] - link.latency_s
-                t -= _async_tp_hidden_s(problem, solution, moved, kind, group, q, adjacency)
+                moved = reshard_s(p, q, sent, g.axis_size, replace(link, copy_bytes_per_s=0.0))[0] - link.latency_s
+                t -= _async_tp_hidden_s(problem, solution, moved, kind, group, q, adjacency, sent)
             phase = "W" if dst.kind == "param" else (dst.phase or src.phase or "F")
             com[dst.layer][phase] += t * weight / dst.weight  # per instance, chain edges amortised
             total_comm += weight * t
             collectives[kind]["count"] += weight
-            collectives[kind]["bytes"] += weight * nbytes
+            collectives[kind]["bytes"] += weight * sent
             collectives[kind]["time_s"] += weight * t
     keep = kept_bytes(problem, solution, lambda v, o: _local_out_bytes(problem, solution, v, o))
     layers = {name: LayerCost(compute_s=dict(comp[name]), comm_s=dict(com[name]), param_bytes=params[name],
@@ -184,9 +190,9 @@ _VIEW_HOPS = 4
 overlaps under async TP."""
 
 
-def _gemms(problem: Problem, starts, step) -> set[int]:
-    """The GEMM ops reached from ``starts`` through at most :data:`_VIEW_HOPS` FLOP-free ops, each
-    hop by ``step(v) -> next nodes``."""
+def _gemms(problem: Problem, starts, step, phases=("F", "B", "W")) -> set[int]:
+    """The GEMM ops of ``phases`` reached from ``starts`` through at most :data:`_VIEW_HOPS`
+    FLOP-free ops, each hop by ``step(v) -> next nodes``."""
     g, found, frontier = problem.graph, set(), set(starts)
     for _ in range(_VIEW_HOPS + 1):
         nxt = set()
@@ -195,18 +201,47 @@ def _gemms(problem: Problem, starts, step) -> set[int]:
             if node.kind != "op":
                 continue
             if node.kernel in GEMM_KINDS:
-                found.add(v)
+                if node.phase in phases:
+                    found.add(v)
             elif node.flops(problem.batch) == 0:
                 nxt.update(step(v))
         frontier = nxt
     return found
 
 
+def _feeds_float8_only(problem: Problem, solution: Solution, group, q: str, adjacency) -> bool:
+    """Does the tensor of ``group``, resharded to placement ``q``, feed only Float8 GEMMs (through
+    FLOP-free ops)? Then its tp all-gather moves float8, a byte per element: torchao's float8 tensor
+    parallel styles (``Float8ColwiseParallel``, ``Float8RowwiseParallel``, ``PrepareFloat8ModuleInput``
+    in ``torchao/float8/float8_tensor_parallel.py``, which torchtitan applies with tensorwise Float8)
+    cast a linear's input to float8 before its all-gather, and its output's gradient to float8 in
+    the backward (``_NoopFwToFloat8BwDynamic``), before the all-gather that undoes the forward's
+    reduce-scatter. Reduce-scatters stay in the high precision (partial sums), and so do parameters'
+    gathers (FSDP's float8 all-gather is an option torchtitan leaves off by default)."""
+    g = problem.graph
+    outs, _ = adjacency
+    frontier = {e.dst for e in group if g.nodes[e.dst].candidates[solution.choice[e.dst]].ins[e.dst_in] == q}
+    ends = set()
+    for _ in range(_VIEW_HOPS + 1):
+        nxt = set()
+        for v in frontier:
+            node = g.nodes[v]
+            if node.kind == "op" and node.kernel not in GEMM_KINDS and node.flops(problem.batch) == 0:
+                nxt.update(e.dst for e in outs[v])
+            else:
+                ends.add(v)
+        frontier = nxt
+    if frontier:  # a chain of views longer than the walk: not known to end in Float8 GEMMs
+        return False
+    return bool(ends) and all(g.nodes[v].kernel == "fp8_gemm" for v in ends)
+
+
 def _async_tp_hidden_s(problem: Problem, solution: Solution, comm_s: float, kind: str, group, q: str,
-                       adjacency) -> float:
-    """The part of a tp collective's transfer (``comm_s``: not its launch latency, nor the local copy
-    of a collective along a dim other than 0, which stay on the compute stream) that async TP
-    hides behind the GEMM(s) next to it.
+                       adjacency, nbytes: float) -> float:
+    """What async TP saves on one tp collective of ``nbytes`` (global) against running it blocking:
+    the part of its transfer (``comm_s``: not its launch latency, nor the local copy of a collective
+    along a dim other than 0, which stay on the compute stream) hidden behind the GEMM(s) next to
+    it, less the local work the fused op adds.
 
     Async TP (torch's micro-pipelined TP, ``torch._inductor.fx_passes.micro_pipeline_tp``, which
     torchtitan's ``enable_async_tensor_parallel`` turns on under ``torch.compile``) splits an
@@ -216,18 +251,34 @@ def _async_tp_hidden_s(problem: Problem, solution: Solution, comm_s: float, kind
     none), and compute runs :data:`autopar.cost.step.OVERLAP_SLOWDOWN` times slower while a
     transfer is in flight, so a collective of ``c`` seconds costs ``c / slowdown`` of compute
     time it cannot hide: the hidden part is ``min(c / slowdown, gemms x (tp - 1) / tp)`` (the
-    simulator's own overlap rule, :func:`autopar.cost.simulate.simulate_program`). The gathered
-    tensor's GEMMs are the consumers that need placement ``q``, through views; a reduce-scatter's
-    is its producer, through views."""
+    simulator's own overlap rule, :func:`autopar.cost.simulate.simulate_program`).
+
+    Which GEMMs: an all-gather's are its consumers that need placement ``q``, through views,
+    but only those that take the gathered tensor as their left operand with the gathered dim
+    uncontracted (``_find_consumer_matmuls``: a direct ``mm`` user, or reshape-mm-reshape), so
+    never a weight-gradient GEMM (phase "W"), which contracts the tokens the sequence-parallel
+    all-gather gathers; a reduce-scatter's is its producer, through views.
+
+    What the fused ops add on the compute stream, from ``torch.distributed._symmetric_memory``:
+    ``fused_all_gather_matmul`` first copies the local shard into its symmetric-memory buffer,
+    a read and a write of ``nbytes / tp`` (``_pipelined_multi_all_gather_and_consume``: not
+    overlapped, by the comment there); ``fused_matmul_reduce_scatter`` writes each chunk's
+    partial sums into a stacked (tp, m / tp, n) buffer and then sums it (``reduce_fn`` in
+    ``_fused_matmul_reduce_scatter_impl``), a read of ``nbytes`` and a write of ``nbytes / tp``,
+    a reduction NCCL's blocking reduce-scatter does inside its own kernel. Both are priced at the
+    link's ``copy_bytes_per_s``, the rate of the other local copies of a collective."""
     g = problem.graph
     outs, ins = adjacency
+    n = g.axis_size
     if kind == "all_gather":
         starts = [e.dst for e in group if g.nodes[e.dst].candidates[solution.choice[e.dst]].ins[e.dst_in] == q]
-        gemms = _gemms(problem, starts, lambda v: [e.dst for e in outs[v]])
+        gemms = _gemms(problem, starts, lambda v: [e.dst for e in outs[v]], phases=("F", "B"))
+        local_bytes = 2 * nbytes / n
     else:
         gemms = _gemms(problem, [group[0].src], lambda v: [e.src for e in ins[v]])
+        local_bytes = nbytes * (1 + 1 / n)
     if not gemms:
         return 0.0
-    n = g.axis_size
     gemm_s = sum(node_cost_s(problem, v, g.nodes[v].candidates[solution.choice[v]]) for v in gemms)
-    return min(comm_s / OVERLAP_SLOWDOWN, gemm_s * (n - 1) / n)
+    rate = problem.link.copy_bytes_per_s
+    return min(comm_s / OVERLAP_SLOWDOWN, gemm_s * (n - 1) / n) - (local_bytes / rate if rate else 0.0)
