@@ -27,9 +27,11 @@ the memory-bound ops of each transformer block (what torchtitan compiles) are pr
 as TorchInductor fuses them (:mod:`autopar.passes.fuse`); the rest as eager. Rows run with
 Float8 (torchao's tensorwise recipe, which torchtitan applies to every linear but the output
 head) are planned with ``make_plan(float8_linears=...)``: those GEMMs at the FP8 peak plus the
-casts of their operands (:mod:`autopar.passes.float8`); not priced: FSDP's and tp's float8
-all-gathers (bytes halved). Rows run with async TP are planned with ``make_plan(async_tp=True)``:
-tp all-gathers into GEMMs and reduce-scatters out of them overlapped with those GEMMs.
+casts of their operands (:mod:`autopar.passes.float8`), and tp all-gathers into them moving
+float8 (torchao's float8 tensor-parallel styles); not priced: FSDP's float8 all-gather, which
+torchtitan leaves off by default. Rows run with async TP are planned with
+``make_plan(async_tp=True)``: tp all-gathers into GEMMs and reduce-scatters out of them overlapped
+with those GEMMs, less the local copies and sums torch's fused ops add.
 
 The pipeline rows (405B, FSDP8 TP8 PP8) are pinned as torchtitan's pipeline program runs FSDP:
 ``parallelize_llama.py`` at 9dec370 shards each block with ``reshard_after_forward=False`` under
