@@ -217,7 +217,14 @@ def _feeds_float8_only(problem: Problem, solution: Solution, group, q: str, adja
     cast a linear's input to float8 before its all-gather, and its output's gradient to float8 in
     the backward (``_NoopFwToFloat8BwDynamic``), before the all-gather that undoes the forward's
     reduce-scatter. Reduce-scatters stay in the high precision (partial sums), and so do parameters'
-    gathers (FSDP's float8 all-gather is an option torchtitan leaves off by default)."""
+    gathers (FSDP's float8 all-gather is an option torchtitan leaves off by default).
+
+    Only the consumers that need ``q`` in the solution count: a block output's gradient feeds its
+    GEMMs gathered and the residual stream sharded, and torchao casts only the GEMMs' copy. The
+    sharding MIP prices these gathers in bf16, as it prices async TP's collectives blocking: which
+    consumers need ``q`` is the MIP's own choice, and pricing every all-gather of a Float8-fed
+    tensor at a byte per element (tried) led it to layouts torchao's styles do not run (backward
+    GEMMs gathering their inputs instead of reduce-scattering partial sums)."""
     g = problem.graph
     outs, _ = adjacency
     frontier = {e.dst for e in group if g.nodes[e.dst].candidates[solution.choice[e.dst]].ins[e.dst_in] == q}
