@@ -31,10 +31,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PREFETCH_GROUPS", "ZeroStage", "stage", "state_shards", "step_collective_counts"]
+__all__ = ["MAX_INFLIGHT_REDUCES", "PREFETCH_GROUPS", "ZeroStage", "buffer_bytes_per_param", "stage", "state_shards",
+           "step_collective_counts"]
 
 PREFETCH_GROUPS = 1
 """Stage 3 gathers this many layer groups ahead of the one in use."""
+
+MAX_INFLIGHT_REDUCES = 2
+"""Gradient buckets in flight at once; one more waits for the oldest first."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,24 @@ def state_shards(zero: int, dp: int) -> tuple[int, int, int]:
     """Divisors of ``(params, grads, optimizer)`` bytes per rank under stage ``zero``."""
     s = stage(zero)
     return (dp if s.params_sharded else 1, dp if s.grads_sharded else 1, dp if s.optimizer_sharded else 1)
+
+
+def buffer_bytes_per_param(zero: int, *, compute_bytes: float, grad_bytes: float,
+                           wire_bytes: float) -> tuple[float, float]:
+    """What stage ``zero``'s collectives hold beside the training state, as the runtime runs them
+    (``runtime/zero_gather.py``, ``runtime/zero_reduce.py``), in bytes per parameter of two windows
+    of consecutive layer groups: ``(gathered, sends)``.
+
+    ``gathered``: at stage 3, the gathered copies (``compute_bytes`` per element) of the group in
+    use and the :data:`PREFETCH_GROUPS` after it (a window of ``1 + PREFETCH_GROUPS`` groups).
+    ``sends``: the send buffers of the :data:`MAX_INFLIGHT_REDUCES` gradient buckets in flight (a
+    window of that many groups), in the reduction's dtype (``wire_bytes``): at stages 2-3 each is
+    a new full-size copy of a group's gradients (only the 1/dp slice is held); at stages 0-1 only
+    a reduction in another dtype than the full buffer's (``grad_bytes``) copies it."""
+    s = stage(zero)
+    gathered = compute_bytes if s.params_sharded else 0.0
+    sends = wire_bytes if s.grads_sharded or wire_bytes != grad_bytes else 0.0
+    return gathered, sends
 
 
 def step_collective_counts(zero: int, *, n_micro: int) -> dict[str, int]:

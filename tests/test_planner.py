@@ -286,8 +286,10 @@ def test_interleaved_tail_sums_the_stages_a_rank_holds():
 
 def test_working_set_of_the_loss_is_in_stage_memory():
     """The largest op working set beyond saved activations is the loss's backward on the fp32
-    logits: its output, the incoming gradient and the log-softmax values, each (B*T, V) fp32.
-    Stage memory carries it once (the Qwen3-32B FSDP16 local-batch-8 run ran out of memory for it)."""
+    logits: its output and the incoming gradient, each (B*T, V) fp32. The log-softmax values it
+    reads (through a ``detach``) are a saved activation, counted once, with the activations, not
+    again as a tensor of the working set. Stage memory carries the working set once (the
+    Qwen3-32B FSDP16 local-batch-8 run ran out of memory for it)."""
     from autopar.planner.evaluation import _working_sets
 
     built = llama.build(size="tiny", batch=4, seq=64, device="meta", dtype="fp32")
@@ -296,7 +298,7 @@ def test_working_set_of_the_loss_is_in_stage_memory():
     logits = 4 * 64 * 256 * 4  # (B*T, V) fp32
     transient = {name: lc.transient_bytes for name, lc in ev.layers.items()}
     assert max(transient, key=transient.get) == "<loss>"
-    assert transient["<loss>"] == 3 * logits
+    assert transient["<loss>"] == 2 * logits
     ws = _working_sets(problem, solution)
     assert sg.nodes[max(ws, key=ws.get)].name.startswith("_log_softmax_backward_data")
     # a stage's activation memory is its saved activations plus the largest working set, once
@@ -306,7 +308,8 @@ def test_working_set_of_the_loss_is_in_stage_memory():
     saved = sum(lc.activation_bytes for lc in ev.layers.values())  # tiny: every layer once
     assert saved > 0
     assert stage["predicted"]["memory_bytes"]["activations"] == pytest.approx(
-        saved + 3 * logits, rel=1e-9)
+        saved + 2 * logits, rel=1e-9)
+    assert saved >= logits  # (the log-softmax values among them)
 
 
 def test_pinned_pp_and_dp_leave_only_the_tp_degrees_a_mesh_can_use():

@@ -19,6 +19,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from autopar.planner.bounds import _schedule, _unit_times
+from autopar.zero_def import MAX_INFLIGHT_REDUCES, PREFETCH_GROUPS
 
 if TYPE_CHECKING:
     from autopar.planner.search import Config, Unit
@@ -84,18 +85,26 @@ class _Layers:
         self.pre_t, self.pre_a, self.pre_p = pre_t, pre_a, pre_p
         self.work = _sparse_max([u.act_bytes if self.full else 0.0 for u in units])
         self.transient = _sparse_max([u.transient_bytes for u in units])
+        self.windows = {w: _sparse_max(window_sums([u.n_params for u in units], w))
+                        for w in {1 + PREFETCH_GROUPS, MAX_INFLIGHT_REDUCES}}
 
-    def fits(self, i: int, j: int, s: int, *, cap: float, state_per_param: float, inflight: Sequence[int]) -> bool:
+    def fits(self, i: int, j: int, s: int, *, cap: float, state_per_param: float, inflight: Sequence[int],
+             buffers: tuple[float, float] = (0.0, 0.0)) -> bool:
         """Stage ``s`` = layers ``[i, j)`` within ``cap``: training state + activations of the
         micro-batches in flight + (full recompute) one layer's activations + the largest op's
-        working set."""
-        return self.rule(cap=cap, state_per_param=state_per_param, inflight=inflight)(i, j, s)
+        working set + ZeRO's collective buffers (``buffers``: bytes per parameter of the fullest
+        window of gathered groups and of gradient buckets in flight,
+        :func:`autopar.zero_def.buffer_bytes_per_param`)."""
+        return self.rule(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers)(i, j, s)
 
-    def rule(self, *, cap: float, state_per_param: float, inflight: Sequence[int]):
+    def rule(self, *, cap: float, state_per_param: float, inflight: Sequence[int],
+             buffers: tuple[float, float] = (0.0, 0.0)):
         """:meth:`fits` with the memory rule bound: ``(i, j, s) -> bool``. The search asks it
         about a million times for Llama 70B; as a closure over local names it takes half the
         time of the method call with keywords."""
         pre_p, pre_a, work, transient, full = self.pre_p, self.pre_a, self.work, self.transient, self.full
+        gathered, sends = buffers
+        gathered_w, sends_w = self.windows[1 + PREFETCH_GROUPS], self.windows[MAX_INFLIGHT_REDUCES]
 
         def fits(i: int, j: int, s: int) -> bool:
             mem = state_per_param * (pre_p[j] - pre_p[i]) + inflight[s] * (pre_a[j] - pre_a[i])
@@ -106,8 +115,23 @@ class _Layers:
                 level = transient[k]
                 a, b = level[i], level[j - (1 << k)]
                 mem += a if a >= b else b
+                if gathered:
+                    level = gathered_w[k]
+                    a, b = level[i], level[j - (1 << k)]
+                    mem += gathered * (a if a >= b else b)
+                if sends:
+                    level = sends_w[k]
+                    a, b = level[i], level[j - (1 << k)]
+                    mem += sends * (a if a >= b else b)
             return mem <= cap
         return fits
+
+
+def window_sums(values: Sequence[float], w: int) -> list[float]:
+    """Per position u, the sum of ``values[u:u + w]`` (shorter at the end). ZeRO's buffers are
+    counted over windows of consecutive layer groups; a window that runs past a stage's last
+    group into the next stage's counts those too (a bound, never short)."""
+    return [sum(values[u:u + w]) for u in range(len(values))]
 
 
 def _sparse_max(values: list[float]) -> list[list[float]]:
@@ -132,7 +156,8 @@ def _range_max(table: list[list[float]], i: int, j: int) -> float:
 
 
 def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
-               inflight: tuple[int, ...], memo: dict | None = None) -> list[tuple[int, int]] | None:
+               inflight: tuple[int, ...], memo: dict | None = None,
+               buffers: tuple[float, float] = (0.0, 0.0)) -> list[tuple[int, int]] | None:
     """Contiguous cuts minimising the slowest stage under the memory cap (None if none fits).
 
     With ``memo`` (one dict per search; units are keyed by tp, sp, micro-batch size and ep) the
@@ -145,7 +170,7 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     fits, so no capped cut has a faster slowest stage)."""
     if memo is None:
         return _cut(_Layers(units, cfg.recompute), cfg, cap=cap, state_per_param=state_per_param,
-                    inflight=inflight)[0]
+                    inflight=inflight, buffers=buffers)[0]
     layers_key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp)
     layers = memo.get(layers_key)
     if layers is None:
@@ -156,7 +181,7 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     free, infeasible_below = memo[key]
     if free is None:
         return None  # too few layers for the stages: no cap changes that
-    rule = dict(cap=cap, state_per_param=state_per_param, inflight=inflight)
+    rule = dict(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers)
     fits = layers.rule(**rule)
     if all(fits(i, j, s) for s, (i, j) in enumerate(free)):
         return list(free)
@@ -169,7 +194,7 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
 
 
 def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, inflight: tuple[int, ...],
-         lo: float = 0.0) -> tuple[list[tuple[int, int]] | None, float]:
+         lo: float = 0.0, buffers: tuple[float, float] = (0.0, 0.0)) -> tuple[list[tuple[int, int]] | None, float]:
     """:func:`_partition` without the memo; also a time bound below which no cut fits (``lo``,
     if given, is one already known)."""
     times, pre_t = layers.times, layers.pre_t
@@ -177,7 +202,7 @@ def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, in
     if pp > n:
         return None, math.inf
 
-    fits = layers.rule(cap=cap, state_per_param=state_per_param, inflight=inflight)
+    fits = layers.rule(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers)
 
     def greedy(bound: float) -> tuple[list[tuple[int, int]] | None, float]:
         """(the cuts, or None), and the smallest stage time above ``bound`` that the packing

@@ -303,7 +303,7 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
                     "p2p_back_s": best.p2p_back_cut_s[s]} if s < len(best.p2p_cut_s) else {}),
                 "memory_bytes": {"params": st.params_bytes, "grads": st.grads_bytes,
                                  "optimizer": st.optimizer_bytes, "activations": st.activations_bytes,
-                                 "total": st.memory_bytes},
+                                 "zero_buffers": st.zero_buffers_bytes, "total": st.memory_bytes},
             }})
     pieces = [{side: {d for d, _, g, _ in cut if g} for side, cut in zip(("forward", "backward"), fb)}
               for fb in sends]

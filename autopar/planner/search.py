@@ -40,12 +40,12 @@ import time
 from dataclasses import dataclass, field
 
 from autopar.cluster import Cluster
-from autopar.cost.memory import training_state_bytes
+from autopar.cost.memory import PRECISIONS, training_state_bytes
 from autopar.cost.simulate import SimResult, StepResult
 from autopar.cost.step import GroupCost, StageCost, StepSpec, estimate_exposed_s, group_dp_s
 from autopar.errors import InfeasibleError, PlanError
 from autopar.planner.fixed import FIXED_KEYS, PINNED_RECOMPUTE, RECOMPUTE, SCHEDULES, Fixed  # noqa: F401 (re-exported)
-from autopar.planner.partition import _inflight, _partition
+from autopar.planner.partition import _inflight, _partition, window_sums
 from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _COLLECTIVE_S, _config_bound_s,  # noqa: F401
                                     _cuts_bound_s, _dp_comm_prefix, _grad_elem_bytes, _optimizer_s,
                                     _pipeline_bound_s, _prefix_sums, _schedule, _unit_times, _work_s, lower_bound_s)
@@ -181,10 +181,14 @@ class StagePlan:
     copies: tuple[tuple[str, str, str, float], ...] = ()
     """Parameters this stage holds a copy of (owned by a unit of another stage):
     (name, reading unit here, owning unit, gradient bytes)."""
+    zero_buffers_bytes: float = 0.0
+    """What ZeRO's collectives hold beside the state, for the stage's largest layer group: stage 3's
+    gathered copies, the gradient buckets' send buffers in flight (:func:`zero_buffer_bytes`)."""
 
     @property
     def memory_bytes(self) -> float:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.zero_buffers_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -382,7 +386,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             t0 = time.perf_counter()
             # a rank holds v stages: each gets 1/v of the memory (a conservative split)
             cuts = _partition(units, cfg, cap=cap / cfg.virtual_stages, state_per_param=per_param,
-                              inflight=inflight, memo=cut_memo)
+                              inflight=inflight, memo=cut_memo,
+                              buffers=zero_buffers(cfg.zero, precision))
             clock["partition_s"] += time.perf_counter() - t0
             if cuts is None:
                 if not top:
@@ -424,7 +429,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                                 dp_comm_s=dp_prefix(tp, sp, mbs, zero, dp, m, ep, cp)[-1], virtual_stages=v)),
                                 CONFIG, key))
     if not top:
-        least = min(((_min_memory(u, c, pp_, inf), c, _largest_op(u)) for c, u, pp_, inf in infeasible),
+        least = min(((_min_memory(u, c, pp_, inf, zero_buffers(c.zero, precision)), c, _largest_op(u))
+                     for c, u, pp_, inf in infeasible),
                     key=lambda x: x[0], default=(math.inf, None, None))
         raise _infeasible(least, cluster, fixed, skipped_batch, global_batch, world)
     stats = {**counts, **clock, "wall_s": time.perf_counter() - start}
@@ -440,11 +446,12 @@ def _rank_key(time_of):
     return key
 
 
-def _min_memory(units: list[Unit], cfg: Config, per_param: float, inflight: tuple[int, ...]) -> float:
+def _min_memory(units: list[Unit], cfg: Config, per_param: float, inflight: tuple[int, ...],
+                buffers: tuple[float, float] = (0.0, 0.0)) -> float:
     """Peak stage memory of an even split (for the 'smallest device that would fit' message),
     counted as :meth:`_Layers.fits` counts it: state, activations in flight, the full-recompute
-    working set and the largest op's working set (a stage cannot hold less than its biggest
-    unit's, however the cuts fall)."""
+    working set, the largest op's working set (a stage cannot hold less than its biggest
+    unit's, however the cuts fall) and ZeRO's buffers for the largest group."""
     n, pp = len(units), cfg.pp
     size = math.ceil(n / pp) if pp <= n else 1
     worst = 0.0
@@ -455,8 +462,31 @@ def _min_memory(units: list[Unit], cfg: Config, per_param: float, inflight: tupl
         acts = sum(_unit_times(u, cfg.recompute)[3] for u in chunk)
         work = max(u.act_bytes for u in chunk) if cfg.recompute == "full" else 0.0
         worst = max(worst, per_param * sum(u.n_params for u in chunk) + inflight[s] * acts + work
-                    + max(u.transient_bytes for u in chunk))
+                    + max(u.transient_bytes for u in chunk) + zero_buffer_bytes(chunk, buffers))
     return worst
+
+
+def zero_buffers(zero: int, precision: str) -> tuple[float, float]:
+    """Bytes per parameter that ZeRO stage ``zero``'s collectives hold beside the training state under
+    ``precision``, of the fullest window of gathered groups and of gradient buckets in flight:
+    :func:`autopar.zero_def.buffer_bytes_per_param` with the compute copy's and the gradient's bytes
+    of :data:`autopar.cost.memory.PRECISIONS` and the reduction's
+    (:func:`autopar.planner.bounds._grad_elem_bytes`)."""
+    compute, grad, _ = PRECISIONS[precision]
+    return zero_def.buffer_bytes_per_param(zero, compute_bytes=compute, grad_bytes=grad,
+                                           wire_bytes=_grad_elem_bytes(precision))
+
+
+def zero_buffer_bytes(chunk: list[Unit], buffers: tuple[float, float]) -> float:
+    """ZeRO's buffers (:func:`zero_buffers`) on a stage of layer groups ``chunk``: the fullest window
+    of ``1 + PREFETCH_GROUPS`` groups gathered, and of ``MAX_INFLIGHT_REDUCES`` buckets in flight."""
+    gathered, sends = buffers
+    sizes = [u.n_params for u in chunk]
+    total = 0.0
+    for per_param, w in ((gathered, 1 + zero_def.PREFETCH_GROUPS), (sends, zero_def.MAX_INFLIGHT_REDUCES)):
+        if per_param and sizes:
+            total += per_param * max(window_sums(sizes, w))
+    return total
 
 
 def _largest_op(units: list[Unit]) -> tuple[str, float]:
@@ -498,6 +528,7 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
                                inflight[s] * (acts - max(u.act_bytes for u in chunk)) + max(u.act_bytes for u in chunk))
             + max(u.transient_bytes for u in chunk),  # the largest op's working set, once
             grad_sync_s=sync, optimizer_s=opt_s,
+            zero_buffers_bytes=zero_buffer_bytes(chunk, zero_buffers(cfg.zero, precision)),
             **_sends(chunk[-1], last=s == len(cuts) - 1),
             groups=tuple(groups),
             copies=tuple(sorted((fqn, reader, owner, n * grad_elem) for fqn, (reader, owner, n) in copies.items()))))

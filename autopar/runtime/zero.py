@@ -25,7 +25,7 @@ dtype. Each bucket is one collective: a gradient bucket is issued, asynchronousl
 (``async_op=True``), as soon as its group's gradients of the micro-batch are final
 (:meth:`ShardedParams.add_grad`; at stages 0-1 only after the last micro-batch), so it
 runs while the rest of the backward computes. At most
-:data:`~autopar.runtime.zero_reduce.MAX_INFLIGHT_REDUCES` buckets are in flight: issuing
+:data:`~autopar.zero_def.MAX_INFLIGHT_REDUCES` buckets are in flight: issuing
 one more first waits for the oldest, which bounds the send buffers at stages 2-3 to a few
 layer groups (no full-size gradient exists there).
 :meth:`ShardedParams.finish_step` waits for the rest before the optimizer reads them.

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from autopar.passes.meta_keys import GradReturn
 from autopar.runtime.tp_buckets import _piece_numel, _piece_shape, tp_buckets
 from autopar.runtime.zero_gather import _all_gather
+from autopar.zero_def import MAX_INFLIGHT_REDUCES
 
 if TYPE_CHECKING:
     from autopar.runtime.zero import _Entry
@@ -29,10 +30,6 @@ __all__ = ["MAX_INFLIGHT_REDUCES", "ZeroReduce"]
 
 # torch 2.13 renamed it (the old name warns); 2.11 has only the old one.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-MAX_INFLIGHT_REDUCES = 2
-"""Gradient buckets in flight at once; one more waits for the oldest first."""
-
 
 class ZeroReduce:
     """``ShardedParams``' gradient buckets: accumulated, reduced over dp, waited for."""

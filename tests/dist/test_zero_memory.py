@@ -14,8 +14,10 @@ micro-batches, at ZeRO stages 0-3. What is measured, per rank, during the second
 - optimizer state: the AdamW tensors (exp_avg, exp_avg_sq), which do not change size.
 
 Not counted: activations and autograd temporaries (the plan's activations figure, not
-this test's business) and the collectives' transient send/receive buffers (at most
-``MAX_INFLIGHT_REDUCES`` gradient buckets and two gathers; reported, not asserted).
+this test's business) and the collectives' transient send/receive buffers (the runtime tracks
+them, but a bucket of one parameter sends the program's own gradient tensor, which the backward
+holds anyway, so their peak is not the buffers' alone). The plan's ``zero_buffers`` is checked
+against its own parts: the gathered weights (measured) and its buckets.
 
 Predicted: the plan's per-stage ``memory_bytes`` params + grads + optimizer, plus for
 ZeRO-3 the gathered weights :mod:`autopar.zero_def` implies (the group in use and the one
@@ -39,7 +41,7 @@ def _measure(rank, world):
     sys.path.insert(0, EXAMPLES)
     import autopar
     import llama
-    from autopar.zero_def import PREFETCH_GROUPS
+    from autopar.zero_def import MAX_INFLIGHT_REDUCES, PREFETCH_GROUPS
 
     out = {}
     for zero in STAGES:
@@ -54,15 +56,21 @@ def _measure(rank, world):
         predicted = pm.plan.stages[0]["predicted"]["memory_bytes"]
         gathered = 0
         if zero == 3:
-            sizes = [b["bytes"] for b in pm.plan.communication["all_gather"]["dp"]["buckets"]]
-            window = PREFETCH_GROUPS + 1
-            gathered = max(sum(sizes[i:i + window]) for i in range(len(sizes)))
+            gathered = _window(pm.plan, "all_gather", PREFETCH_GROUPS + 1)
         out[zero] = {
             "measured": live.peak_of["state"] + held.optimizer,
             "predicted": predicted["params"] + predicted["grads"] + predicted["optimizer"] + gathered,
             "by_kind": dict(live.peak_by_kind), "full_params": sum(e.numel * 4 for e in pm.params.entries.values()),
+            "zero_buffers": predicted["zero_buffers"], "gathered_window": gathered,
+            "sends_window": _window(pm.plan, "reduce_scatter", MAX_INFLIGHT_REDUCES) if zero >= 2 else 0,
         }
     return out
+
+
+def _window(plan, kind: str, window: int) -> float:
+    """The largest sum of ``window`` consecutive dp buckets of collective ``kind`` in the plan."""
+    sizes = [b["bytes"] for b in plan.communication[kind]["dp"]["buckets"]]
+    return max(sum(sizes[i:i + window]) for i in range(len(sizes)))
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +96,26 @@ def test_zero2_holds_no_full_gradient(measured):
     """Stage 2's gradients are the 1/dp slice; stage 1 keeps the full buffer it reduces from."""
     for r in measured:
         assert r[2]["by_kind"]["grads"] * 2 == r[1]["by_kind"]["grads"], (r[1]["by_kind"], r[2]["by_kind"])
+
+
+@pytest.mark.parametrize("zero", STAGES)
+def test_plan_counts_what_the_collectives_hold(measured, zero):
+    """The plan's ``zero_buffers`` (autopar.zero_def.buffer_bytes_per_param, over the fullest window
+    of layer groups) is, at stage 3, the gathered weights of the group in use and the prefetched one,
+    which covers what the runtime gathered at its peak, plus, at stages 2-3, the send buffers of the
+    gradient buckets in flight (the largest MAX_INFLIGHT_REDUCES consecutive buckets of the plan's
+    reduce-scatters, full size in the wire dtype). At stages 0-1 in fp32 the buckets reduce in
+    place and nothing is gathered: nothing is priced."""
+    for r in measured:
+        m = r[zero]
+        if zero < 2:
+            assert m["zero_buffers"] == 0
+            assert m["by_kind"].get("gathered", 0) == 0
+            continue
+        gathered = m["zero_buffers"] - m["sends_window"]
+        assert m["sends_window"] > 0
+        if zero == 2:
+            assert gathered == pytest.approx(0, abs=1e-6)
+        else:
+            assert gathered == pytest.approx(m["gathered_window"], rel=0.05)
+            assert m["by_kind"]["gathered"] <= 1.1 * gathered, (m["by_kind"], gathered)
