@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 __all__ = ["MEMORY_PARTS", "OVERLAP_TITLE", "communication_rows", "overlap_rows", "config_words", "layer_strategies", "mesh_words", "render_summary",
            "solver_words", "stage_rows", "strategy_text"]
 
-MEMORY_PARTS = (("params", "P"), ("grads", "G"), ("optimizer", "O"), ("activations", "A"))
-"""Memory breakdown keys of a stage, with the letter the text bar uses for each."""
+MEMORY_PARTS = (("params", "P"), ("grads", "G"), ("optimizer", "O"), ("activations", "A"), ("zero_buffers", "Z"))
+"""Memory breakdown keys of a stage, with the letter the text bar uses for each (plan files written
+before ``zero_buffers`` read it as 0)."""
 
 
 def _bar(parts: list[float], total: float, width: int = 24) -> str:
@@ -75,7 +76,7 @@ def stage_rows(plan: Plan) -> list[dict[str, Any]]:
             "stage": i, "n_layers": len(layers), "first": layers[0], "last": layers[-1],
             "devices": _span(st["devices"]), "compute_s": pred["compute_s"], "comm_s": pred["comm_s"],
             "fbw_s": (pred.get("f_s"), pred.get("b_s"), pred.get("w_s")),
-            "memory": {key: mem[key] for key, _ in MEMORY_PARTS}, "memory_total": mem["total"],
+            "memory": {key: mem.get(key, 0.0) for key, _ in MEMORY_PARTS}, "memory_total": mem["total"],
             "inflight": pred.get("inflight_microbatches")})
     return rows
 
@@ -282,7 +283,7 @@ def render_summary(plan: Plan) -> str:
         *(f"  {w}" for w in context_words(plan)),
         "",
         f"  {'stage':>5} {'layers':<40} {'devices':<9} {'compute':>9} {'comm':>9} {'memory':>9}  "
-        f"of {fmt_bytes(cap)}: P=params G=grads O=optimizer A=activations",
+        f"of {fmt_bytes(cap)}: P=params G=grads O=optimizer A=activations Z=ZeRO buffers",
     ]
     for r in stage_rows(plan):
         names = r["first"] if r["n_layers"] == 1 else f"({r['n_layers']}) {r['first']} .. {r['last']}"

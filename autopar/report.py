@@ -40,7 +40,8 @@ __all__ = ["resimulate", "timeline_figure", "save_timeline", "render_html", "sav
 COLOURS = {"F": "#4e79a7", "B": "#f28e2b", "W": "#59a14f", "BW": "#e15759", "sync": "#9c9c9c", "opt": "#6b6b6b"}
 LABELS = {"F": "forward (F)", "B": "backward, input grad (B)", "W": "backward, weight grad (W)",
           "BW": "full backward (B+W)", "sync": "dp / tied collective in flight", "opt": "optimizer step"}
-MEMORY_COLOURS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#b07aa1", "activations": "#59a14f"}
+MEMORY_COLOURS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#b07aa1", "activations": "#59a14f",
+                  "zero_buffers": "#e15759"}
 
 
 def resimulate(plan: Plan) -> SimResult | StepResult:

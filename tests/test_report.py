@@ -133,7 +133,26 @@ def test_memory_bar_shows_parts_by_cumulative_rounding():
     assert _bar([0.4, 0.4, 0.0, 10.0], 24.0) == "G" + "A" * 10 + "." * 13
     assert _bar([6.0, 6.0, 6.0, 6.0], 24.0, width=8) == "PPGGOOAA"
     assert _bar([0.0, 0.0, 0.0, 0.0], 0.0) == "." * 24
-    assert len(MEMORY_PARTS) == 4
+    assert _bar([6.0, 6.0, 6.0, 6.0, 8.0], 32.0, width=16) == "PPPGGGOOOAAAZZZZ"  # ZeRO's buffers last
+    assert [k for k, _ in MEMORY_PARTS] == ["params", "grads", "optimizer", "activations", "zero_buffers"]
+
+
+def test_stage_memory_parts_sum_to_the_total_and_old_plans_read_zero_buffers_as_zero():
+    """The summary's memory parts of a ZeRO-3 stage are the plan's whole breakdown (the bar fills
+    to the total), and a plan file written before ``zero_buffers`` existed still summarises."""
+    from autopar.plan_summary import stage_rows
+
+    model, inputs, loss_fn, target = llama.build(size="tiny", batch=8, n_layers=2)
+    plan = autopar.plan(model, inputs, cluster="1x2xcpu", loss_fn=loss_fn, example_target=target,
+                        fixed={"dp": 2, "tp": 1, "pp": 1, "zero": 3, "microbatches": 1})
+    (row,) = stage_rows(plan)
+    assert row["memory"]["zero_buffers"] > 0
+    assert sum(row["memory"].values()) == pytest.approx(row["memory_total"], rel=1e-5)
+    stages = [dict(st, predicted=dict(st["predicted"], memory_bytes={
+        k: v for k, v in st["predicted"]["memory_bytes"].items() if k != "zero_buffers"})) for st in plan.stages]
+    (old,) = stage_rows(dataclasses.replace(plan, stages=stages))
+    assert old["memory"]["zero_buffers"] == 0.0
+    assert "Z=ZeRO buffers" in dataclasses.replace(plan, stages=stages).summary()
 
 
 # ---------------------------------------------------------------- timeline
