@@ -182,8 +182,9 @@ class StagePlan:
     """Parameters this stage holds a copy of (owned by a unit of another stage):
     (name, reading unit here, owning unit, gradient bytes)."""
     zero_buffers_bytes: float = 0.0
-    """What ZeRO's collectives hold beside the state, for the stage's largest layer group: stage 3's
-    gathered copies, the gradient buckets' send buffers in flight (:func:`zero_buffer_bytes`)."""
+    """What ZeRO's collectives hold beside the state, over the stage's fullest windows of consecutive
+    layer groups: stage 3's gathered copies, the gradient buckets' send buffers in flight
+    (:func:`zero_buffer_bytes`)."""
 
     @property
     def memory_bytes(self) -> float:
