@@ -51,11 +51,17 @@ def test_cli_choices_are_the_policies():
     assert set(PRECISION_CHOICES) == set(PRECISIONS) | {"bf16"}
 
 
-def test_mixed_state_is_18_bytes_per_parameter():
-    """bf16 compute copy 2 + fp32 gradient 4 + fp32 master, m, v 12; ZeRO-3 over 64 shards all of it."""
+def test_mixed_state_is_18_bytes_per_parameter_and_16_under_zero3():
+    """bf16 compute copy 2 + fp32 gradient 4 + fp32 master, m, v 12. ZeRO-3 shards the rest over 64
+    and holds no compute copy: the runtime casts each group's master slice when it gathers it (the
+    gathered copy is a ZeRO buffer), as FSDP2 does. The ZeRO paper's fp16 "mixed" keeps its 2 + 2 + 12."""
     s = training_state_bytes(n_params=7e9, zero_stage=0, dp=1, precision="bf16-mixed")
     assert (s.params, s.grads, s.optimizer) == (14e9, 28e9, 84e9)
-    assert training_state_bytes(n_params=7e9, zero_stage=3, dp=64, precision="bf16-mixed").total == 18 * 7e9 / 64
+    assert training_state_bytes(n_params=7e9, zero_stage=2, dp=64, precision="bf16-mixed").params == 14e9
+    z3 = training_state_bytes(n_params=7e9, zero_stage=3, dp=64, precision="bf16-mixed")
+    assert (z3.params, z3.total) == (0, 16 * 7e9 / 64)
+    assert training_state_bytes(n_params=7e9, zero_stage=3, dp=64, precision="mixed").total == 16 * 7e9 / 64
+    assert training_state_bytes(n_params=7e9, zero_stage=3, dp=64, precision="mixed").params == 2 * 7e9 / 64
 
 
 def test_cli_rejects_an_unknown_precision_in_one_line(capsys):

@@ -17,7 +17,11 @@ K = 12 (fp32 master weights, Adam m and v), 16 bytes per parameter in all, so a
 Plain fp32 training: P = 4, G = 4, K = 8 (Adam m and v; the weights are the master).
 autopar's bf16 mixed policies (:mod:`autopar.precision`, FSDP2's ``MixedPrecisionPolicy``
 semantics): P = 2 (the bf16 compute copy), G = 4 (gradients land in fp32 buffers, whatever
-dtype they are reduced in), K = 12 (fp32 master, m, v): 18 bytes per parameter.
+dtype they are reduced in), K = 12 (fp32 master, m, v): 18 bytes per parameter at stages 0-2.
+At stage 3 no compute copy is held: each layer group's fp32 slice is cast when it is gathered
+(``runtime/zero.py``; FSDP2 does the same), and that gathered copy is one of ZeRO's collective
+buffers (:func:`autopar.zero_def.buffer_bytes_per_param`), so P = 0 there: 16 bytes per
+parameter, all sharded.
 
 :func:`activation_bytes_megatron` is the closed form of Korthikanti et al.,
 "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023,
@@ -29,9 +33,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.zero_def import state_shards
+from autopar.zero_def import stage, state_shards
 
 __all__ = [
+    "COMPUTE_COPY_PRECISIONS",
     "PRECISIONS",
     "StateBytes",
     "activation_bytes_megatron",
@@ -45,6 +50,10 @@ PRECISIONS: dict[str, tuple[int, int, int]] = {
     "bf16-mixed-bf16-reduce": (2, 4, 12),  # reduced in bf16, accumulated and stepped in fp32
 }
 """Bytes per parameter as ``(param, grad, optimizer)`` for AdamW, by precision name."""
+
+COMPUTE_COPY_PRECISIONS = frozenset({"bf16-mixed", "bf16-mixed-bf16-reduce"})
+"""Precisions whose ``param`` bytes are a compute copy cast from the fp32 master (counted in
+``optimizer``), which ZeRO stage 3 does not hold (module docstring)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +114,8 @@ def training_state_bytes(
         if isinstance(value, bool) or not value >= 0:
             raise ValueError(f"{name} must be >= 0, got {value!r}")
     param_shards, grad_shards, optimizer_shards = state_shards(zero_stage, dp)
+    if precision in COMPUTE_COPY_PRECISIONS and param_bytes is None and stage(zero_stage).params_sharded:
+        per_param["param_bytes"] = 0  # stage 3 holds no compute copy (module docstring)
     return StateBytes(
         params=n_params * per_param["param_bytes"] / param_shards,
         grads=n_params * per_param["grad_bytes"] / grad_shards,
