@@ -110,6 +110,10 @@ def test_every_gemm_of_the_selected_linears_is_marked_forward_and_backward():
     again = {n.name: n.meta[mk.COST].time_s for n in gm.graph.nodes if n.op == "call_function"}
     assert mark_float8_linears(gm, device=H100, linears=lambda path: path != "head") == 5  # idempotent
     assert {n.name: n.meta[mk.COST].time_s for n in gm.graph.nodes if n.op == "call_function"} == again
+    # annotated afresh, the graph is the bf16 program again: marks dropped with the prices they went with
+    annotate_cost(gm, device=H100)
+    assert not any(kernel_of(n)[0] == "fp8_gemm" for n in gm.graph.nodes if n.op == "call_function")
+    assert {n.name: n.meta[mk.COST].time_s for n in gm.graph.nodes if n.op == "call_function"} == before
 
 
 def test_a_predicate_that_selects_nothing_and_a_device_without_fp8_are_refused():

@@ -113,8 +113,9 @@ def annotate_cost(gm: fx.GraphModule, *, device: DeviceSpec, compute_dtype: str 
 
     Contract:
       needs: ``meta["val"]`` and ``meta[TRACE]`` on every node (``trace_joint``).
-      produces: ``meta[COST]`` on every node, and no ``meta[FUSED]`` (an earlier
-      ``fuse_memory_bound``'s marks are dropped with its prices); the graph itself is unchanged.
+      produces: ``meta[COST]`` on every node, and no ``meta[FUSED]`` or ``meta[FLOAT8]`` (an
+      earlier ``fuse_memory_bound``'s or ``mark_float8_linears``' marks are dropped with their
+      prices); the graph itself is unchanged.
       ``compute_dtype`` picks the device peak ("bf16", "fp32", ...) for all ops;
       by default each op's output dtype picks it.
       raises: nothing for unknown ops (they are costed by bytes alone).
@@ -122,6 +123,7 @@ def annotate_cost(gm: fx.GraphModule, *, device: DeviceSpec, compute_dtype: str 
     saved = _saved_storages(gm)
     for node in gm.graph.nodes:
         node.meta.pop(mk.FUSED, None)  # annotated afresh: as eager, until fuse_memory_bound runs again
+        node.meta.pop(mk.FLOAT8, None)  # and in the plan's dtype, until mark_float8_linears runs again
         info = node.meta[mk.TRACE]
         out_bytes = tensor_bytes(node.meta.get("val"))
         if node.op != "call_function":

@@ -17,8 +17,10 @@ runtime runs its linears in the plan's precision, not in float8.
 
 Activation memory is priced as the bf16 program's: the saved set is the same ops' outputs, and
 torchtitan's Llama 3.1 8B runs peaked at 77.0 and 76.8 GiB without and with Float8 (62.0 and
-61.8 on 128 GPUs). Not modelled: the halved bytes of FSDP's float8 all-gather of the weights,
-float8 tensor-parallel collectives, and how op-level SAC treats ``_scaled_mm`` (torchtitan's
+61.8 on 128 GPUs). Float8 tensor-parallel all-gathers (a byte per element) are priced where
+the plan's costs are evaluated (:func:`autopar.planner.evaluation._feeds_float8_only`). Not
+modelled: the halved bytes of FSDP's float8 all-gather of the weights, and how op-level SAC
+treats ``_scaled_mm`` (torchtitan's
 save list at 9dec370 names ``aten.mm`` only; the policy's every-second-matmul rule is kept,
 consistent with the unchanged peaks above).
 """

@@ -215,23 +215,28 @@ _VIEW_HOPS = 4
 overlaps under async TP."""
 
 
-def _gemms(problem: Problem, starts, step, phases=("F", "B", "W")) -> set[int]:
-    """The GEMM ops of ``phases`` reached from ``starts`` through at most :data:`_VIEW_HOPS`
-    FLOP-free ops, each hop by ``step(v) -> next nodes``."""
-    g, found, frontier = problem.graph, set(), set(starts)
+def _through_views(problem: Problem, starts, step) -> tuple[set[int], bool]:
+    """The nodes reached from ``starts`` through at most :data:`_VIEW_HOPS` FLOP-free ops (each hop
+    by ``step(v) -> next nodes``), not counting those FLOP-free ops: GEMMs, ops that compute, and
+    nodes that are not ops; and whether the walk stopped with FLOP-free ops still to follow."""
+    g, ends, frontier = problem.graph, set(), set(starts)
     for _ in range(_VIEW_HOPS + 1):
         nxt = set()
         for v in frontier:
             node = g.nodes[v]
-            if node.kind != "op":
-                continue
-            if node.kernel in GEMM_KINDS:
-                if node.phase in phases:
-                    found.add(v)
-            elif node.flops(problem.batch) == 0:
+            if node.kind == "op" and node.kernel not in GEMM_KINDS and node.flops(problem.batch) == 0:
                 nxt.update(step(v))
+            else:
+                ends.add(v)
         frontier = nxt
-    return found
+    return ends, bool(frontier)
+
+
+def _gemms(problem: Problem, starts, step, phases=("F", "B", "W")) -> set[int]:
+    """The GEMM ops of ``phases`` that :func:`_through_views` reaches from ``starts``."""
+    g = problem.graph
+    return {v for v in _through_views(problem, starts, step)[0]
+            if g.nodes[v].kind == "op" and g.nodes[v].kernel in GEMM_KINDS and g.nodes[v].phase in phases}
 
 
 def _feeds_float8_only(problem: Problem, solution: Solution, group, q: str, adjacency) -> bool:
@@ -252,18 +257,9 @@ def _feeds_float8_only(problem: Problem, solution: Solution, group, q: str, adja
     GEMMs gathering their inputs instead of reduce-scattering partial sums)."""
     g = problem.graph
     outs, _ = adjacency
-    frontier = {e.dst for e in group if g.nodes[e.dst].candidates[solution.choice[e.dst]].ins[e.dst_in] == q}
-    ends = set()
-    for _ in range(_VIEW_HOPS + 1):
-        nxt = set()
-        for v in frontier:
-            node = g.nodes[v]
-            if node.kind == "op" and node.kernel not in GEMM_KINDS and node.flops(problem.batch) == 0:
-                nxt.update(e.dst for e in outs[v])
-            else:
-                ends.add(v)
-        frontier = nxt
-    if frontier:  # a chain of views longer than the walk: not known to end in Float8 GEMMs
+    starts = {e.dst for e in group if g.nodes[e.dst].candidates[solution.choice[e.dst]].ins[e.dst_in] == q}
+    ends, cut_short = _through_views(problem, starts, lambda v: [e.dst for e in outs[v]])
+    if cut_short:  # a chain of views longer than the walk: not known to end in Float8 GEMMs
         return False
     return bool(ends) and all(g.nodes[v].kernel == "fp8_gemm" for v in ends)
 
