@@ -50,6 +50,8 @@ def mesh_words(plan: Plan) -> list[str]:
             3: "parameters, gradients and optimizer state sharded over dp (ZeRO-3)"}[plan.zero]
     if plan.experts and plan.zero == 0:  # the experts are cut over ep instead (expert_words)
         zero = "parameters, gradients and optimizer state replicated over dp except the experts' (cut over ep)"
+    elif plan.experts:  # each expert part's state over the ranks holding that part
+        zero = zero.replace(" (ZeRO-", f", the experts' over their {plan.experts.get('replicas', 1)} replicas (ZeRO-")
     sched = plan.schedule
     return [
         f"mesh pp={m['pp']} x dp={m['dp']} x tp={m['tp']} = {world} devices "

@@ -427,7 +427,7 @@ def test_infeasible_message_counts_the_largest_op_and_names_it():
 
     units = [unit(f"layers.{i}", 1e8) for i in range(4)] + [unit("<loss>", 100e9)]
     cfg = Config(tp=1, pp=2, dp=1, microbatch_size=1, microbatches=1, zero=0, recompute="none", schedule="gpipe")
-    need = _min_memory(units, cfg, per_param=16.0, inflight=(1, 1))
+    need = _min_memory(units, cfg, per_param=(16.0, 0.0), inflight=(1, 1))
     assert need >= 100e9
     cluster = parse_cluster("1x2xH100")
     err = _infeasible((need, cfg, _largest_op(units)), cluster, Fixed(), 0, 2, 2)

@@ -16,6 +16,10 @@ from autopar.planner.ilp import (Problem, Solution, _edge_link, _param_bytes, _t
                                  reshard_s)
 from autopar.planner.recompute_keep import kept_bytes, sac_recomputed_matmuls
 
+# fx names of autopar's experts ops (autopar.experts: moe_experts, moe_experts_backward, and their
+# numbered repeats), whose batch-independent outputs are the experts' weight gradients
+EXPERTS_OP_NAMES = ("moe_experts",)
+
 __all__ = ["CostBreakdown", "LayerCost", "evaluate"]
 
 
@@ -49,6 +53,13 @@ class LayerCost:
     """Largest working set of one op per device for one micro-batch: its outputs plus the inputs
     it reads that nothing saves (e.g. the loss's fp32 logits gradient and its input), on top of
     the saved activations and the training state while that op runs."""
+    expert_transient: tuple[float, tuple[tuple[float, float], ...]] = (0.0, ())
+    """(largest working set of the layer's other ops, and per op on the experts' weight-gradient
+    path (the experts ops and the slices, transposes and casts of those gradients after them) its
+    working set less its batch-independent part, and that part): expert parallelism cuts the
+    experts' weight gradients to 1/ep (:func:`autopar.planner.experts.apply_ep`), and with them
+    those ops' working sets (the gradients of all E experts, whole, outweigh the token rows many
+    times: DeepSeek-V3's 256 experts at 4096 tokens, 45 GB against 1 GB)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +81,29 @@ def _local_out_bytes(problem: Problem, solution: Solution, v: int, o: int) -> fl
     return full / problem.graph.axis_size if placement.startswith("S") else full
 
 
-def _working_sets(problem: Problem, solution: Solution) -> dict[int, float]:
+def _expert_grad_ops(g) -> set[int]:
+    """autopar's experts ops and the ops their weight gradients pass through on the way out (the
+    backward's gradients of the stacked weights sliced, transposed, cast: ops all of whose outputs
+    do not grow with the batch, downstream of an experts op's batch-independent outputs)."""
+    start = {v for v, n in enumerate(g.nodes) if n.kind == "op" and n.name.startswith(EXPERTS_OP_NAMES)}
+    readers: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for e in g.edges:
+        if not e.virtual:
+            readers[e.src, e.src_out].append(e.dst)
+    out = set(start)
+    frontier = [(v, o) for v in start for o, b in enumerate(g.nodes[v].out_bytes) if b.per_sample == 0]
+    while frontier:
+        for d in readers[frontier.pop()]:
+            node = g.nodes[d]
+            if d in out or node.kind != "op" or any(b.per_sample for b in node.out_bytes):
+                continue
+            out.add(d)
+            frontier.extend((d, o) for o in range(len(node.out_bytes)))
+    return out
+
+
+def _working_sets(problem: Problem, solution: Solution,
+                  split: set[int] = frozenset()) -> dict[int, float] | tuple[dict[int, float], dict[int, float]]:
     """Per op, the bytes live while it runs beyond what memory already counts: its outputs
     that are not saved activations, plus the distinct op-produced inputs it reads that are not
     saved either (a gradient handed from the op before). Parameters, and saved activations,
@@ -80,7 +113,10 @@ def _working_sets(problem: Problem, solution: Solution) -> dict[int, float]:
     input) holds nothing of its own, and an op reading through it reads its source: the loss's
     log-softmax backward reads its saved output through a ``detach``, which is not a second copy
     (counted as one, it priced that op's working set for Llama 3.1 8B at 32k tokens at 50.4 GB,
-    where 33.6 GB are live)."""
+    where 33.6 GB are live).
+
+    With ``split`` (ops), also the part of each of those ops' working sets that does not grow
+    with the batch (outputs and inputs alike), as a second dict."""
     g = problem.graph
     batch = problem.batch
     alias = {v for v, node in enumerate(g.nodes)
@@ -100,6 +136,9 @@ def _working_sets(problem: Problem, solution: Solution) -> dict[int, float]:
     ws = {v: 0.0 if v in alias else
           sum(_local_out_bytes(problem, solution, v, o) for o, saved in enumerate(node.saved) if not saved)
           for v, node in enumerate(g.nodes) if node.kind == "op"}
+    fixed = {v: 0.0 if v in alias else
+             sum(_local_out_bytes(problem, solution, v, o) for o, saved in enumerate(g.nodes[v].saved)
+                 if not saved and not g.nodes[v].out_bytes[o].per_sample) for v in split}
     seen = set()
     for e in g.edges:
         if e.virtual or e.dst not in ws or e.dst in alias:
@@ -110,7 +149,9 @@ def _working_sets(problem: Problem, solution: Solution) -> dict[int, float]:
             continue
         seen.add((v, o, e.dst))
         ws[e.dst] += _local_out_bytes(problem, solution, v, o)
-    return ws
+        if e.dst in fixed and not src.out_bytes[o].per_sample:
+            fixed[e.dst] += _local_out_bytes(problem, solution, v, o)
+    return (ws, fixed) if split else ws
 
 
 def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
@@ -154,9 +195,17 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
                 full = node.out_bytes[o](problem.batch)
                 local = full / g.axis_size if s.outs[o].startswith("S") else full
                 acts[node.layer] += local
-    for v, ws in _working_sets(problem, solution).items():
-        layer = g.nodes[v].layer
-        transient[layer] = max(transient[layer], ws)
+    grad_ops = _expert_grad_ops(g)
+    sets, fixed = _working_sets(problem, solution, grad_ops) if grad_ops else (_working_sets(problem, solution), {})
+    other: dict[str, float] = defaultdict(float)
+    expert_ws: dict[str, set[tuple[float, float]]] = defaultdict(set)
+    for v, ws in sets.items():
+        node = g.nodes[v]
+        transient[node.layer] = max(transient[node.layer], ws)
+        if v in fixed:  # (rows and other batch-sized values, the experts' weight gradients)
+            expert_ws[node.layer].add((ws - fixed[v], fixed[v]))
+        else:
+            other[node.layer] = max(other[node.layer], ws)
     float8 = any(n.kernel == "fp8_gemm" for n in g.nodes)
     adjacency = _adjacency(g) if problem.async_tp or float8 else None
     for group in _tensor_groups(g):
@@ -193,7 +242,8 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
                               n_params_local=nparams[name], activation_bytes=acts[name],
                               cheap_activation_bytes=acts[name] - keep[name][0], cheap_forward_s=cheap_f[name],
                               sac_forward_s=sac_f[name], sac_activation_bytes=keep[name][0] - keep[name][1],
-                              transient_bytes=transient[name])
+                              transient_bytes=transient[name],
+                              expert_transient=(other[name], tuple(sorted(expert_ws[name]))))
               for name in dict.fromkeys(n.layer for n in g.nodes)}
     return CostBreakdown(total_s=total_comp + total_comm, compute_s=total_comp, comm_s=total_comm,
                          layers=layers, collectives={k: dict(v) for k, v in collectives.items()})

@@ -10,7 +10,8 @@ ep groups of consecutive dp ranks, stride tp in the world): the experts are cut 
 
 What a plan with ``ep`` > 1 changes, per unit (layer instance) holding experts:
 - parameters (and so gradients and optimizer state, by ZeRO stage) per device: the
-  expert parameters count ``1/ep`` of their tp-local size;
+  expert parameters count ``1/ep`` of their tp-local size; so do the weight gradients the
+  experts op's backward returns, in its working set (``Unit.expert_transient``);
 - forward and backward time: the dispatch/combine all-to-alls of
   :func:`autopar.cost.comm.expert_all_to_all_s` on the ep group's link, not overlapped
   with compute, under balanced routing (every rank sends and receives its own
@@ -20,11 +21,14 @@ What a plan with ``ep`` > 1 changes, per unit (layer instance) holding experts:
   (E/ep experts per rank, each with ep times the rows), which the GEMM efficiency curve
   credits (many small experts, DeepSeek-V3's 256 of width 2048, gain the most).
 
-Plans with ``ep`` > 1 use ZeRO stage 0 (what the runtime runs with ep): expert state under
-ZeRO would be sharded over the dp/ep replicas, which the per-parameter state model of the
-search does not express yet. Approximations, stated: the data-parallel gradient reduction prices the reduced
-expert size over all dp ranks (the runtime sums expert gradients over the dp/ep
-replicas only), and ``communication`` lists the dp buckets at their full size.
+ZeRO shards an expert parameter's state over the ``dp / ep`` replicas of its part (the dp
+ranks holding the same experts), everything else over dp, as the runtime
+(:class:`autopar.runtime.zero.ShardedParams`) does: the units carry their held expert
+parameters (``Unit.expert_params``) and the stage memory shards them so
+(:func:`autopar.planner.state_memory.state_per_param`). Approximations, stated: the data-parallel
+collectives price the expert buckets over all dp ranks on the dp link (the runtime reduces,
+and at ZeRO-3 gathers, them over the replica group, ``ep`` ranks apart), and ``communication``
+lists the dp buckets at their full size.
 ``ep`` is pinned (``fixed={"ep": k}``) or chosen by the search among :func:`ep_options`
 (ep dividing dp and every block's expert count), weighed like any other decision by the
 simulated step time.
@@ -154,8 +158,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_ep(ep: int | None, sites: list[ExpertSite], *, cluster: Cluster, dp: int | None, tp: int | None,
-             zero: int | None = None) -> None:
+def check_ep(ep: int | None, sites: list[ExpertSite], *, cluster: Cluster, dp: int | None, tp: int | None) -> None:
     """One :class:`PlanError` naming the values when ``ep`` cannot be planned."""
     if not ep or ep == 1:
         return
@@ -167,9 +170,6 @@ def check_ep(ep: int | None, sites: list[ExpertSite], *, cluster: Cluster, dp: i
         if s.n_experts % ep:
             raise PlanError(f"ep={ep} does not divide the {s.n_experts} experts of {s.module}; "
                             f"pick ep among {_divisors(s.n_experts)}")
-    if zero:
-        raise PlanError(f"ep={ep} with zero={zero}: ZeRO for expert state (sharded over the dp/ep replicas) is "
-                        f"not priced or run yet; use zero=0 with ep, or drop ep")
     if dp is not None and dp % ep:
         raise PlanError(f"ep={ep} must divide dp={dp}: expert parallelism folds over the data-parallel ranks; "
                         f"pick ep among {_divisors(dp)} or another dp")
@@ -203,9 +203,9 @@ def apply_ep(units: list, *, names: dict[str, list[str]], sites: list[ExpertSite
     if ep <= 1 or not sites:
         return units
     link = cluster.link_for_group(ep, stride=tp)
-    extra: dict[str, tuple[float, float, float, float]] = {}  # unit path -> (fwd_s, bwd_s, comm_s, params removed)
+    extra: dict[str, tuple[float, ...]] = {}  # unit path -> (fwd_s, bwd_s, comm_s, params removed, experts kept)
     for layer, here in _by_layer(sites).items():
-        f = b = comm = removed = 0.0
+        f = b = comm = removed = kept = 0.0
         for s in here:
             rows = s.rows * microbatch_size / global_batch
             fs, bs = expert_all_to_all_s(rows=rows * imbalance, width=s.width, elem_bytes=s.elem_bytes,
@@ -213,16 +213,20 @@ def apply_ep(units: list, *, names: dict[str, list[str]], sites: list[ExpertSite
             gf, gb = _experts_gemms_s(s, rows, ep, cluster, imbalance)
             held = sum(local_params.get(p, 0.0) for p in s.params) if local_params is not None else s.n_params
             f, b, comm, removed = f + fs + gf, b + bs + gb, comm + fs + bs, removed + held * (1 - 1 / ep)
+            kept += held / ep
         for path in names.get(layer, [layer]):
-            extra[path] = (f, b, comm, removed)
+            extra[path] = (f, b, comm, removed, kept)
     out = []
     for u in units:
         if u.path not in extra:
             out.append(u)
             continue
-        f, b, comm, removed = extra[u.path]
+        f, b, comm, removed, kept = extra[u.path]
+        other, grad_path = u.expert_transient  # the experts op computes the weight gradients of E/ep experts
+        transient = max([other] + [rest + grads / ep for rest, grads in grad_path]) if grad_path else u.transient_bytes
         out.append(replace(u, f_s=u.f_s + f, b_s=u.b_s + b, comm_s=u.comm_s + comm,
-                           n_params=max(0.0, u.n_params - removed)))
+                           n_params=max(0.0, u.n_params - removed), expert_params=u.expert_params + kept,
+                           transient_bytes=transient))
     return out
 
 

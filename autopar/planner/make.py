@@ -231,7 +231,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
         precision = plan_precision({"precision": "fp32" if _param_dtype(gm) == "fp32" else "bf16-mixed"})
     policy, precision = precision, precision.name
     experts = find_experts(gm)
-    check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp, zero=fixed.zero)
+    check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp)
     eps = ep_options(experts)
     check_cp(fixed.cp, gm, cluster=cluster, dp=fixed.dp, ep=fixed.ep)
     # cp is weighed where sequences are long (unless pinned)
@@ -295,6 +295,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                         cheap_act_bytes=lc.cheap_activation_bytes if lc else 0.0,
                         sac_f_s=lc.sac_forward_s if lc else 0.0, sac_act_bytes=lc.sac_activation_bytes if lc else 0.0,
                         transient_bytes=lc.transient_bytes if lc else 0.0,
+                        expert_transient=lc.expert_transient if lc else (0.0, ()),
                         boundary_bytes=boundary,
                         send_forward=sends.forward, send_backward=sends.backward,
                         n_params=lc.n_params_local if lc else 0.0,

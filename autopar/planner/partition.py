@@ -74,7 +74,7 @@ class _Layers:
 
     def __init__(self, units: Sequence[Unit], recompute: str):
         self.n, self.full = len(units), recompute == "full"
-        self.times, pre_t, pre_a, pre_p = [], [0.0], [0.0], [0.0]
+        self.times, pre_t, pre_a, pre_p, pre_e = [], [0.0], [0.0], [0.0], [0.0]
         for u in units:
             f, b, w, a = _unit_times(u, recompute)
             t = f + b + w
@@ -82,32 +82,39 @@ class _Layers:
             pre_t.append(pre_t[-1] + t)  # the unit's total, then the running sum: ties fall as they always did
             pre_a.append(pre_a[-1] + a)
             pre_p.append(pre_p[-1] + u.n_params)
-        self.pre_t, self.pre_a, self.pre_p = pre_t, pre_a, pre_p
+            pre_e.append(pre_e[-1] + u.expert_params)
+        self.pre_t, self.pre_a, self.pre_p, self.pre_e = pre_t, pre_a, pre_p, pre_e
         self.work = _sparse_max([u.act_bytes if self.full else 0.0 for u in units])
         self.transient = _sparse_max([u.transient_bytes for u in units])
         self.windows = {w: _sparse_max(window_sums([u.n_params for u in units], w))
                         for w in {1 + PREFETCH_GROUPS, MAX_INFLIGHT_REDUCES}}
 
     def fits(self, i: int, j: int, s: int, *, cap: float, state_per_param: float, inflight: Sequence[int],
-             buffers: tuple[float, float] = (0.0, 0.0)) -> bool:
-        """Stage ``s`` = layers ``[i, j)`` within ``cap``: training state + activations of the
+             buffers: tuple[float, float] = (0.0, 0.0), expert_per_param: float = 0.0) -> bool:
+        """Stage ``s`` = layers ``[i, j)`` within ``cap``: training state (``expert_per_param``: what
+        an expert parameter's state holds beyond ``state_per_param``, ZeRO sharding it over fewer
+        ranks, :func:`autopar.planner.state_memory.state_per_param`) + activations of the
         micro-batches in flight + (full recompute) one layer's activations + the largest op's
         working set + ZeRO's collective buffers (``buffers``: bytes per parameter of the fullest
         window of gathered groups and of gradient buckets in flight,
         :func:`autopar.zero_def.buffer_bytes_per_param`)."""
-        return self.rule(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers)(i, j, s)
+        return self.rule(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
+                         expert_per_param=expert_per_param)(i, j, s)
 
     def rule(self, *, cap: float, state_per_param: float, inflight: Sequence[int],
-             buffers: tuple[float, float] = (0.0, 0.0)):
+             buffers: tuple[float, float] = (0.0, 0.0), expert_per_param: float = 0.0):
         """:meth:`fits` with the memory rule bound: ``(i, j, s) -> bool``. The search asks it
         about a million times for Llama 70B; as a closure over local names it takes half the
         time of the method call with keywords."""
-        pre_p, pre_a, work, transient, full = self.pre_p, self.pre_a, self.work, self.transient, self.full
+        pre_p, pre_a, pre_e = self.pre_p, self.pre_a, self.pre_e
+        work, transient, full = self.work, self.transient, self.full
         gathered, sends = buffers
         gathered_w, sends_w = self.windows[1 + PREFETCH_GROUPS], self.windows[MAX_INFLIGHT_REDUCES]
 
         def fits(i: int, j: int, s: int) -> bool:
             mem = state_per_param * (pre_p[j] - pre_p[i]) + inflight[s] * (pre_a[j] - pre_a[i])
+            if expert_per_param:
+                mem += expert_per_param * (pre_e[j] - pre_e[i])
             if full:
                 mem += _range_max(work, i, j)
             if j > i:  # _range_max(transient, i, j), inlined
@@ -157,7 +164,8 @@ def _range_max(table: list[list[float]], i: int, j: int) -> float:
 
 def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
                inflight: tuple[int, ...], memo: dict | None = None,
-               buffers: tuple[float, float] = (0.0, 0.0)) -> list[tuple[int, int]] | None:
+               buffers: tuple[float, float] = (0.0, 0.0),
+               expert_per_param: float = 0.0) -> list[tuple[int, int]] | None:
     """Contiguous cuts minimising the slowest stage under the memory cap (None if none fits).
 
     With ``memo`` (one dict per search; units are keyed by tp, sp, micro-batch size and ep) the
@@ -170,7 +178,7 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     fits, so no capped cut has a faster slowest stage)."""
     if memo is None:
         return _cut(_Layers(units, cfg.recompute), cfg, cap=cap, state_per_param=state_per_param,
-                    inflight=inflight, buffers=buffers)[0]
+                    inflight=inflight, buffers=buffers, expert_per_param=expert_per_param)[0]
     layers_key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp)
     layers = memo.get(layers_key)
     if layers is None:
@@ -181,20 +189,23 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     free, infeasible_below = memo[key]
     if free is None:
         return None  # too few layers for the stages: no cap changes that
-    rule = dict(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers)
+    rule = dict(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
+                expert_per_param=expert_per_param)
     fits = layers.rule(**rule)
     if all(fits(i, j, s) for s, (i, j) in enumerate(free)):
         return list(free)
     # Every stage within the cap: their sum too, so state + the fewest in flight's activations
     # of the whole model must fit in n_stages caps (a quick no for most configurations that fit
     # no cut at all).
-    if state_per_param * layers.pre_p[-1] + min(inflight) * layers.pre_a[-1] > cfg.n_stages * cap:
+    if state_per_param * layers.pre_p[-1] + expert_per_param * layers.pre_e[-1] \
+            + min(inflight) * layers.pre_a[-1] > cfg.n_stages * cap:
         return None
     return _cut(layers, cfg, **rule, lo=infeasible_below)[0]
 
 
 def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, inflight: tuple[int, ...],
-         lo: float = 0.0, buffers: tuple[float, float] = (0.0, 0.0)) -> tuple[list[tuple[int, int]] | None, float]:
+         lo: float = 0.0, buffers: tuple[float, float] = (0.0, 0.0),
+         expert_per_param: float = 0.0) -> tuple[list[tuple[int, int]] | None, float]:
     """:func:`_partition` without the memo; also a time bound below which no cut fits (``lo``,
     if given, is one already known)."""
     times, pre_t = layers.times, layers.pre_t
@@ -202,7 +213,8 @@ def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, in
     if pp > n:
         return None, math.inf
 
-    fits = layers.rule(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers)
+    fits = layers.rule(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
+                       expert_per_param=expert_per_param)
 
     def greedy(bound: float) -> tuple[list[tuple[int, int]] | None, float]:
         """(the cuts, or None), and the smallest stage time above ``bound`` that the packing

@@ -40,12 +40,12 @@ import time
 from dataclasses import dataclass, field
 
 from autopar.cluster import Cluster
-from autopar.cost.memory import PRECISIONS, training_state_bytes
 from autopar.cost.simulate import SimResult, StepResult
 from autopar.cost.step import GroupCost, StageCost, StepSpec, estimate_exposed_s, group_dp_s
 from autopar.errors import InfeasibleError, PlanError
 from autopar.planner.fixed import FIXED_KEYS, PINNED_RECOMPUTE, RECOMPUTE, SCHEDULES, Fixed  # noqa: F401 (re-exported)
-from autopar.planner.partition import _inflight, _partition, window_sums
+from autopar.planner.partition import _inflight, _partition
+from autopar.planner.state_memory import _state, state_per_param, zero_buffer_bytes, zero_buffers  # noqa: F401
 from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _COLLECTIVE_S, _config_bound_s,  # noqa: F401
                                     _cuts_bound_s, _dp_comm_prefix, _grad_elem_bytes, _optimizer_s,
                                     _pipeline_bound_s, _prefix_sums, _schedule, _unit_times, _work_s, lower_bound_s)
@@ -142,8 +142,13 @@ class Unit:
     """What op-level SAC keeps less than selective recompute (``evaluation.LayerCost.sac_activation_bytes``)."""
     n_params: float
     """Parameters held per device under tensor parallelism (before ZeRO)."""
+    expert_params: float = 0.0
+    """Of ``n_params``, the expert parameters held under expert parallelism (their ``1/ep``
+    part): ZeRO shards their state over the ``dp / ep`` replicas of that part, not over dp."""
     transient_bytes: float = 0.0
     """Largest single-op working set beyond saved activations (``evaluation.LayerCost.transient_bytes``)."""
+    expert_transient: tuple[float, tuple[tuple[float, float], ...]] = (0.0, ())
+    """``evaluation.LayerCost.expert_transient``: what expert parallelism makes of ``transient_bytes``."""
     send_forward: tuple[tuple[str, float, float, float], ...] | None = None
     """The messages (one per dtype) one rank sends across a cut right after this unit, per
     micro-batch, as :class:`autopar.planner.cuts.Messages` gives them: (dtype, bytes, bytes
@@ -234,8 +239,9 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     sharding MIP's solution at ``tp`` with sequence parallelism ``sp`` (one of
     ``sp_options[tp]``, default ``(False,)``); with expert parallelism ``ep`` > 1 it is called
     ``units_for(tp, microbatch_size, sp, ep)``. ``ep_options``: the ep degrees > 1 the model's
-    experts allow (none: no experts); each is tried where it divides dp, with ZeRO-0 (expert
-    state under ZeRO is not priced yet), and with ``ep_flat_only`` only where pp = 1 (what
+    experts allow (none: no experts); each is tried where it divides dp, with every ZeRO stage
+    (expert state sharded over the dp/ep replicas: ``state_memory.state_per_param``), and with
+    ``ep_flat_only`` only where pp = 1 (what
     ``autopar.parallelize`` runs so far). A pinned ``fixed.ep`` is the only one tried. A pinned
     ``fixed.cp`` (context parallelism, folded over dp like ep; not with ep), or else each of
     ``cp_options`` that divides dp, calls ``units_for(tp, microbatch_size, sp, ep, cp)`` for
@@ -258,9 +264,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     skipped_batch = 0
     recomputes = [fixed.recompute] if fixed.recompute else RECOMPUTE
 
-    def zeros(dp: int, ep: int):
-        if ep > 1:  # ZeRO of expert state (over the dp/ep replicas) is not priced yet
-            return (0,)
+    def zeros(dp: int):
         return [fixed.zero] if fixed.zero is not None else range(4) if dp > 1 else (0,)
 
     def units_at(tp: int, mbs: int, sp: bool, ep: int, cp: int = 1) -> list[Unit]:
@@ -276,8 +280,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
 
     def eps(tp: int, pp: int, dp: int) -> list[int]:
         """The ep degrees a (tp, pp, dp) shape is tried with."""
-        # (a pinned ZeRO stage > 0 leaves ep = 1: expert state under ZeRO is not priced yet)
-        tried = [fixed.ep] if fixed.ep else [1] if fixed.zero else [1, *ep_options]
+        tried = [fixed.ep] if fixed.ep else [1, *ep_options]
         return [e for e in tried if dp % e == 0 and (e == 1 or not ep_flat_only or pp == 1)]
 
     dp_prefixes: dict[tuple, list[float]] = {}  # (tp, sp, mbs, zero, dp, m, ep, cp) -> _dp_comm_prefix
@@ -324,7 +327,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                                                     pp=pp, dp=dp, link=link, precision=precision, cluster=cluster,
                                                     dp_comm_s=dp_prefix(tp, sp, mbs, z, dp, m, ep, cp)[-1],
                                                     virtual_stages=2 if pp > 1 else 1)
-                                    for r in recomputes for z in zeros(dp, ep))
+                                    for r in recomputes for z in zeros(dp))
                         shapes.append((bound, tp, sp, pp, dp, mbs, m, ep, cp))
     shapes.sort(key=lambda x: (float(f"{x[0]:.6g}"), x[1:]))
     counts["shapes"] = len(shapes)
@@ -386,9 +389,9 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             inflight = _inflight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
             t0 = time.perf_counter()
             # a rank holds v stages: each gets 1/v of the memory (a conservative split)
-            cuts = _partition(units, cfg, cap=cap / cfg.virtual_stages, state_per_param=per_param,
+            cuts = _partition(units, cfg, cap=cap / cfg.virtual_stages, state_per_param=per_param[0],
                               inflight=inflight, memo=cut_memo,
-                              buffers=zero_buffers(cfg.zero, precision))
+                              buffers=zero_buffers(cfg.zero, precision), expert_per_param=per_param[1])
             clock["partition_s"] += time.perf_counter() - t0
             if cuts is None:
                 if not top:
@@ -414,9 +417,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             dp_link = cluster.link_for_group(dp, stride=tp)
             for kind in _schedules(fixed, pp):
                 for v in _virtual_options(kind, fixed, pp, m, n_units):
-                    for zero in zeros(dp, ep):
-                        per_param = training_state_bytes(n_params=1, zero_stage=zero, dp=dp,
-                                                         precision=precision).total
+                    for zero in zeros(dp):
+                        per_param = state_per_param(zero, dp, ep, precision)
                         for recompute in recomputes:
                             cfg = Config(tp=tp, pp=pp, dp=dp, microbatch_size=mbs, microbatches=m, zero=zero,
                                          recompute=recompute, schedule=kind, virtual_stages=v, sp=sp, ep=ep,
@@ -447,7 +449,7 @@ def _rank_key(time_of):
     return key
 
 
-def _min_memory(units: list[Unit], cfg: Config, per_param: float, inflight: tuple[int, ...],
+def _min_memory(units: list[Unit], cfg: Config, per_param: tuple[float, float], inflight: tuple[int, ...],
                 buffers: tuple[float, float] = (0.0, 0.0)) -> float:
     """Peak stage memory of an even split (for the 'smallest device that would fit' message),
     counted as :meth:`_Layers.fits` counts it: state, activations in flight, the full-recompute
@@ -462,32 +464,10 @@ def _min_memory(units: list[Unit], cfg: Config, per_param: float, inflight: tupl
             break
         acts = sum(_unit_times(u, cfg.recompute)[3] for u in chunk)
         work = max(u.act_bytes for u in chunk) if cfg.recompute == "full" else 0.0
-        worst = max(worst, per_param * sum(u.n_params for u in chunk) + inflight[s] * acts + work
+        state = per_param[0] * sum(u.n_params for u in chunk) + per_param[1] * sum(u.expert_params for u in chunk)
+        worst = max(worst, state + inflight[s] * acts + work
                     + max(u.transient_bytes for u in chunk) + zero_buffer_bytes(chunk, buffers))
     return worst
-
-
-def zero_buffers(zero: int, precision: str) -> tuple[float, float]:
-    """Bytes per parameter that ZeRO stage ``zero``'s collectives hold beside the training state under
-    ``precision``, of the fullest window of gathered groups and of gradient buckets in flight:
-    :func:`autopar.zero_def.buffer_bytes_per_param` with the compute copy's and the gradient's bytes
-    of :data:`autopar.cost.memory.PRECISIONS` and the reduction's
-    (:func:`autopar.planner.bounds._grad_elem_bytes`)."""
-    compute, grad, _ = PRECISIONS[precision]
-    return zero_def.buffer_bytes_per_param(zero, compute_bytes=compute, grad_bytes=grad,
-                                           wire_bytes=_grad_elem_bytes(precision))
-
-
-def zero_buffer_bytes(chunk: list[Unit], buffers: tuple[float, float]) -> float:
-    """ZeRO's buffers (:func:`zero_buffers`) on a stage of layer groups ``chunk``: the fullest window
-    of ``1 + PREFETCH_GROUPS`` groups gathered, and of ``MAX_INFLIGHT_REDUCES`` buckets in flight."""
-    gathered, sends = buffers
-    sizes = [u.n_params for u in chunk]
-    total = 0.0
-    for per_param, w in ((gathered, 1 + zero_def.PREFETCH_GROUPS), (sends, zero_def.MAX_INFLIGHT_REDUCES)):
-        if per_param and sizes:
-            total += per_param * max(window_sums(sizes, w))
-    return total
 
 
 def _largest_op(units: list[Unit]) -> tuple[str, float]:
@@ -518,10 +498,12 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
         if cfg.recompute == "full":
             acts += max(u.act_bytes for u in chunk)
         n_params = sum(u.n_params for u in chunk) + sum(v[2] for v in copies.values())
-        state = training_state_bytes(n_params=n_params, zero_stage=cfg.zero, dp=cfg.dp, precision=precision)
+        experts = sum(u.expert_params for u in chunk)
+        state = _state(n_params, experts, cfg, precision)
         sync = sum(group_dp_s(g.bucket_bytes, zero=cfg.zero, dp=cfg.dp, link=dp_link, microbatches=cfg.microbatches)
                    for g in groups)
-        opt_s = _optimizer_s(n_params / zero_def.state_shards(cfg.zero, cfg.dp)[2], cluster)
+        opt_s = _optimizer_s((n_params - experts) / zero_def.state_shards(cfg.zero, cfg.dp)[2]
+                             + experts / zero_def.state_shards(cfg.zero, cfg.dp // cfg.ep)[2], cluster)
         stages.append(StagePlan(
             layers=tuple(u.path for u in chunk), f_s=f, b_s=b, w_s=w, comm_s=c, inflight=inflight[s],
             params_bytes=state.params, grads_bytes=state.grads, optimizer_bytes=state.optimizer,

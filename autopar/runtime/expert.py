@@ -10,8 +10,8 @@ each ep group holds every expert once and the ``dp // ep`` groups are replicas:
     batch     b0  b1  b2  b3         each rank a quarter of the global batch
     experts   A   B   A   B          A = experts [0, E/2), B = [E/2, E)
     ep group  {0, 1}  {2, 3}         all-to-all dispatch and combine (autopar.experts)
-    replicas  {0, 2}  {1, 3}         expert gradients summed here
-    dp        {0, 1, 2, 3}           non-expert gradients summed here
+    replicas  {0, 2}  {1, 3}         expert gradients summed (ZeRO: their state chunked) here
+    dp        {0, 1, 2, 3}           non-expert gradients summed (ZeRO: their state chunked) here
 
 Every gradient is the sum of the ranks' addends of the global mean loss: non-expert ones
 over all dp ranks, expert ones over the replica group, whose members' all-to-alls already
@@ -24,12 +24,12 @@ as ``examples/moe.py``'s ``MoE`` calls it, and as Hugging Face's gated-SiLU expe
 and ``down_proj``). Other grouped-matmul experts are planned under ep
 (:mod:`autopar.planner.experts`) but not run under it: runnable plans leave them out of ep.
 
-In the build (pp = 1, ZeRO-0 so far; :func:`check_ep_runnable` refuses the rest before
+In the build (pp = 1 so far, any ZeRO stage; :func:`check_ep_runnable` refuses the rest before
 any collective): :func:`ep_groups` creates the groups, :func:`cut_experts` keeps each rank's
 experts before the trace (so the traced program holds them), :func:`point_experts_at` sends
 the traced experts ops over the rank's ep group, the routing runs on each rank's own tokens
 (:mod:`autopar.passes.token_local`), and :class:`autopar.runtime.zero.ShardedParams` sums
-expert gradients over the replica group.
+expert gradients over the replica group (and at ZeRO >= 1 keeps their state in chunks over it).
 """
 
 from __future__ import annotations

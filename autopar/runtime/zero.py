@@ -66,11 +66,15 @@ is widened into the fp32 buffers, as FSDP2 upcasts its reduce-scattered shard). 
 parallel gradient sums run in ``reduce_dtype`` too. Every buffer is created on
 ``device`` (the mesh's device unless given).
 
-Expert parallelism (``experts``, ZeRO-0 only): the stacked expert parameters are held as
-this rank's experts (the model's parameters were cut to them before the build), and their
-gradients are summed over the ``replica_group`` (the dp ranks holding the same experts)
-instead of all of dp: the all-to-alls inside the experts op already brought every token of
-the rank's ep group to them. :meth:`ShardedParams.full_tensor` gathers the ep parts whole.
+Expert parallelism (``experts``): the stacked expert parameters are held as this rank's
+experts (the model's parameters were cut to them before the build), and their gradients are
+summed over the ``replica_group`` (the dp ranks holding the same experts) instead of all of
+dp: the all-to-alls inside the experts op already brought every token of the rank's ep group
+to them. So at stages 1-3 an expert parameter's chunks are spread over that group (``dp / ep``
+chunks, each entry's :class:`_Shards`), in buckets of their own, and every collective of such a
+bucket (reduce-scatter, all-gather) runs over it; the planner shards their state so
+(:func:`autopar.planner.state_memory.state_per_param`). :meth:`ShardedParams.full_tensor` gathers
+the ep parts whole.
 
 Streams on CUDA: the overlap above needs no stream of autopar's own. NCCL runs every
 ``async_op=True`` collective on its internal stream, after waiting for the work the
@@ -133,17 +137,29 @@ class OptimizerShard:
     rest is padding)."""
 
 
+@dataclass(frozen=True)
+class _Shards:
+    """The ranks a parameter's ZeRO chunks are spread over: all of dp, or, for an expert
+    parameter, its replica group (the dp ranks holding the same experts)."""
+
+    n: int
+    rank: int
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]
+
+
 class _Entry:
     """One parameter's storage on this rank."""
 
     def __init__(self, fqn: str, shape: torch.Size, tp_placement: str, local_shape: torch.Size,
-                 stride: tuple[int, ...], dtype: torch.dtype, dp: int, rank: int, zero: int):
+                 stride: tuple[int, ...], dtype: torch.dtype, shards: _Shards, zero: int):
         self.fqn, self.shape, self.tp_placement = fqn, shape, tp_placement
         self.local_shape, self.stride, self.dtype = local_shape, stride, dtype
         self.numel = math.prod(local_shape)
-        self.chunk = math.ceil(self.numel / dp) if self.numel else 0
-        self.padded = self.chunk * dp if zero else self.numel
-        self.rank, self.zero = rank, zero
+        self.shards = shards
+        self.chunk = math.ceil(self.numel / shards.n) if self.numel else 0
+        self.padded = self.chunk * shards.n if zero else self.numel
+        self.rank, self.zero = shards.rank, zero
         self.flat: torch.Tensor | None = None  # padded full tp shard (stages 0-2)
         self.slice: torch.Tensor | None = None  # this rank's chunk (stages 1-3)
         self.grad: torch.Tensor | None = None  # reduced gradient: full tp shard (0) or this rank's chunk (1-3)
@@ -163,16 +179,13 @@ class _Bucket:
 
     def __init__(self, group: int, entries: list[_Entry], zero: int, expert: bool = False):
         self.group, self.entries, self.dtype = group, entries, entries[0].dtype
-        self.expert = expert  # expert parameters: reduced over their replica group
+        self.expert = expert  # expert parameters: reduced (and ZeRO-sharded) over their replica group
+        self.shards = entries[0].shards
         widths = [e.numel if zero == 0 else e.chunk for e in entries]
         self.col = [sum(widths[:i]) for i in range(len(entries))]
         self.width = sum(widths)
         self.full: torch.Tensor | None = None  # stages 0-1: the gradient accumulated over micro-batches
         self.grad: torch.Tensor | None = None  # stages 1-3: this rank's reduced slice, (width,)
-
-    def nbytes(self, dp: int, zero: int) -> int:
-        """Bytes of the whole bucket (all dp chunks) as its collectives move it."""
-        return self.width * (1 if zero == 0 else dp) * self.entries[0].opt_param.element_size()
 
 
 class ShardedParams(ZeroGather, ZeroReduce):
@@ -191,8 +204,6 @@ class ShardedParams(ZeroGather, ZeroReduce):
                  master_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  experts: Sequence[str] = (), ep_group: dist.ProcessGroup | None = None,
                  replica_group: dist.ProcessGroup | None = None):
-        if experts and zero:
-            raise ValueError(f"expert parallelism runs with ZeRO-0 only (zero={zero} was asked for)")
         self.mesh, self.zero, self.dp_dim, self.tp_dim = mesh, zero, dp_dim, tp_dim
         self.experts, self.ep_group, self.replica_group = frozenset(experts), ep_group, replica_group
         self.param_dtype, self.reduce_dtype, self.master_dtype = param_dtype, reduce_dtype, master_dtype
@@ -207,10 +218,15 @@ class ShardedParams(ZeroGather, ZeroReduce):
         self.guard = lambda action, peers=None: contextlib.nullcontext()
         """``guard(action, peers)``: a context that turns a failed wait into an error naming them."""
         self._dp_ranks = dist.get_process_group_ranks(self.dp_group)
+        dp_shards = _Shards(self.dp, self.dp_rank, self.dp_group, tuple(self._dp_ranks))
+        expert_shards = dp_shards if replica_group is None else _Shards(
+            dist.get_world_size(replica_group), dist.get_rank(replica_group), replica_group,
+            tuple(dist.get_process_group_ranks(replica_group)))
         named = dict(model.named_parameters())
         self.entries: dict[str, _Entry] = {}
         for fqn in trainable:
             full = named[fqn].detach()
+            shards = expert_shards if fqn in self.experts else dp_shards
             pls = [Replicate()] * mesh.ndim
             pls[tp_dim] = placement(tp_placements.get(fqn, "R"))
             if full.device.type == "meta":
@@ -218,13 +234,13 @@ class ShardedParams(ZeroGather, ZeroReduce):
                 shape, _ = compute_local_shape_and_global_offset(full.shape, mesh, pls)
                 dtype = master_dtype if master_dtype is not None and full.is_floating_point() else full.dtype
                 e = _Entry(fqn, full.shape, tp_placements.get(fqn, "R"), torch.Size(shape),
-                           contiguous_stride(shape), dtype, self.dp, self.dp_rank, zero)
+                           contiguous_stride(shape), dtype, shards, zero)
                 if zero == 3:
                     e.slice = self.live.track(torch.zeros(e.chunk, dtype=e.dtype, device=self.device), "params")
                 else:
                     e.flat = self.live.track(torch.zeros(e.padded, dtype=e.dtype, device=self.device), "params")
                     if zero >= 1:
-                        e.slice = e.flat[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk]
+                        e.slice = e.flat[e.rank * e.chunk:(e.rank + 1) * e.chunk]
                 e.opt_param = nn.Parameter(e.full_local() if zero == 0 else e.slice)
                 self.entries[fqn] = e
                 continue
@@ -234,16 +250,16 @@ class ShardedParams(ZeroGather, ZeroReduce):
                                       src_data_rank=None if fqn in self.experts else 0).to_local()
             dtype = master_dtype if master_dtype is not None and local.is_floating_point() else local.dtype
             e = _Entry(fqn, full.shape, tp_placements.get(fqn, "R"), local.shape, local.stride(), dtype,
-                       self.dp, self.dp_rank, zero)
+                       shards, zero)
             flat = torch.zeros(e.padded, dtype=dtype, device=self.device)
             flat[: e.numel] = local.reshape(-1)
             if zero == 3:
-                e.slice = self.live.track(flat[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk].clone(),
+                e.slice = self.live.track(flat[e.rank * e.chunk:(e.rank + 1) * e.chunk].clone(),
                                           "params")
             else:
                 e.flat = self.live.track(flat, "params")
                 if zero >= 1:
-                    e.slice = flat[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk]
+                    e.slice = flat[e.rank * e.chunk:(e.rank + 1) * e.chunk]
             e.opt_param = nn.Parameter(e.full_local() if zero == 0 else e.slice)
             self.entries[fqn] = e
         self.groups = _complete_groups(groups, trainable)
@@ -295,7 +311,7 @@ class ShardedParams(ZeroGather, ZeroReduce):
         if e.flat is not None:
             e.flat[: e.numel].copy_(local)
         else:
-            part = local[self.dp_rank * e.chunk:(self.dp_rank + 1) * e.chunk]
+            part = local[e.rank * e.chunk:(e.rank + 1) * e.chunk]
             e.slice[: part.numel()].copy_(part)
 
     def set_tp_returns(self, returns: Iterable[GradReturn]) -> None:
@@ -337,7 +353,7 @@ class ShardedParams(ZeroGather, ZeroReduce):
         e = self.entries[fqn]
         rng = None
         if self.zero:
-            start = min(self.dp_rank * e.chunk, e.numel)
+            start = min(e.rank * e.chunk, e.numel)
             rng = (start, min(start + e.chunk, e.numel))
         return OptimizerShard(param=e.opt_param, shape=e.shape, tp_placement=e.tp_placement,
                               local_shape=e.local_shape, flat_range=rng)

@@ -60,24 +60,24 @@ class ZeroGather:
         for b in self.buckets[group]:
             dtype = self._cast(b.entries[0]) if compute else b.dtype
             send = torch.cat([getattr(e, source).reshape(-1) for e in b.entries]).to(dtype) if b.entries else None
-            viewed = len(b.entries) == 1 or self.dp == 1  # _finish_gather's views of the buffer, not copies
-            recv = self.live.track(torch.empty(self.dp * b.width, dtype=dtype, device=self.device),
+            viewed = len(b.entries) == 1 or b.shards.n == 1  # _finish_gather's views of the buffer, not copies
+            recv = self.live.track(torch.empty(b.shards.n * b.width, dtype=dtype, device=self.device),
                                    kind if viewed else "buffers")
-            work = _all_gather(recv, send, group=self.dp_group, async_op=True)
+            work = _all_gather(recv, send, group=b.shards.group, async_op=True)
             if not self.overlap:
-                self._wait_gather(work)
+                self._wait_gather(work, b.shards.ranks)
             started.append((work, recv, b))
         return started
 
-    def _wait_gather(self, work) -> None:
-        with self.guard(f"parameter all-gather over dp group {self._dp_ranks}", self._dp_ranks):
+    def _wait_gather(self, work, ranks: tuple[int, ...]) -> None:
+        with self.guard(f"parameter all-gather over group {list(ranks)}", list(ranks)):
             work.wait()
 
     def _finish_gather(self, started: list, kind: str = "gathered") -> dict[str, torch.Tensor]:
         out = {}
         for work, recv, b in started:
-            self._wait_gather(work)
-            table = recv.view(self.dp, b.width)
+            self._wait_gather(work, b.shards.ranks)
+            table = recv.view(b.shards.n, b.width)
             for e, col in zip(b.entries, b.col):
                 # a bucket of several parameters: reshape copies the parameter's columns out of the
                 # (dp, width) table (the table dies with the last copy); of one parameter (or dp = 1)
@@ -126,7 +126,7 @@ class ZeroGather:
         return recv.view(-1, *part.shape[1:])
 
     def _gather_one(self, piece: torch.Tensor, e: _Entry) -> torch.Tensor:
-        """This parameter's dp chunks (``piece`` on this rank) gathered into its whole tp shard."""
-        recv = torch.empty(self.dp * e.chunk, dtype=piece.dtype, device=self.device)
-        _all_gather(recv, piece.reshape(-1).contiguous(), group=self.dp_group)
+        """This parameter's ZeRO chunks (``piece`` on this rank) gathered into its whole tp shard."""
+        recv = torch.empty(e.shards.n * e.chunk, dtype=piece.dtype, device=self.device)
+        _all_gather(recv, piece.reshape(-1).contiguous(), group=e.shards.group)
         return recv[: e.numel].view(e.local_shape)

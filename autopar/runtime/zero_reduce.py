@@ -45,13 +45,13 @@ class ZeroReduce:
             for b in bs:
                 if self.stage.full_grad_buffer:
                     if b.full is None:
-                        rows = 1 if self.zero == 0 else self.dp
+                        rows = 1 if self.zero == 0 else b.shards.n
                         b.full = self.live.track(torch.zeros(rows * b.width, dtype=b.dtype, device=self.device),
                                                  "grads")
                     else:
                         b.full.zero_()
                 if self.zero == 1:  # the reduced slice lands in this rank's row of the full buffer
-                    b.grad = b.full.view(self.dp, b.width)[self.dp_rank]
+                    b.grad = b.full.view(b.shards.n, b.width)[b.shards.rank]
                 elif self.zero >= 2:
                     if b.grad is None:
                         b.grad = self.live.track(torch.zeros(b.width, dtype=b.dtype, device=self.device), "grads")
@@ -89,7 +89,7 @@ class ZeroReduce:
             self._issue_reduce(g, grads)
             return
         for b in self.buckets[g]:  # stages 0-1: accumulate into the full buffer, reduce after the last
-            rows = b.full.view(1 if self.zero == 0 else self.dp, b.width)
+            rows = b.full.view(1 if self.zero == 0 else b.shards.n, b.width)
             for e, col in zip(b.entries, b.col):
                 _add_padded(rows, col, e, grads[e.fqn], self.zero)
         if self._done[g] == self._n_micro:
@@ -104,8 +104,8 @@ class ZeroReduce:
             wire = self._reduce(b.dtype)  # a bf16 reduction sends a bf16 copy, widened when it lands
             if self.zero == 0:
                 done = None
-                group = self.replica_group if b.expert else self.dp_group
-                if dist.get_world_size(group) == 1:
+                group = b.shards.group
+                if b.shards.n == 1:
                     work = None
                 elif wire == b.dtype:
                     work = dist.all_reduce(b.full, group=group, async_op=True)
@@ -116,18 +116,18 @@ class ZeroReduce:
             else:
                 if grads is None:
                     send = b.full if wire == b.dtype else self.live.track(b.full.to(wire), "buffers")
-                elif len(b.entries) == 1 and b.entries[0].numel == self.dp * b.width:
-                    # one parameter, no padding: its gradient already is the (dp, width) layout, so it
+                elif len(b.entries) == 1 and b.entries[0].numel == b.shards.n * b.width:
+                    # one parameter, no padding: its gradient already is the (n, width) layout, so it
                     # is sent as it is (cast to the wire dtype if need be), not copied into a new buffer
                     send = self.live.track(grads[b.entries[0].fqn].reshape(-1).to(wire), "buffers")
                 else:
-                    send = self.live.track(torch.zeros(self.dp * b.width, dtype=wire, device=self.device),
+                    send = self.live.track(torch.zeros(b.shards.n * b.width, dtype=wire, device=self.device),
                                            "buffers")
-                    rows = send.view(self.dp, b.width)
+                    rows = send.view(b.shards.n, b.width)
                     for e, col in zip(b.entries, b.col):
                         _add_padded(rows, col, e, grads[e.fqn], self.zero)
                 recv = self.live.track(torch.empty(b.width, dtype=wire, device=self.device), "buffers")
-                work = _reduce_scatter(recv, send, group=self.dp_group, async_op=True)
+                work = _reduce_scatter(recv, send, group=b.shards.group, async_op=True)
                 if grads is None:  # stage 1: into this rank's row of the full buffer, once the send is done
                     done = (lambda b=b, recv=recv: b.grad.copy_(recv))
                 else:  # stages 2-3: accumulated into the held slice

@@ -7,7 +7,8 @@ one process (the ``parallel_compare`` rule; the reference trains alongside acros
 plans). AdamW's state must come along: restarted moments would move every parameter by
 about lr on the 4th step, thousands of times the tolerance. Pairs: DP4 -> TP2xDP2,
 ZeRO-3 DP4 -> PP2xDP2 (ZeRO-1), TP2xDP2 -> ZeRO-1 DP4 and, for the MoE example, ep=2 over
-dp=4 -> ep=4 (each rank loads other experts' rows than it saved) in one 4-rank world, and
+dp=4 at ZeRO-3 -> ep=4 (each rank loads other experts' rows than it saved) and ep=4 -> ep=2 at
+ZeRO-2 (expert state in chunks over the replicas) in one 4-rank world, and
 PP4 -> one process (a 1-rank world). The 1-rank world also checks keep=, async_save (the checkpoint
 holds the step it was taken at while training goes on) and export to one torch.save file
 and back. Bad checkpoints are checked in this process: one CheckpointError line each.
@@ -111,9 +112,13 @@ FOUR = [
      ("1x4xcpu", {"pp": 2, "dp": 2, "tp": 1, "zero": 1, "microbatches": 2})),
     ("tp2xdp2_to_zero1", (tp_friendly_cluster("1x4xcpu"), {"dp": 2, "tp": 2}), ("1x4xcpu", {"dp": 4, "zero": 1})),
     ("pp4_to_one", ("1x4xcpu", {"pp": 4, "dp": 1, "tp": 1, "microbatches": 4}), None),
-    # experts cut in 2 parts (2 replicas each) -> in 4 parts: every rank loads other experts' rows
-    ("moe_ep2_to_ep4", ("1x4xcpu", {"dp": 4, "ep": 2, "microbatches": 1}),
+    # experts cut in 2 parts (2 replicas each, ZeRO-3 chunks of each part over its replicas) -> in 4
+    # parts: every rank loads other experts' rows
+    ("moe_ep2_to_ep4", ("1x4xcpu", {"dp": 4, "ep": 2, "zero": 3, "microbatches": 1}),
      ("1x4xcpu", {"dp": 4, "ep": 4, "microbatches": 1})),
+    # and back: whole parts saved, loaded as ZeRO-2 chunks (the optimizer's) of 2 parts
+    ("moe_ep4_to_ep2", ("1x4xcpu", {"dp": 4, "ep": 4, "zero": 0, "microbatches": 1}),
+     ("1x4xcpu", {"dp": 4, "ep": 2, "zero": 2, "microbatches": 1})),
 ]
 
 
@@ -147,6 +152,7 @@ def test_plans_are_the_pinned_ones(worlds):
     assert (r["tp2xdp2_to_zero1"]["mesh_b"]["dp"], r["tp2xdp2_to_zero1"]["zero_b"]) == (4, 1)
     assert r["pp4_to_one"]["mesh_a"]["pp"] == 4
     assert (r["moe_ep2_to_ep4"]["ep_a"], r["moe_ep2_to_ep4"]["ep_b"]) == (2, 4)
+    assert (r["moe_ep4_to_ep2"]["ep_a"], r["moe_ep4_to_ep2"]["ep_b"], r["moe_ep4_to_ep2"]["zero_b"]) == (4, 2, 2)
 
 
 def test_keep_async_and_export_round_trip(worlds):

@@ -10,7 +10,9 @@ whose blocks add a gated shared expert, under ep=2 on 2 ranks):
 - ep=2 on 2 ranks (both models): each rank holds half the experts of a block, tokens
   dispatched and combined by all-to-all over the ep group;
 - on 4 ranks (both models), ep=2 folded over dp=4 (two replicas of each expert half, expert
-  gradients summed over the replica group), ep=4, and ep=2 x tp=2 (the example's "small"
+  gradients summed over the replica group; and under ZeRO-3 (the example, 2 micro-batches) and
+  ZeRO-1 (Mixtral), whose expert state is in chunks over the replica group, everything else
+  over dp), ep=4, and ep=2 x tp=2 (the example's "small"
   size; attention sharded Megatron-style over tp, on a cluster where that pays; each expert's
   hidden width split over tp (Mixtral: down_proj only, its gate and up halves are stacked in
   one tensor), and each tp rank exchanges tokens with its ep peers in its tp column).
@@ -25,6 +27,7 @@ more than the tolerance (a first version that gave every rank rank 0's experts w
 outside it at the first step).
 """
 
+import math
 import re
 import sys
 from pathlib import Path
@@ -115,6 +118,9 @@ def _train(rank, world, configs):
                      if f.rsplit(".", 1)[-1] in EXPERT_PARAMS[model_name]},
             "stored": {f: tuple(e.local_shape) for f, e in pm.params.entries.items()
                        if f.rsplit(".", 1)[-1] in EXPERT_PARAMS[model_name]},
+            # the ranks each parameter's ZeRO chunks are spread over, and this rank's chunk length
+            "chunked": {f: (list(e.shards.ranks), e.chunk) for f, e in pm.params.entries.items()},
+            "zero": pm.plan.zero,
             # the process group each experts op (forward and backward) of the program runs over
             "experts_groups": re.findall(r"autopar\.moe_experts(?:_backward)?\.default\([^\n]*, '([^']*)'\)", code),
             "ep_group_name": pm.params.ep_group.group_name if ep > 1 else "",
@@ -129,11 +135,13 @@ def _train(rank, world, configs):
     return report
 
 
-# (one micro-batch: the all-to-all test reads the calls of a step in order)
+# (the all-to-all test reads the calls of a step in order, micro-batch after micro-batch)
 TWO = [("dp_zero3", "moe", {"dp": 2, "zero": 3}), ("ep2", "moe", {"dp": 2, "ep": 2, "microbatches": 1}),
        ("mixtral_ep2", "mixtral", {"dp": 2, "ep": 2, "microbatches": 1}),
        ("qwen2_moe_ep2", "qwen2_moe", {"dp": 2, "ep": 2, "microbatches": 1})]
 FOUR = [("ep2_replicas2", "moe", {"dp": 4, "ep": 2, "microbatches": 1}),
+        ("ep2_replicas2_zero3", "moe", {"dp": 4, "ep": 2, "zero": 3, "microbatches": 2}),
+        ("mixtral_ep2_replicas2_zero1", "mixtral", {"dp": 4, "ep": 2, "zero": 1, "microbatches": 1}),
         ("ep4", "moe", {"dp": 4, "ep": 4, "microbatches": 1}),
         ("ep2_tp2", "moe", {"dp": 2, "tp": 2, "ep": 2, "microbatches": 1}),
         ("mixtral_ep2_replicas2", "mixtral", {"dp": 4, "ep": 2, "microbatches": 1}),
@@ -181,6 +189,14 @@ def test_moe_trains_like_one_process_with_each_rank_holding_its_experts(world):
                 part = dp_rank % ep
                 assert r["ep_ranks"] == [(dp_rank - part + i) * tp + t for i in range(ep)], where
                 assert r["replica_ranks"] == [d * tp + t for d in range(part, size // tp, ep)], where
+            if fixed.get("zero"):  # ZeRO: expert state in chunks over the replicas, the rest over dp
+                assert r["zero"] == fixed["zero"], where
+                dp_ranks = [d * tp + rank % tp for d in range(size // tp)]
+                for fqn, (ranks, chunk) in r["chunked"].items():
+                    expert = fqn in r["held"] and ep > 1
+                    assert ranks == (r["replica_ranks"] if expert else dp_ranks), (where, fqn, ranks)
+                    numel = math.prod(r["stored"][fqn]) if expert else None
+                    assert not expert or chunk == math.ceil(numel / len(ranks)), (where, fqn, chunk)
             # forward and backward of each block's experts, over this rank's ep group ("" = all local)
             assert r["experts_groups"] == [r["ep_group_name"]] * 4, (where, r["experts_groups"])
             # routing runs on the rank's own tokens: the program gathers nothing over dp
@@ -209,17 +225,18 @@ def test_each_rank_runs_the_all_to_alls_the_plan_priced(world):
             continue
         layers = results[0][name]["plan_experts"]["layers"]
         count = results[0][name]["plan_all_to_all"]["ep"]["count"]  # per step
+        m = fixed.get("microbatches", 1)
         for step in range(1, STEPS + 1):
             combines: dict[tuple, list[float]] = {}
             for rank, by_name in enumerate(results):
                 calls = [c for c in by_name[name]["all_to_alls"] if c[0] == step]
-                assert len(calls) == count == 6 * len(layers), (name, rank, step, len(calls), count)
+                assert len(calls) == count == 6 * len(layers) * m, (name, rank, step, len(calls), count)
                 assert {g for _, g, _ in calls} == {tuple(by_name[name]["ep_ranks"])}, (name, rank)
                 sent = [b for _, _, b in calls]
                 fwd = [tuple(x["all_to_all_bytes"]["forward"]) for x in layers.values()]
                 bwd = [tuple(x["all_to_all_bytes"]["backward"]) for x in layers.values()]
-                # forward of each layer in order, then backward in reverse order
-                priced = fwd + bwd[::-1]
+                # per micro-batch, forward of each layer in order, then backward in reverse order
+                priced = (fwd + bwd[::-1]) * m
                 for k, (counts, dispatch, combine) in enumerate(priced):
                     assert sent[3 * k] == counts and sent[3 * k + 1] == dispatch, (name, rank, step, k, sent)
                     combines.setdefault((by_name[name]["ep_ranks"][0], k), []).append(sent[3 * k + 2] / combine)
