@@ -9,7 +9,8 @@ import pytest
 from autopar.cost import comm
 from autopar.cost.schedule import one_f_one_b
 from autopar.cost.simulate import simulate, simulate_program, simulate_step
-from autopar.cost.step import GroupCost, Op, StageCost, StepSpec, TiedCost, lower_step, time_prefix
+from autopar.cost.step import (GroupCost, Op, StageCost, StepSpec, TiedCost, dp_collective_s, lower_step,
+                                time_prefix)
 
 LINK = comm.Link(bytes_per_s=1e9, latency_s=0.0)
 OTHER = comm.Link(bytes_per_s=1e9, latency_s=1e-12)  # a second link (different figures)
@@ -173,6 +174,27 @@ def test_gradient_messages_back_take_their_own_time():
     assert simulate_step(StepSpec.from_dict(old)).step_time_s == simulate_step(spec(
         [[(1, 1, 1, 0)], [(1, 1, 1, 0)]], pp=2, dp=1, send=0.5)).step_time_s == 7
     assert StepSpec.from_dict(s.to_dict()) == s
+
+
+def test_expert_buckets_run_over_their_replica_group_on_its_link():
+    """Under ep, a group's expert bytes are reduced and gathered over the replica group on its own
+    link, the rest over dp (the runtime's two buckets, one after the other); with one replica the
+    experts need no collective. dp = 2 on LINK: all-reduce B/1e9 s; 4 replicas on a 4x slower
+    link: all-reduce 2 (3/4) B / 0.25e9 = 6 B/1e9 s."""
+    slow = comm.Link(bytes_per_s=0.25e9, latency_s=0.0)
+    group = GroupCost(name="g", f_s=1, b_s=1, w_s=1, bucket_bytes=1e9, expert_bytes=0.75e9)
+    base = spec([[(1, 1, 1, 1e9)]], zero=0)
+
+    def reduce_s(replicas, link):
+        s = StepSpec(**{**vars(base), "stages": (StageCost(groups=(group,)),), "replicas": replicas,
+                        "replica_link": link})
+        assert StepSpec.from_dict(s.to_dict()) == s
+        (op,) = [op for op in lower_step(s)[0] if op.kind == "REDUCE_GRAD"]
+        return op.seconds
+    assert reduce_s(0, None) == pytest.approx(1.0)  # no ep: the whole bucket over dp
+    assert reduce_s(4, slow) == pytest.approx(0.25 + 6 * 0.75)
+    assert reduce_s(1, slow) == pytest.approx(0.25)  # ep = dp: each expert part lives on one rank
+    assert dp_collective_s("all_gather", 1e9, 2, LINK, 0.75e9, 4, slow) == pytest.approx(0.125 + 0.75 * 3)
 
 
 def test_spec_round_trips_and_bad_input_is_one_clear_error():

@@ -48,7 +48,8 @@ from autopar.zero_def import stage as zero_stage
 from autopar.zero_def import step_collective_counts
 
 __all__ = ["OVERLAP_SLOWDOWN", "GroupCost", "StageCost", "TiedCost", "StepSpec", "Op", "COMPUTE_KINDS",
-           "COLLECTIVE_KINDS", "FUSED_BACKWARD", "Prefix", "lower_step", "time_prefix", "group_dp_s", "estimate_exposed_s"]
+           "COLLECTIVE_KINDS", "FUSED_BACKWARD", "Prefix", "lower_step", "time_prefix", "dp_collective_s", "group_dp_s",
+           "estimate_exposed_s"]
 
 OVERLAP_SLOWDOWN = 1.3
 """Compute runs this many times slower while a collective overlaps it on the same GPU
@@ -85,6 +86,10 @@ class GroupCost:
     bucket_bytes: float = 0.0
     """The group's parameters per rank (tp-sharded, before ZeRO) in the gradient dtype:
     the full bytes each dp collective of this bucket moves through its ring."""
+    expert_bytes: float = 0.0
+    """Of ``bucket_bytes``, the expert parameters' under expert parallelism: the runtime reduces
+    (and gathers) them in a bucket of their own over their replica group
+    (``StepSpec.replicas``), not over dp."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +131,10 @@ class StepSpec:
     dp_link: comm.Link
     tied: tuple[TiedCost, ...] = ()
     overlap_slowdown: float = OVERLAP_SLOWDOWN
+    replicas: int = 0
+    """Under expert parallelism, the ranks of an expert part's replica group (dp / ep), which
+    its buckets' collectives run over on ``replica_link``; 0 without ep."""
+    replica_link: comm.Link | None = None
 
     @property
     def virtual_stages(self) -> int:
@@ -143,7 +152,8 @@ class StepSpec:
                               nbytes=t["nbytes"], link=comm.Link(**t["link"])) for t in d.get("tied", ()))
         return cls(schedule=d["schedule"], pp=d["pp"], microbatches=d["microbatches"], zero=d["zero"], dp=d["dp"],
                    stages=stages, dp_link=comm.Link(**d["dp_link"]), tied=tied,
-                   overlap_slowdown=d.get("overlap_slowdown", OVERLAP_SLOWDOWN))
+                   overlap_slowdown=d.get("overlap_slowdown", OVERLAP_SLOWDOWN), replicas=d.get("replicas", 0),
+                   replica_link=comm.Link(**d["replica_link"]) if d.get("replica_link") else None)
 
 
 @dataclass(frozen=True)
@@ -316,10 +326,12 @@ def lower_step(spec: StepSpec, *, prefix: Prefix | None = None) -> dict[int, lis
 
     priced: dict[tuple[str, float], float] = {}  # repeated layers: one pricing per collective and size
 
-    def dp_op(kind: str, name: str, collective: str, nbytes: float, stream: str, waits, a: Action, g: int) -> Op:
-        seconds = priced.get((collective, nbytes))
+    def dp_op(kind: str, name: str, collective: str, grp: GroupCost, stream: str, waits, a: Action, g: int) -> Op:
+        nbytes = grp.bucket_bytes
+        seconds = priced.get((collective, nbytes, grp.expert_bytes))
         if seconds is None:
-            seconds = priced[collective, nbytes] = _COLLECTIVE_S[collective](nbytes, spec.dp, spec.dp_link)
+            seconds = priced[collective, nbytes, grp.expert_bytes] = dp_collective_s(
+                collective, nbytes, spec.dp, spec.dp_link, grp.expert_bytes, spec.replicas, spec.replica_link)
         return Op(name, kind, seconds, tuple(waits), stage=a.stage, microbatch=a.microbatch, group=g, action=a,
                   stream=stream, collective=collective, group_size=spec.dp, nbytes=nbytes, link=spec.dp_link)
 
@@ -345,7 +357,7 @@ def lower_step(spec: StepSpec, *, prefix: Prefix | None = None) -> dict[int, lis
 
         def unshard_op(g: int) -> Op:
             return dp_op("UNSHARD", f"{a.stage}UNSHARD_{phase}{a.microbatch}.g{g}", "all_gather",
-                         groups[g].bucket_bytes, "dp.gather", (), a, g)
+                         groups[g], "dp.gather", (), a, g)
 
         reduce_here = reduces(a)
         for n, (name, g, seconds) in enumerate(parts):
@@ -362,7 +374,7 @@ def lower_step(spec: StepSpec, *, prefix: Prefix | None = None) -> dict[int, lis
                 ops.append(unshard_op(parts[n + 1][1]))
             if reduce_here and g >= 0 and groups[g].bucket_bytes > 0:
                 ops.append(dp_op("REDUCE_GRAD", f"{a.stage}REDUCE_GRAD{a.microbatch}.g{g}", z.grad_collective,
-                                 groups[g].bucket_bytes, "dp.reduce", [(name, 0.0)], a, g))
+                                 groups[g], "dp.reduce", [(name, 0.0)], a, g))
     last = [order[last_grad[s]][1] for s in range(n_stages)]
     _add_tied(program, spec, last, tied_at, pieces, reduces)
     _add_optimizer(program, spec, z, last, last_grad, reduces, tied_at)
@@ -440,30 +452,49 @@ def _add_optimizer(program, spec: StepSpec, z, last, last_index, reduces, tied_a
             if z is not None and z.param_gather == "after_step":
                 for g, grp in enumerate(groups):
                     if grp.bucket_bytes > 0:
-                        seconds = comm.all_gather_s(grp.bucket_bytes, spec.dp, spec.dp_link)
+                        seconds = dp_collective_s("all_gather", grp.bucket_bytes, spec.dp, spec.dp_link,
+                                                  grp.expert_bytes, spec.replicas, spec.replica_link)
                         ops.append(Op(f"{s}PARAM_GATHER.g{g}", "PARAM_GATHER", seconds, ((f"{s}OPT", 0.0),),
                                       stage=s, group=g, stream="dp.gather", collective="all_gather",
                                       group_size=spec.dp, nbytes=grp.bucket_bytes, link=spec.dp_link))
 
 
-def group_dp_s(bucket_bytes: float, *, zero: int, dp: int, link: comm.Link, microbatches: int) -> float:
-    """Seconds of dp collectives one bucket issues in a step (each alone on ``link``)."""
+def dp_collective_s(collective: str, nbytes: float, dp: int, link: comm.Link, expert_bytes: float = 0.0,
+                    replicas: int = 0, replica_link: comm.Link | None = None) -> float:
+    """One dp collective of a layer group's bucket of ``nbytes``, alone on its links: under expert
+    parallelism (``replica_link`` given) ``expert_bytes`` of them run over the experts' replica
+    group of ``replicas`` ranks (nothing to do for one), the rest over dp, one after the other,
+    as the runtime issues its two buckets (:mod:`autopar.runtime.zero`)."""
+    if not expert_bytes or replica_link is None:
+        return _COLLECTIVE_S[collective](nbytes, dp, link)
+    rest = nbytes - expert_bytes
+    seconds = _COLLECTIVE_S[collective](rest, dp, link) if rest > 0 else 0.0
+    return seconds + (_COLLECTIVE_S[collective](expert_bytes, replicas, replica_link) if replicas > 1 else 0.0)
+
+
+def group_dp_s(bucket_bytes: float, *, zero: int, dp: int, link: comm.Link, microbatches: int,
+               expert_bytes: float = 0.0, replicas: int = 0, replica_link: comm.Link | None = None) -> float:
+    """Seconds of dp collectives one bucket issues in a step (each alone on its link; ``expert_bytes``,
+    ``replicas`` and ``replica_link`` as :func:`dp_collective_s`)."""
     if dp == 1 or bucket_bytes == 0:
         return 0.0
-    return _group_dp_s(bucket_bytes, zero, dp, link, microbatches)
+    return _group_dp_s(bucket_bytes, zero, dp, link, microbatches, expert_bytes, replicas, replica_link)
 
 
 @lru_cache(maxsize=65536)
-def _group_dp_s(nbytes: float, zero: int, dp: int, link: comm.Link, microbatches: int) -> float:
+def _group_dp_s(nbytes: float, zero: int, dp: int, link: comm.Link, microbatches: int, expert_bytes: float = 0.0,
+                replicas: int = 0, replica_link: comm.Link | None = None) -> float:
     """Cached: the search prices the same buckets (repeated layers) for thousands of candidates.
     The whole :class:`comm.Link` (frozen, so hashable) is the key: its NVSwitch tables, base
     latency and all-reduce bandwidth price each collective exactly as the simulated step
     program does (a bare ``Link(bytes_per_s, latency_s)`` rebuilt here dropped them)."""
     counts = step_collective_counts(zero, n_micro=microbatches)
-    return sum(k * _COLLECTIVE_S[kind](nbytes, dp, link) for kind, k in counts.items())
+    return sum(k * dp_collective_s(kind, nbytes, dp, link, expert_bytes, replicas, replica_link)
+               for kind, k in counts.items())
 
 
-def estimate_exposed_s(stage: StageCost, *, zero: int, dp: int, link: comm.Link, microbatches: int) -> float:
+def estimate_exposed_s(stage: StageCost, *, zero: int, dp: int, link: comm.Link, microbatches: int,
+                       replicas: int = 0, replica_link: comm.Link | None = None) -> float:
     """A cheap estimate of a stage's exposed dp time, for ranking before simulation.
 
     What cannot hide: the last bucket's reduction (group 0 finishes the backward), the first
@@ -477,13 +508,18 @@ def estimate_exposed_s(stage: StageCost, *, zero: int, dp: int, link: comm.Link,
     groups = [g for g in stage.groups if g.bucket_bytes > 0]
     if not groups:
         return 0.0
-    total = sum(group_dp_s(g.bucket_bytes, zero=zero, dp=dp, link=link, microbatches=microbatches) for g in groups)
-    first = groups[0].bucket_bytes
-    floor = _COLLECTIVE_S[z.grad_collective](first, dp, link)
+    experts = dict(replicas=replicas, replica_link=replica_link)
+    total = sum(group_dp_s(g.bucket_bytes, zero=zero, dp=dp, link=link, microbatches=microbatches,
+                           expert_bytes=g.expert_bytes, **experts) for g in groups)
+
+    def once(kind: str, g: GroupCost) -> float:
+        return dp_collective_s(kind, g.bucket_bytes, dp, link, g.expert_bytes, replicas, replica_link)
+
+    floor = once(z.grad_collective, groups[0])
     if z.param_gather == "after_step":
-        floor += sum(comm.all_gather_s(g.bucket_bytes, dp, link) for g in groups)
+        floor += sum(once("all_gather", g) for g in groups)
     if z.param_gather == "per_use":
-        floor += comm.all_gather_s(first, dp, link)
+        floor += once("all_gather", groups[0])
     per_use = z.param_gather == "per_use"
     compute = sum(g.b_s + g.w_s + (g.f_s if per_use else 0.0) for g in stage.groups)
     overlap = compute * (microbatches if z.grad_reduce_every_microbatch else 1)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from autopar.cluster import Cluster
 from autopar.cost import comm
 from autopar.cost.schedule import cached_schedule, timing_order
-from autopar.cost.step import OVERLAP_SLOWDOWN
+from autopar.cost.step import OVERLAP_SLOWDOWN, group_dp_s
 from autopar import zero_def
 
 if TYPE_CHECKING:
@@ -105,27 +105,38 @@ def _config_bound_s(work_s: float, n_params: float, *, zero: int, m: int, pp: in
                _overlap_bound_s(m * work_s / pp + opt, dp_comm_s / pp))
 
 
-def _dp_collective_s(nbytes: float, *, zero: int, dp: int, link: comm.Link, microbatches: int) -> float:
+def _dp_collective_s(nbytes: float, *, zero: int, dp: int, link: comm.Link, microbatches: int,
+                     expert_bytes: float = 0.0, replicas: int = 0, replica_link: comm.Link | None = None) -> float:
     """One layer group's dp collectives in one step, each priced as the step program prices it
-    (:func:`autopar.cost.step.lower_step`: the same functions on the same link), alone on the link."""
-    if dp == 1 or nbytes <= 0:
+    (:func:`autopar.cost.step.lower_step`: the same functions on the same links), alone on its link
+    (``expert_bytes`` of them over the experts' replica group: :func:`autopar.cost.step.dp_collective_s`)."""
+    if nbytes <= 0:
         return 0.0
-    counts = zero_def.step_collective_counts(zero, n_micro=microbatches)
-    return sum(k * _COLLECTIVE_S[kind](nbytes, dp, link) for kind, k in counts.items())
+    return group_dp_s(nbytes, zero=zero, dp=dp, link=link, microbatches=microbatches, expert_bytes=expert_bytes,
+                      replicas=replicas, replica_link=replica_link)
+
+
+def replica_group(cluster: Cluster, *, dp: int, tp: int, ep: int) -> tuple[int, comm.Link | None]:
+    """(ranks, link) of the experts' replica group under ``ep`` > 1 (the dp ranks ``ep`` apart, so
+    ``tp * ep`` apart in the world: :mod:`autopar.runtime.expert`); (0, None) without ep."""
+    if ep <= 1:
+        return 0, None
+    return dp // ep, cluster.link_for_group(dp // ep, stride=tp * ep)
 
 
 def _dp_comm_prefix(units: Sequence[Unit], *, zero: int, dp: int, link: comm.Link, microbatches: int,
-                    precision: str) -> list[float]:
+                    precision: str, replicas: int = 0, replica_link: comm.Link | None = None) -> list[float]:
     """Running sums over the layers of their dp collectives' time in a step (each unit one
     gradient bucket of its own parameters; a stage's copies of tied parameters only add)."""
     elem = _grad_elem_bytes(precision)
-    seen: dict[float, float] = {}
+    seen: dict[tuple[float, float], float] = {}
     pre = [0.0]
     for u in units:
-        nbytes = u.n_params * elem
-        if nbytes not in seen:
-            seen[nbytes] = _dp_collective_s(nbytes, zero=zero, dp=dp, link=link, microbatches=microbatches)
-        pre.append(pre[-1] + seen[nbytes])
+        key = (u.n_params * elem, u.expert_params * elem)
+        if key not in seen:
+            seen[key] = _dp_collective_s(key[0], zero=zero, dp=dp, link=link, microbatches=microbatches,
+                                         expert_bytes=key[1], replicas=replicas, replica_link=replica_link)
+        pre.append(pre[-1] + seen[key])
     return pre
 
 
@@ -264,7 +275,9 @@ def lower_bound_s(c: Candidate, cluster: Cluster | None = None) -> float:
         return bound
     cfg = c.config
     link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
-    dp_s = [sum(_dp_collective_s(g.bucket_bytes, zero=cfg.zero, dp=cfg.dp, link=link, microbatches=m)
+    replicas, replica_link = replica_group(cluster, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep)
+    dp_s = [sum(_dp_collective_s(g.bucket_bytes, zero=cfg.zero, dp=cfg.dp, link=link, microbatches=m,
+                                 expert_bytes=g.expert_bytes, replicas=replicas, replica_link=replica_link)
                 for g in st.groups) for st in c.stages]
     return max(bound, _comm_bound_s(cfg, f_s=[st.f_s for st in c.stages], b_s=[st.b_s for st in c.stages],
                                     w_s=[st.w_s for st in c.stages], dp_s=dp_s,

@@ -25,10 +25,10 @@ ZeRO shards an expert parameter's state over the ``dp / ep`` replicas of its par
 ranks holding the same experts), everything else over dp, as the runtime
 (:class:`autopar.runtime.zero.ShardedParams`) does: the units carry their held expert
 parameters (``Unit.expert_params``) and the stage memory shards them so
-(:func:`autopar.planner.state_memory.state_per_param`). Approximations, stated: the data-parallel
-collectives price the expert buckets over all dp ranks on the dp link (the runtime reduces,
-and at ZeRO-3 gathers, them over the replica group, ``ep`` ranks apart), and ``communication``
-lists the dp buckets at their full size.
+(:func:`autopar.planner.state_memory.state_per_param`), and the step program prices the expert
+buckets' collectives over the replica group on its own link (``GroupCost.expert_bytes``,
+:func:`autopar.cost.step.dp_collective_s`; ranks ``tp * ep`` apart: one NIC per node once ep
+spans a node). Approximation, stated: ``communication`` lists the dp buckets at their full size.
 ``ep`` is pinned (``fixed={"ep": k}``) or chosen by the search among :func:`ep_options`
 (ep dividing dp and every block's expert count), weighed like any other decision by the
 simulated step time.

@@ -48,7 +48,8 @@ from autopar.planner.partition import _inflight, _partition
 from autopar.planner.state_memory import _state, state_per_param, zero_buffer_bytes, zero_buffers  # noqa: F401
 from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _COLLECTIVE_S, _config_bound_s,  # noqa: F401
                                     _cuts_bound_s, _dp_comm_prefix, _grad_elem_bytes, _optimizer_s,
-                                    _pipeline_bound_s, _prefix_sums, _schedule, _unit_times, _work_s, lower_bound_s)
+                                    _pipeline_bound_s, _prefix_sums, _schedule, _unit_times, _work_s, lower_bound_s,
+                                    replica_group)
 from autopar import zero_def
 from autopar.planner.timing import (_simulate, cut_times, grad_sync_s, pipeline_bound_s,  # noqa: F401 (re-exported)
                                     simulate_stages, step_spec)
@@ -288,9 +289,10 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     def dp_prefix(tp: int, sp: bool, mbs: int, zero: int, dp: int, m: int, ep: int, cp: int) -> list[float]:
         key = (tp, sp, mbs, zero, dp, m, ep, cp)
         if key not in dp_prefixes:
+            replicas, replica_link = replica_group(cluster, dp=dp, tp=tp, ep=ep)
             dp_prefixes[key] = _dp_comm_prefix(units_at(tp, mbs, sp, ep, cp), zero=zero, dp=dp,
                                                link=cluster.link_for_group(dp, stride=tp), microbatches=m,
-                                               precision=precision)
+                                               precision=precision, replicas=replicas, replica_link=replica_link)
         return dp_prefixes[key]
 
     shapes = []  # (bound, tp, sp, pp, dp, mbs, m, ep, cp)
@@ -480,6 +482,7 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
               inflight: tuple[int, ...]) -> Candidate:
     stages = []
     dp_link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
+    replicas, replica_link = replica_group(cluster, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep)
     grad_elem = _grad_elem_bytes(precision)
     owners = {u.path: s for s, (i, j) in enumerate(cuts) for u in units[i:j]}
     for s, (i, j) in enumerate(cuts):
@@ -494,13 +497,14 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
             copies.update({fqn: v for fqn, v in mine.items() if fqn not in copies})
             held = u.n_params + sum(v[2] for v in copies.values() if v[0] == u.path)
             groups.append(GroupCost(name=u.path, f_s=uf, b_s=ub, w_s=uw, tp_comm_s=u.comm_s,
-                                    bucket_bytes=held * grad_elem))
+                                    bucket_bytes=held * grad_elem, expert_bytes=u.expert_params * grad_elem))
         if cfg.recompute == "full":
             acts += max(u.act_bytes for u in chunk)
         n_params = sum(u.n_params for u in chunk) + sum(v[2] for v in copies.values())
         experts = sum(u.expert_params for u in chunk)
         state = _state(n_params, experts, cfg, precision)
-        sync = sum(group_dp_s(g.bucket_bytes, zero=cfg.zero, dp=cfg.dp, link=dp_link, microbatches=cfg.microbatches)
+        sync = sum(group_dp_s(g.bucket_bytes, zero=cfg.zero, dp=cfg.dp, link=dp_link, microbatches=cfg.microbatches,
+                              expert_bytes=g.expert_bytes, replicas=replicas, replica_link=replica_link)
                    for g in groups)
         opt_s = _optimizer_s((n_params - experts) / zero_def.state_shards(cfg.zero, cfg.dp)[2]
                              + experts / zero_def.state_shards(cfg.zero, cfg.dp // cfg.ep)[2], cluster)
@@ -528,7 +532,7 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
     for s, st in enumerate(stages):
         per_rank[s % p] += st.optimizer_s + estimate_exposed_s(
             StageCost(groups=st.groups, optimizer_s=st.optimizer_s), zero=cfg.zero, dp=cfg.dp, link=dp_link,
-            microbatches=m)
+            microbatches=m, replicas=replicas, replica_link=replica_link)
     tail = max(per_rank)
     return Candidate(config=cfg, step_time_s=pipe + tail, estimate_s=pipe + tail, bubble_fraction=0.0,
                      stages=tuple(stages))

@@ -13,7 +13,7 @@ from autopar.cluster import Cluster
 from autopar.cost import comm
 from autopar.cost.simulate import SimResult, simulate, simulate_step
 from autopar.cost.step import StageCost, StepSpec, TiedCost
-from autopar.planner.bounds import FUSED_BACKWARD, _COLLECTIVE_S, _pipeline_bound_s, _schedule
+from autopar.planner.bounds import FUSED_BACKWARD, _COLLECTIVE_S, _pipeline_bound_s, _schedule, replica_group
 
 if TYPE_CHECKING:
     from autopar.planner.search import Candidate, StagePlan
@@ -114,8 +114,10 @@ def step_spec(c: Candidate, cluster: Cluster) -> StepSpec:
                                      device=cluster.device)
         tied.append(TiedCost(name=fqn, stages=tuple(s for s, _ in where), groups=tuple(g for _, g in where),
                              nbytes=nbytes, link=link))
+    replicas, replica_link = replica_group(cluster, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep)
     return StepSpec(schedule=cfg.schedule, pp=cfg.pp, microbatches=cfg.microbatches, zero=cfg.zero, dp=cfg.dp,
-                    stages=stages, dp_link=cluster.link_for_group(cfg.dp, stride=cfg.tp), tied=tuple(tied))
+                    stages=stages, dp_link=cluster.link_for_group(cfg.dp, stride=cfg.tp), tied=tuple(tied),
+                    replicas=replicas, replica_link=replica_link)
 
 
 def pipeline_bound_s(c: Candidate, cluster: Cluster) -> float:
