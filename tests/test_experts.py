@@ -129,15 +129,12 @@ def test_ep_needs_expert_layers_and_an_integer():
         autopar.plan(model, inputs, cluster="1x2xcpu", loss_fn=loss_fn, example_target=target, fixed={"ep": "two"})
 
 
-def test_ep_beside_pp_or_meta_start_is_refused_before_any_collective():
-    for kw, message in (({"pp": 2}, r"^ep=2 with pp=2: autopar.parallelize runs expert parallelism without "
-                                    r"pipelining \(pp=1\) so far; pin pp=1, or drop ep$"),
-                        ({"meta_start": True}, r"^ep=2 with a model on meta: .*build the model on the CPU, or drop ep$")):
-        args = {"pp": None, "meta_start": False, **kw}
-        with pytest.raises(autopar.PlanError, match=message):
-            check_ep_runnable(2, **args)
-    check_ep_runnable(1, pp=2, meta_start=True)  # no ep: nothing to refuse
-    check_ep_runnable(4, pp=1, meta_start=False)
+def test_ep_beside_pp_is_refused_before_any_collective():
+    with pytest.raises(autopar.PlanError, match=r"^ep=2 with pp=2: autopar.parallelize runs expert parallelism "
+                                                r"without pipelining \(pp=1\) so far; pin pp=1, or drop ep$"):
+        check_ep_runnable(2, pp=2)
+    check_ep_runnable(1, pp=2)  # no ep: nothing to refuse
+    check_ep_runnable(4, pp=1)
 
 
 def test_ep_plan_divides_expert_memory_and_prices_the_all_to_alls():

@@ -64,8 +64,11 @@ class CpEpBuild:
 
         ep_group, replica_group = ep_groups(self.mesh.mesh, self.ep, dist.get_rank())
         names = [f for layer in self.plan.experts["layers"].values() for f in layer["params"]]
-        cut_experts(self.model, names, ep=self.ep, part=self.mesh.get_local_rank(0) % self.ep,
-                    device=self.torch_device)
+        part = self.mesh.get_local_rank(0) % self.ep
+        # (started from meta: the whole meta experts, put back while the model is initialised)
+        self._whole_experts = cut_experts(self.model, names, ep=self.ep, part=part, device=self.torch_device)
+        self._expert_rows = {f: (part * self._whole_experts[f].shape[0] // self.ep,
+                                 (part + 1) * self._whole_experts[f].shape[0] // self.ep) for f in self._whole_experts}
         log.info("rank %d: experts cut to part %d of %d (ep group %s)", dist.get_rank(),
                  self.mesh.get_local_rank(0) % self.ep, self.ep, dist.get_process_group_ranks(ep_group))
         return {"experts": names, "ep_group": ep_group, "replica_group": replica_group}

@@ -24,8 +24,9 @@ as ``examples/moe.py``'s ``MoE`` calls it, and as Hugging Face's gated-SiLU expe
 and ``down_proj``). Other grouped-matmul experts are planned under ep
 (:mod:`autopar.planner.experts`) but not run under it: runnable plans leave them out of ep.
 
-In the build (pp = 1 so far, any ZeRO stage; :func:`check_ep_runnable` refuses the rest before
-any collective): :func:`ep_groups` creates the groups, :func:`cut_experts` keeps each rank's
+In the build (pp = 1 so far, any ZeRO stage, from real weights or ``meta``;
+:func:`check_ep_runnable` refuses the rest before any collective): :func:`ep_groups` creates
+the groups, :func:`cut_experts` keeps each rank's
 experts before the trace (so the traced program holds them), :func:`point_experts_at` sends
 the traced experts ops over the rank's ep group, the routing runs on each rank's own tokens
 (:mod:`autopar.passes.token_local`), and :class:`autopar.runtime.zero.ShardedParams` sums
@@ -34,20 +35,21 @@ expert gradients over the replica group (and at ZeRO >= 1 keeps their state in c
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["check_ep_runnable", "ep_groups", "cut_experts", "point_experts_at", "EpLayout"]
+__all__ = ["check_ep_runnable", "ep_groups", "cut_experts", "whole_experts_in", "point_experts_at", "EpLayout"]
 
 
-def check_ep_runnable(ep: int | None, *, pp: int | None, meta_start: bool) -> None:
-    """:func:`autopar.parallelize` runs expert parallelism without pipelining and from real
-    weights: a clear error (before any collective) for the rest. (Beside tensor parallelism the
-    experts are replicated over tp and each tp rank exchanges tokens with its ep peers in its tp
-    column: :func:`ep_groups`.)"""
+def check_ep_runnable(ep: int | None, *, pp: int | None) -> None:
+    """:func:`autopar.parallelize` runs expert parallelism without pipelining: a clear error
+    (before any collective) for the rest. (Beside tensor parallelism the experts are replicated
+    over tp and each tp rank exchanges tokens with its ep peers in its tp column:
+    :func:`ep_groups`.)"""
     if not ep or ep == 1:
         return
     from autopar.errors import PlanError
@@ -55,9 +57,6 @@ def check_ep_runnable(ep: int | None, *, pp: int | None, meta_start: bool) -> No
     if pp and pp > 1:
         raise PlanError(f"ep={ep} with pp={pp}: autopar.parallelize runs expert parallelism without pipelining "
                         f"(pp=1) so far; pin pp=1, or drop ep")
-    if meta_start:
-        raise PlanError(f"ep={ep} with a model on meta: expert parallelism starts from real weights so far; "
-                        f"build the model on the CPU, or drop ep")
 
 
 def ep_groups(mesh_ranks: torch.Tensor, ep: int, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -79,22 +78,51 @@ def ep_groups(mesh_ranks: torch.Tensor, ep: int, rank: int) -> tuple[dist.Proces
     return mine["ep"], mine["replicas"]
 
 
-def cut_experts(model: nn.Module, fqns: list[str], *, ep: int, part: int, device: torch.device) -> None:
+def cut_experts(model: nn.Module, fqns: list[str], *, ep: int, part: int,
+                device: torch.device) -> dict[str, nn.Parameter]:
     """Keep part ``part`` of ``ep`` (rows ``[part * E/ep, (part + 1) * E/ep)`` of dim 0) of rank
     0's value of each stacked expert parameter ``fqns``, in place; the rest is freed. (Every
     rank starts from rank 0's weights, as for every other parameter: the whole value is
-    broadcast first, over ``device`` as NCCL needs.) A collective: every rank calls it."""
+    broadcast first, over ``device`` as NCCL needs.) A collective: every rank calls it.
+
+    A parameter on ``meta`` is cut to a meta parameter of the part's shape (no collective); the
+    whole meta parameters are returned by name, for :func:`whole_experts_in` to put back while
+    the model is initialised (:mod:`autopar.runtime.materialize` initialises a module whole, so
+    that every part gets the rows of the same whole values)."""
+    wholes = {}
     for fqn in fqns:
         path, _, name = fqn.rpartition(".")
         module = model.get_submodule(path)
         full = getattr(module, name)
         if full.shape[0] % ep:
             raise ValueError(f"{fqn} has {full.shape[0]} experts, not divisible by ep={ep}")
+        n = full.shape[0] // ep
+        if full.device.type == "meta":
+            wholes[fqn] = full
+            setattr(module, name, nn.Parameter(full[part * n:(part + 1) * n], requires_grad=full.requires_grad))
+            continue
         whole = full.detach().to(device, copy=True)
         dist.broadcast(whole, src=0)
-        n = full.shape[0] // ep
         setattr(module, name, nn.Parameter(whole[part * n:(part + 1) * n].to(full.device, copy=True),
                                            requires_grad=full.requires_grad))
+    return wholes
+
+
+@contextlib.contextmanager
+def whole_experts_in(model: nn.Module, wholes: dict[str, nn.Parameter]):
+    """While the context lasts, the whole meta expert parameters (:func:`cut_experts`) stand in
+    the model instead of the parts; the parts are put back after."""
+    cut = {}
+    for fqn, whole in wholes.items():
+        path, _, name = fqn.rpartition(".")
+        module = model.get_submodule(path)
+        cut[fqn] = (module, name, getattr(module, name))
+        setattr(module, name, whole)
+    try:
+        yield
+    finally:
+        for module, name, part in cut.values():
+            setattr(module, name, part)
 
 
 def point_experts_at(gm: torch.fx.GraphModule, group_name: str) -> int:

@@ -252,14 +252,19 @@ class Startup:
         def want(fqn: str) -> bool:
             return fqn in held or fqn in buffers or fqn not in trainable_set
 
+        rows = getattr(self, "_expert_rows", {})  # expert parallelism: this rank's part of each expert tensor
+
         def take(fqn: str, value: torch.Tensor) -> bool:
             if fqn in held:
-                self.params.load_whole(fqn, value)
+                self.params.load_whole(fqn, value[slice(*rows[fqn])] if fqn in rows else value)
                 return False
             return fqn not in trainable_set
 
-        self.materialized = materialize_pieces(self.model, seed=self.init_seed, want=want, take=take,
-                                               init_fn=self.init_fn)
+        from autopar.runtime.expert import whole_experts_in
+
+        with whole_experts_in(self.model, getattr(self, "_whole_experts", {})):  # initialised whole, then cut
+            self.materialized = materialize_pieces(self.model, seed=self.init_seed, want=want, take=take,
+                                                   init_fn=self.init_fn)
         log.info("rank %d: materialised %d modules from meta", dist.get_rank(), len(self.materialized))
 
     def _trace(self, inputs, target):

@@ -3,7 +3,9 @@ rank ever allocates more than its own pieces plus one module.
 
 For each plan (pure DP, ZeRO-3, TP, pp=2 on the GPT example; ZeRO-3 on the Llama example,
 whose initialisation is per module: ``Transformer._init_weights`` and RMSNorm's
-``reset_parameters``) on 2 gloo ranks: the CPU-started run gets the
+``reset_parameters``; ep=2 at ZeRO-1 on the MoE example, with an ``init_fn``, where each rank
+cuts its half of each stacked expert tensor out of the whole one its module initialises) on 2
+gloo ranks: the CPU-started run gets the
 model :func:`autopar.materialize` built whole from seed 5; the meta-started run gets the
 same model on ``meta`` and ``init_seed=5``, so both start from the same weights and run the
 same program; losses, gradients and parameters after 2 AdamW steps must be equal (to fp32
@@ -36,6 +38,9 @@ CONFIGS = [
     ("tp", tp_only_cluster("1x2xcpu"), {"tp": 2}),
     ("pp2", "1x2xcpu", {"pp": 2, "microbatches": 2}),
     ("llama-zero3", "1x2xcpu", {"dp": 2, "zero": 3}),
+    # the MoE example under ep=2: each rank keeps its half of each stacked expert tensor, cut out
+    # of the whole tensor its module initialises (the rows one process has there)
+    ("moe-ep2", "1x2xcpu", {"dp": 2, "ep": 2, "zero": 1, "microbatches": 1}),
 ]
 SHARDED = ("zero3", "pp2", "llama-zero3")
 """Plans under which a rank holds less than the whole model."""
@@ -43,6 +48,12 @@ SHARDED = ("zero3", "pp2", "llama-zero3")
 
 def _optimizer(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-5)
+
+
+def _normal_init(module):
+    """Every parameter a module owns directly, normal(0, 0.02) (the MoE example's experts too)."""
+    for p in module.parameters(recurse=False):
+        torch.nn.init.normal_(p, std=0.02)
 
 
 def _allocation_tracker():
@@ -72,6 +83,7 @@ def _run(rank, world, configs):
     sys.path.insert(0, EXAMPLES)
     import gpt
     import llama
+    import moe
 
     import autopar
     from autopar.parallel import ParallelModule
@@ -85,17 +97,22 @@ def _run(rank, world, configs):
     def on_meta_llama():  # 6 blocks of dim 64, vocab 256: no module dominates either
         return llama.build(size="tiny", n_layers=6, device="meta", dtype="fp32")[0]
 
+    def on_meta_moe():
+        return moe.build(size="tiny", n_layers=2, batch=8, shared_expert=True, device="meta", dtype="fp32")[0]
+
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, config.vocab_size, (8, 16), generator=g)  # (B, T)
     target = torch.randint(0, config.vocab_size, (8, 16), generator=g)  # (B, T)
     report = {}
     compile_original = ParallelModule._compile
     for name, cluster, fixed in configs:
-        on_meta = on_meta_llama if name.startswith("llama") else on_meta_gpt
+        on_meta = on_meta_llama if name.startswith("llama") else on_meta_moe if name.startswith("moe") else on_meta_gpt
+        loss_fn = moe.build(size="tiny", batch=8)[2] if name.startswith("moe") else gpt.cross_entropy_loss
+        init_fn = _normal_init if name.startswith("moe") else None  # (its init_weights is the whole model's)
         runs, plan = {}, None
         for start in ("cpu", "meta"):
-            model = autopar.materialize(on_meta(), seed=SEED) if start == "cpu" else on_meta()
-            pm = autopar.parallelize(model, cluster=cluster, loss_fn=gpt.cross_entropy_loss, optimizer=_optimizer,
+            model = autopar.materialize(on_meta(), seed=SEED, init_fn=init_fn) if start == "cpu" else on_meta()
+            pm = autopar.parallelize(model, cluster=cluster, loss_fn=loss_fn, optimizer=_optimizer, init_fn=init_fn,
                                      fixed=fixed, init_seed=SEED if start == "meta" else None,
                                      plan=plan)  # (the meta run checks the CPU run's plan: no second solve)
             tracker = _allocation_tracker()
