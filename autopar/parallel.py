@@ -79,7 +79,6 @@ from autopar.progress import progress
 from autopar.runtime.context import check_cp_runnable
 from autopar.runtime.cp_ep import CpEpBuild
 from autopar.runtime.device import bind_local_device, local_device
-from autopar.runtime.expert import check_ep_runnable
 from autopar.runtime.pipelined import PipelineBuild
 from autopar.runtime.startup import Startup, _batch_size, _split_batch
 from autopar.runtime.world import (check_world, init_process_group, peer_watch, resolve_device,
@@ -210,12 +209,10 @@ class ParallelModule(PipelineBuild, Startup, CpEpBuild):
 
             fixed = Fixed.from_dict(self.fixed)
             check_cp_runnable(fixed.cp, ep=fixed.ep, compile=self.compile)
-            check_ep_runnable(fixed.ep, pp=fixed.pp)
             check_batch_split(_batch_size(values), fixed)
         else:
             check_cp_runnable((self._given_plan.context or {}).get("cp"), ep=self._given_plan.experts.get("ep"),
                               compile=self.compile)
-            check_ep_runnable(self._given_plan.experts.get("ep"), pp=self._given_plan.mesh.get("pp"))
         bind_local_device(self.device)  # before the first collective: NCCL binds to the current GPU
         init_process_group(self.device, self.timeout_s)
         self._watch = peer_watch(self.timeout_s)
@@ -228,7 +225,6 @@ class ParallelModule(PipelineBuild, Startup, CpEpBuild):
         self._adopt_plan(self._make_plan(names, values, has_target))
         dp, tp = self.plan.mesh["dp"], self.plan.mesh["tp"]
         # (every rank has the same plan: all raise alike)
-        check_ep_runnable(self.ep, pp=self.plan.mesh["pp"])
         check_cp_runnable(self.cp, ep=self.ep, compile=self.compile)
         device = self.device
         pp = self.plan.mesh["pp"]

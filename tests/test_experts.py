@@ -16,7 +16,7 @@ import autopar
 from autopar.cost.comm import Link, all_to_all_s, expert_all_to_all_bytes, expert_all_to_all_s
 from autopar.experts import moe_experts
 from autopar.plan import Plan
-from autopar.runtime.expert import EpLayout, check_ep_runnable
+from autopar.runtime.expert import EpLayout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import mlp  # noqa: E402
@@ -127,14 +127,6 @@ def test_ep_needs_expert_layers_and_an_integer():
         autopar.plan(model, inputs, cluster="1x2xcpu", loss_fn=loss_fn, example_target=target, fixed={"ep": 2})
     with pytest.raises(autopar.PlanError, match=r"ep='two' is not an integer"):
         autopar.plan(model, inputs, cluster="1x2xcpu", loss_fn=loss_fn, example_target=target, fixed={"ep": "two"})
-
-
-def test_ep_beside_pp_is_refused_before_any_collective():
-    with pytest.raises(autopar.PlanError, match=r"^ep=2 with pp=2: autopar.parallelize runs expert parallelism "
-                                                r"without pipelining \(pp=1\) so far; pin pp=1, or drop ep$"):
-        check_ep_runnable(2, pp=2)
-    check_ep_runnable(1, pp=2)  # no ep: nothing to refuse
-    check_ep_runnable(4, pp=1)
 
 
 def test_ep_plan_divides_expert_memory_and_prices_the_all_to_alls():
@@ -316,7 +308,7 @@ def test_ep_cuts_the_experts_weight_gradients_in_the_working_set(moe_pair):
 def test_the_search_weighs_ep_like_any_other_decision(moe_pair):
     """Left free, ep is searched: the plan is as fast as the best of the plans pinned to each ep,
     and when memory only fits with the experts cut (each rank holding 1/ep of them), the search
-    finds the ep that fits; for parallelize (ep_flat_only) an ep plan has pp = 1."""
+    finds the ep that fits."""
     spec = "1x4xcpu"
     free = _plan_pair(moe_pair, spec)
     pinned = {ep: _plan_pair(moe_pair, spec, {"ep": ep}) for ep in (1, 2, 4)}
@@ -331,10 +323,6 @@ def test_the_search_weighs_ep_like_any_other_decision(moe_pair):
     fits = _plan_pair(moe_pair, spec, {k: v for k, v in tight.items() if v is not None and k != "zero"} | {"zero": 0},
                       hbm_bytes=hbm)
     assert fits.experts.get("ep", 1) > 1 and fits.predicted["peak_memory_bytes"] <= hbm
-    flat = _plan_pair(moe_pair, "1x8xcpu", ep_flat_only=True)
-    assert flat.experts.get("ep", 1) == 1 or flat.mesh["pp"] == 1
-    for c in flat.solver["candidates"]:
-        assert c["config"].get("ep", 1) == 1 or c["config"]["pp"] == 1, c
 
 
 def _mixtral_pair(gelu: bool = False):
@@ -358,7 +346,7 @@ def test_hugging_face_mixtral_experts_are_planned_and_runnable_under_ep():
     pytest.importorskip("transformers")
     model, pair = _mixtral_pair()
     pinned = {"tp": 1, "pp": 1, "microbatches": 1}
-    plan = _plan_pair(pair, "1x4xcpu", {"ep": 2, **pinned}, ep_flat_only=True)
+    plan = _plan_pair(pair, "1x4xcpu", {"ep": 2, **pinned}, ep_runnable_only=True)
     base = _plan_pair(pair, "1x4xcpu", {"ep": 1, "zero": 0, **pinned})
     layers = plan.experts["layers"]
     assert sorted(layers) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
@@ -384,8 +372,8 @@ def test_hugging_face_grouped_matmul_experts_are_planned_under_ep():
     with pytest.raises(autopar.PlanError, match=r"^ep=2: the experts of model\.layers\.0\.mlp\.experts run as a "
                                                 r"grouped matmul \(transformers::grouped_mm_fallback\), which "
                                                 r"autopar\.parallelize does not run under expert parallelism yet"):
-        _plan_pair(pair, "1x4xcpu", {"ep": 2}, ep_flat_only=True)
-    free = _plan_pair(pair, "1x4xcpu", ep_flat_only=True)
+        _plan_pair(pair, "1x4xcpu", {"ep": 2}, ep_runnable_only=True)
+    free = _plan_pair(pair, "1x4xcpu", ep_runnable_only=True)
     assert not free.experts and all("ep" not in c["config"] for c in free.solver["candidates"])
 
 

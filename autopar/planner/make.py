@@ -59,7 +59,8 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
     """Plan ``model`` for ``cluster``; see :func:`autopar.plan`.
 
     ``runnable``: only plans :func:`autopar.parallelize` can run today (expert parallelism
-    only with pp = 1); planning for a cluster (``autopar plan``) weighs everything priced.
+    only over autopar's experts op, not grouped matmuls); planning for a cluster (``autopar plan``)
+    weighs everything priced.
 
     ``compiled_layers`` (a predicate on layer paths) prices those layers' memory-bound ops as
     ``torch.compile`` fuses them (:mod:`autopar.passes.fuse`): for predicting runs of programs
@@ -100,7 +101,7 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
     t1 = time.perf_counter()
     with _frozen_heap():
         plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_, precision=policy, precision_source=why,
-                           ep_flat_only=runnable, replicated=frozenset(replicated(gm)) if replicated else frozenset(),
+                           ep_runnable_only=runnable, replicated=frozenset(replicated(gm)) if replicated else frozenset(),
                            async_tp=async_tp)
     timings = {"trace_s": t1 - t0, **plan.timings}
     return Plan(**{k: getattr(plan, k) for k in plan.__dataclass_fields__ if k != "timings"}, timings=timings)
@@ -217,12 +218,14 @@ def _tp_options(cluster: Cluster, fixed: Fixed) -> list[int]:
 
 
 def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fixed: Fixed,
-                precision: Precision | None = None, precision_source: str = "", ep_flat_only: bool = False,
+                precision: Precision | None = None, precision_source: str = "", ep_runnable_only: bool = False,
                 replicated: frozenset[str] = frozenset(), async_tp: bool = False) -> Plan:
     """Plan the traced pair. ``precision`` is the policy the graphs were traced under (None:
     read off the parameters' dtype, as plans did before policies: "fp32", else "bf16-mixed").
     A model with experts is searched over the ep degrees they allow (:func:`ep_options`) unless
-    ``fixed.ep`` pins one; ``ep_flat_only`` as in :func:`search`; ``replicated`` and ``async_tp`` as in
+    ``fixed.ep`` pins one; with ``ep_runnable_only`` (what :func:`autopar.parallelize` asks for) only
+    where every experts site is autopar's experts op, which it runs under ep (a grouped matmul is
+    planned without ep, and a pinned ep is one line); ``replicated`` and ``async_tp`` as in
     :func:`make_plan`."""
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
     layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
@@ -237,7 +240,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     # cp is weighed where sequences are long (unless pinned)
     cps = () if fixed.cp or fixed.ep else cp_options(gm, cluster.world_size)
     attention = find_attention(gm) if (fixed.cp and fixed.cp > 1) or cps else []
-    if ep_flat_only and not runnable_sites(experts):  # grouped-matmul experts: planned, not run, under ep
+    if ep_runnable_only and not runnable_sites(experts):  # grouped-matmul experts: planned, not run, under ep
         if fixed.ep and fixed.ep > 1:
             grouped = next(s for s in experts if s.op != "autopar::moe_experts")
             raise autopar.PlanError(
@@ -318,8 +321,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
             sp_options[tp] += (sp,)
         run = functools.partial(search, units_for=units_for, n_units=sum(x.count for x in layers),
                                 global_batch=batch, cluster=cluster, fixed=fixed, precision=precision,
-                                tp_options=sorted(sp_options), sp_options=dict(sp_options), ep_options=eps,
-                                ep_flat_only=ep_flat_only)
+                                tp_options=sorted(sp_options), sp_options=dict(sp_options), ep_options=eps)
         ranked, stats = run(keep=RUNNERS_UP + 1, cp_options=(1, *cps))
         other = None
         if cps:  # the best plan on the other side of the cp decision: the reason the summary gives

@@ -231,7 +231,7 @@ def _divisors(n: int) -> list[int]:
 
 def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixed: Fixed,
            precision: str, tp_options: list[int], sp_options: dict[int, tuple[bool, ...]] | None = None,
-           keep: int = KEEP, ep_options: tuple[int, ...] = (), ep_flat_only: bool = False,
+           keep: int = KEEP, ep_options: tuple[int, ...] = (),
            cp_options: tuple[int, ...] = (1,)) -> tuple[list[Candidate], dict]:
     """The ``keep`` best configurations by simulated step time, best first (the first is the
     plan), and search statistics (counts, and seconds by part under keys ending in ``_s``).
@@ -241,9 +241,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     ``sp_options[tp]``, default ``(False,)``); with expert parallelism ``ep`` > 1 it is called
     ``units_for(tp, microbatch_size, sp, ep)``. ``ep_options``: the ep degrees > 1 the model's
     experts allow (none: no experts); each is tried where it divides dp, with every ZeRO stage
-    (expert state sharded over the dp/ep replicas: ``state_memory.state_per_param``), and with
-    ``ep_flat_only`` only where pp = 1 (what
-    ``autopar.parallelize`` runs so far). A pinned ``fixed.ep`` is the only one tried. A pinned
+    (expert state sharded over the dp/ep replicas: ``state_memory.state_per_param``) and any
+    pp. A pinned ``fixed.ep`` is the only one tried. A pinned
     ``fixed.cp`` (context parallelism, folded over dp like ep; not with ep), or else each of
     ``cp_options`` that divides dp, calls ``units_for(tp, microbatch_size, sp, ep, cp)`` for
     cp > 1 and splits the batch over dp / cp groups. Branch and bound: mesh shapes (tp, sp, pp,
@@ -282,7 +281,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     def eps(tp: int, pp: int, dp: int) -> list[int]:
         """The ep degrees a (tp, pp, dp) shape is tried with."""
         tried = [fixed.ep] if fixed.ep else [1, *ep_options]
-        return [e for e in tried if dp % e == 0 and (e == 1 or not ep_flat_only or pp == 1)]
+        return [e for e in tried if dp % e == 0]
 
     dp_prefixes: dict[tuple, list[float]] = {}  # (tp, sp, mbs, zero, dp, m, ep, cp) -> _dp_comm_prefix
 

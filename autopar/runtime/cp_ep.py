@@ -60,10 +60,11 @@ class CpEpBuild:
         the trace, so the traced program holds them); ShardedParams' expert arguments."""
         if self.ep == 1:
             return {}
-        from autopar.runtime.expert import cut_experts, ep_groups
+        from autopar.runtime.expert import cut_experts, ep_groups, expert_param_names
 
-        ep_group, replica_group = ep_groups(self.mesh.mesh, self.ep, dist.get_rank())
-        names = [f for layer in self.plan.experts["layers"].values() for f in layer["params"]]
+        mesh = self.pp_mesh if self.plan.mesh["pp"] > 1 else self.mesh  # (every slice's groups, on every rank)
+        ep_group, replica_group = ep_groups(mesh.mesh, self.ep, dist.get_rank())
+        names = expert_param_names(self.plan)
         part = self.mesh.get_local_rank(0) % self.ep
         # (started from meta: the whole meta experts, put back while the model is initialised)
         self._whole_experts = cut_experts(self.model, names, ep=self.ep, part=part, device=self.torch_device)

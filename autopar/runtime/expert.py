@@ -24,9 +24,9 @@ as ``examples/moe.py``'s ``MoE`` calls it, and as Hugging Face's gated-SiLU expe
 and ``down_proj``). Other grouped-matmul experts are planned under ep
 (:mod:`autopar.planner.experts`) but not run under it: runnable plans leave them out of ep.
 
-In the build (pp = 1 so far, any ZeRO stage, from real weights or ``meta``;
-:func:`check_ep_runnable` refuses the rest before any collective): :func:`ep_groups` creates
-the groups, :func:`cut_experts` keeps each rank's
+In the build (beside tp and pp, at any ZeRO stage, from real weights or ``meta``; beside tp
+the experts are replicated over tp and each tp rank exchanges tokens with its ep peers in its
+tp column, beside pp within its pipeline rank's slice): :func:`ep_groups` creates the groups, :func:`cut_experts` keeps each rank's
 experts before the trace (so the traced program holds them), :func:`point_experts_at` sends
 the traced experts ops over the rank's ep group, the routing runs on each rank's own tokens
 (:mod:`autopar.passes.token_local`), and :class:`autopar.runtime.zero.ShardedParams` sums
@@ -42,40 +42,46 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["check_ep_runnable", "ep_groups", "cut_experts", "whole_experts_in", "point_experts_at", "EpLayout"]
-
-
-def check_ep_runnable(ep: int | None, *, pp: int | None) -> None:
-    """:func:`autopar.parallelize` runs expert parallelism without pipelining: a clear error
-    (before any collective) for the rest. (Beside tensor parallelism the experts are replicated
-    over tp and each tp rank exchanges tokens with its ep peers in its tp column:
-    :func:`ep_groups`.)"""
-    if not ep or ep == 1:
-        return
-    from autopar.errors import PlanError
-
-    if pp and pp > 1:
-        raise PlanError(f"ep={ep} with pp={pp}: autopar.parallelize runs expert parallelism without pipelining "
-                        f"(pp=1) so far; pin pp=1, or drop ep")
+__all__ = ["ep_groups", "expert_param_names", "cut_experts", "whole_experts_in", "point_experts_at", "EpLayout"]
 
 
 def ep_groups(mesh_ranks: torch.Tensor, ep: int, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(ep group, replica group) of ``rank`` for the (dp, tp) mesh of global ranks ``mesh_ranks``:
-    along each tp column, ep groups of ``ep`` consecutive dp ranks and replica groups of the dp
-    ranks ``ep`` apart (the plan's layout, :class:`EpLayout`). Every rank creates every group, in
-    the same order (``new_group`` is collective)."""
-    dp, tp = mesh_ranks.shape
+    """(ep group, replica group) of ``rank`` for the (dp, tp) mesh of global ranks ``mesh_ranks``
+    (or the (pp, dp, tp) mesh: the same in each pipeline rank's slice): along each tp column, ep
+    groups of ``ep`` consecutive dp ranks and replica groups of the dp ranks ``ep`` apart (the
+    plan's layout, :class:`EpLayout`). Every rank creates every group, in the same order
+    (``new_group`` is collective)."""
+    slices = mesh_ranks if mesh_ranks.dim() == 3 else mesh_ranks.unsqueeze(0)
+    _, dp, tp = slices.shape
     layout = EpLayout(dp=dp, ep=ep)
     mine: dict[str, dist.ProcessGroup] = {}
-    for t in range(tp):
-        column = [int(r) for r in mesh_ranks[:, t]]
-        for kind, groups in (("ep", layout.ep_groups()), ("replicas", layout.replica_groups())):
-            for members in groups:
-                ranks = [column[i] for i in members]
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    mine[kind] = group
+    for mesh in slices:
+        for t in range(tp):
+            column = [int(r) for r in mesh[:, t]]
+            for kind, groups in (("ep", layout.ep_groups()), ("replicas", layout.replica_groups())):
+                for members in groups:
+                    ranks = [column[i] for i in members]
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        mine[kind] = group
     return mine["ep"], mine["replicas"]
+
+
+def expert_param_names(plan) -> list[str]:
+    """Every stacked expert parameter of the model ``plan`` was made for, in stage order. The plan's
+    ``experts`` record names those of the layers its trace kept (a repeated block's second instance
+    stands for the third and later ones); each instance's are its stand-in's, renamed."""
+    from autopar.planner.record import _stand_in
+
+    by_layer: dict[str, list[str]] = {}
+    for site in plan.experts["layers"].values():
+        by_layer.setdefault(site["layer"], []).extend(site["params"])
+    out = []
+    for stage in plan.stages:
+        for path in stage["layers"]:
+            src = _stand_in(path, plan.layers)
+            out += [path + f[len(src):] for f in by_layer.get(src, [])]
+    return out
 
 
 def cut_experts(model: nn.Module, fqns: list[str], *, ep: int, part: int,

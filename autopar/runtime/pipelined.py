@@ -52,7 +52,12 @@ class PipelineBuild:
         self.cp_group = self._context_parallel()
         first = self._cp_micro(first)
         inputs, target = self._as_user_inputs(tuple(first), first, has_target)
+        experts = self._expert_parallel()
         self.gm = self._trace(inputs, target)
+        if experts:
+            from autopar.runtime.expert import point_experts_at
+
+            point_experts_at(self.gm, experts["ep_group"].group_name)
         _check_scalar_loss(self.gm)
         self.ops, tp_params = placements_for_graph(self.gm, plan)
         stages = tag_stages(self.gm, stage_of_layers([st["layers"] for st in plan.stages]))
@@ -88,7 +93,9 @@ class PipelineBuild:
                 addends[fqn] = addends.get(fqn, 0) + 1
         self.params = ShardedParams(self.model, mesh=self.mesh, tp_placements=tp_params, zero=plan.zero,
                                     trainable=self.trainable, groups=_layer_groups(self.gm), addends=addends,
-                                    **self._param_policy())
+                                    **self._param_policy(),
+                                    **{k: ([f for f in v if f in held] if k == "experts" else v)
+                                       for k, v in experts.items()})
         self._setup_params()
         self._materialize(trainable, held=self.params.entries)  # this rank's stages' parameters
         self.params.set_tp_returns(self.grad_returns)
