@@ -101,7 +101,8 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
     t1 = time.perf_counter()
     with _frozen_heap():
         plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_, precision=policy, precision_source=why,
-                           ep_runnable_only=runnable, replicated=frozenset(replicated(gm)) if replicated else frozenset(),
+                           ep_runnable_only=runnable,
+                           replicated=frozenset(replicated(gm)) if replicated else frozenset(),
                            async_tp=async_tp)
     timings = {"trace_s": t1 - t0, **plan.timings}
     return Plan(**{k: getattr(plan, k) for k in plan.__dataclass_fields__ if k != "timings"}, timings=timings)

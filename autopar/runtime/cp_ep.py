@@ -70,6 +70,6 @@ class CpEpBuild:
         self._whole_experts = cut_experts(self.model, names, ep=self.ep, part=part, device=self.torch_device)
         self._expert_rows = {f: (part * self._whole_experts[f].shape[0] // self.ep,
                                  (part + 1) * self._whole_experts[f].shape[0] // self.ep) for f in self._whole_experts}
-        log.info("rank %d: experts cut to part %d of %d (ep group %s)", dist.get_rank(),
-                 self.mesh.get_local_rank(0) % self.ep, self.ep, dist.get_process_group_ranks(ep_group))
+        log.info("rank %d: experts cut to part %d of %d (ep group %s)", dist.get_rank(), part, self.ep,
+                 dist.get_process_group_ranks(ep_group))
         return {"experts": names, "ep_group": ep_group, "replica_group": replica_group}

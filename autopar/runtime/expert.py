@@ -26,11 +26,12 @@ and ``down_proj``). Other grouped-matmul experts are planned under ep
 
 In the build (beside tp and pp, at any ZeRO stage, from real weights or ``meta``; beside tp
 the experts are replicated over tp and each tp rank exchanges tokens with its ep peers in its
-tp column, beside pp within its pipeline rank's slice): :func:`ep_groups` creates the groups, :func:`cut_experts` keeps each rank's
-experts before the trace (so the traced program holds them), :func:`point_experts_at` sends
-the traced experts ops over the rank's ep group, the routing runs on each rank's own tokens
-(:mod:`autopar.passes.token_local`), and :class:`autopar.runtime.zero.ShardedParams` sums
-expert gradients over the replica group (and at ZeRO >= 1 keeps their state in chunks over it).
+tp column, beside pp within its pipeline rank's slice): :func:`ep_groups` creates the groups,
+:func:`cut_experts` keeps each rank's experts before the trace (so the traced program holds
+them), :func:`point_experts_at` sends the traced experts ops over the rank's ep group, the
+routing runs on each rank's own tokens (:mod:`autopar.passes.token_local`), and
+:class:`autopar.runtime.zero.ShardedParams` sums expert gradients over the replica group (and at
+ZeRO >= 1 keeps their state in chunks over it).
 """
 
 from __future__ import annotations
