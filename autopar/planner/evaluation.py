@@ -86,6 +86,8 @@ def _expert_grad_ops(g) -> set[int]:
     backward's gradients of the stacked weights sliced, transposed, cast: ops all of whose outputs
     do not grow with the batch, downstream of an experts op's batch-independent outputs)."""
     start = {v for v, n in enumerate(g.nodes) if n.kind == "op" and n.name.startswith(EXPERTS_OP_NAMES)}
+    if not start:  # (most models: no edge map to build on every evaluation)
+        return set()
     readers: dict[tuple[int, int], list[int]] = defaultdict(list)
     for e in g.edges:
         if not e.virtual:

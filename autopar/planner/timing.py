@@ -8,12 +8,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from autopar import zero_def
 from autopar.cluster import Cluster
 from autopar.cost import comm
 from autopar.cost.simulate import SimResult, simulate, simulate_step
-from autopar.cost.step import StageCost, StepSpec, TiedCost
-from autopar.planner.bounds import FUSED_BACKWARD, _COLLECTIVE_S, _pipeline_bound_s, _schedule, replica_group
+from autopar.cost.step import StageCost, StepSpec, TiedCost, group_dp_s
+from autopar.planner.bounds import FUSED_BACKWARD, _pipeline_bound_s, _schedule, replica_group
 
 if TYPE_CHECKING:
     from autopar.planner.search import Candidate, StagePlan
@@ -26,11 +25,9 @@ def grad_sync_s(grad_bytes: float, *, zero: int, dp: int, microbatches: int, lin
     """Data-parallel collectives of one stage's gradient bucket in one step, as
     :mod:`autopar.zero_def` defines them for ZeRO stage ``zero``: stage 0 all-reduces once,
     stage 1 reduce-scatters once and gathers the updated parameters, stage 2 reduce-scatters
-    every micro-batch, stage 3 also gathers the parameters twice per micro-batch."""
-    if dp == 1:
-        return 0.0
-    counts = zero_def.step_collective_counts(zero, n_micro=microbatches)
-    return sum(n * _COLLECTIVE_S[kind](grad_bytes, dp, link) for kind, n in counts.items())
+    every micro-batch, stage 3 also gathers the parameters twice per micro-batch
+    (:func:`autopar.cost.step.group_dp_s`, which the search and the step program price with)."""
+    return group_dp_s(grad_bytes, zero=zero, dp=dp, link=link, microbatches=microbatches)
 
 
 def simulate_stages(kind: str, *, microbatches: int, f_s: list[float], b_s: list[float], w_s: list[float],
