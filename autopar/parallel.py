@@ -208,11 +208,12 @@ class ParallelModule(PipelineBuild, Startup, CpEpBuild):
             from autopar.planner.search import Fixed
 
             fixed = Fixed.from_dict(self.fixed)
-            check_cp_runnable(fixed.cp, ep=fixed.ep, compile=self.compile)
+            check_cp_runnable(fixed.cp, ep=fixed.ep, compile=self.compile, variants=fixed.cp_variant or ())
             check_batch_split(_batch_size(values), fixed)
         else:
-            check_cp_runnable((self._given_plan.context or {}).get("cp"), ep=self._given_plan.experts.get("ep"),
-                              compile=self.compile)
+            context = self._given_plan.context or {}
+            check_cp_runnable(context.get("cp"), ep=self._given_plan.experts.get("ep"), compile=self.compile,
+                              variants=context.get("variants", ()))
         bind_local_device(self.device)  # before the first collective: NCCL binds to the current GPU
         init_process_group(self.device, self.timeout_s)
         self._watch = peer_watch(self.timeout_s)

@@ -41,8 +41,12 @@ gradients stay whole through the step and are gathered and reduce-scattered once
 program (``zero=1``), not ZeRO-3's. The micro-batches are torchtitan's default, one per stage
 (8 of 4 sequences; table 6: 8 of 1), and interleaved runs two stages per rank (its
 ``generate_split_points`` default for multi-stage schedules). The context-parallel rows (8B and
-405B) use torchtitan's default ``allgather`` rotation, and local batch 1 (8B) or 8 (405B) per
-FSDP group of cp ranks.
+405B) ran torch's own ``context_parallel`` with torchtitan's default "allgather" rotation, local
+batch 1 (8B) or 8 (405B) per FSDP group of cp ranks; they are pinned ``cp_variant="torch"``, which
+prices that program (:func:`autopar.cost.comm.torch_context_attention_cost`): K and V exchanged
+after torchtitan's Llama repeats them to every query head (4x the grouped bytes for 8B, 16x for
+405B's one K/V head per tp rank), gathered again in the backward, the fp32 K/V gradients passed
+around the ring, and the eager fp32 merges and concatenations of every ring step.
 
 Rows left out, and why: the Float8 rowwise rows (another kernel), and the MoE rows. Qwen3-235B
 (Megatron-LM) folds ep over tp and dp, which autopar's ep (folded over dp) cannot express.
@@ -180,13 +184,13 @@ ROWS = [
     *(Row(label=f"Llama3.1-405B FSDP{8 // cp} CP{cp} TP8 PP8 seq {seq // 1024}k AC 1F1B (compile, Float8, async TP)",
           model="llama:405b", nodes=64, seq=seq, local_batch=8,
           fixed={"dp": 8, "cp": cp, "tp": 8, "pp": 8, "zero": 1, "recompute": "full", "sp": True, "schedule": "1f1b",
-                 "cp_variant": "allgather", "microbatch_size": 1, "microbatches": 8},
+                 "cp_variant": "torch", "microbatch_size": 1, "microbatches": 8},
           tok_s=tok_s, mem_gib=mem, compiled=True, float8=True, async_tp=True, source=_TT + " table 6")
       for cp, seq, tok_s, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
                                   (8, 262144, 16, 84.9))),
     *(Row(label=f"Llama3.1-8B FSDP{8 // cp} CP{cp} seq {seq // 1024}k AC (compile, Float8)", model="llama:8b", nodes=1,
           seq=seq, local_batch=1, fixed={"dp": 8, "cp": cp, "tp": 1, "pp": 1, "zero": 3, "recompute": "full",
-                                         "cp_variant": "allgather"},
+                                         "cp_variant": "torch"},
           tok_s=tok_s, mem_gib=mem, compiled=True, float8=True, source=_TT + " table 2")
       for cp, seq, tok_s, mem in ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
                                   (8, 262144, 548, 84.5))),

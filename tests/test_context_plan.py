@@ -87,6 +87,30 @@ def test_cp_plan_round_trips_and_says_what_it_did(plans):
     assert "Context parallelism" not in render_html(plans[1])
 
 
+def test_torch_cp_variant_prices_torchs_program_and_is_not_run():
+    """cp_variant="torch" prices torch's context_parallel as torchtitan runs it (bench/fidelity.py):
+    Llama 3 8B repeats its 8 K/V heads to 32 before SDPA, so that program gathers 4x the bytes of
+    autopar's all-gather and merges in eager fp32; parallelize refuses it before any collective."""
+    model, inputs, loss_fn, target = llama.build(size="8b", n_layers=2, batch=8, seq=8192, device="meta")
+    out = {}
+    for variant in ("allgather", "torch"):
+        out[variant] = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
+                                    fixed=dict(PIN, cp=4, cp_variant=variant))
+    ours, theirs = (out[v].context for v in ("allgather", "torch"))
+    assert theirs["variants"] == ["torch"] and ours["variants"] == ["allgather"]
+    # the K/V sent forward and backward: repeated heads (4x) and fp32 gradient hops against bf16 reduce-scatter
+    assert theirs["kv_exchange"]["bytes"] > 3 * ours["kv_exchange"]["bytes"]
+    assert theirs["kv_exchange"]["exposed_s"] > ours["kv_exchange"]["exposed_s"]
+    assert out["torch"].predicted["step_time_s"] > out["allgather"].predicted["step_time_s"]
+    pm = autopar.parallelize(model, cluster="1x1xcpu", loss_fn=loss_fn, fixed={"cp": 2, "cp_variant": "torch"})
+    with pytest.raises(autopar.PlanError, match=r"^cp=2 with cp_variant='torch': .* autopar does not run it"):
+        pm.train_step(inputs, target)
+    assert pm.plan is None
+    with pytest.raises(autopar.PlanError, match=r"cp_variant='ulysses' is not one of ring, allgather, torch"):
+        autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
+                     fixed=dict(PIN, cp=4, cp_variant="ulysses"))
+
+
 def test_plan_validation_counts_batch_groups(plans):
     data = plans[2].to_dict()
     data["context"] = dict(data["context"], cp=3)

@@ -203,6 +203,39 @@ def test_context_attention_allgather_hides_nothing_and_cp1_costs_nothing():
                                link=link)
 
 
+def test_torch_context_attention_prices_its_gathers_last_gradient_hop_and_eager_merges():
+    """torch's own context parallelism (pinned ``cp_variant="torch"``): the all-gathers hide behind
+    step 0, the fp32 K/V gradient hops behind the next step but the last, and its eager per-step
+    kernels are counted op by op (here independently of the function's closed form)."""
+    from autopar.cost.comm import all_gather_s, p2p_s, torch_context_attention_cost
+
+    link = Link(bytes_per_s=100e9, latency_s=5e-6)
+    cp, n, e, rate = 4, 1_000_000, 2, 1e12  # n elements per K (= V = output) block, bf16
+    kv = 2 * n * e
+
+    def merge(x):  # upcast, out - block, sigmoid-weight x diff, out - product (bytes per element)
+        return (e + 4) + (4 + 4 + 4) + (4 + 4) + (4 + 4 + 4)
+
+    forward = (cp - 1) * (2 * kv + merge(1) * n) + (e + 4) * n + (4 + e) * n
+    additions = 3 * ((4 + e) + 4)  # fp32 += bf16, for q, k and v
+    backward = 3 * 4 * n + (cp - 1) * 2 * kv + cp * (additions + 2 * (2 * n * 4) / n) * n + 3 * (4 + e) * n
+    gather, hop = all_gather_s(cp * kv, cp, link), p2p_s(2 * n * 4, link)
+    slow = torch_context_attention_cost(cp=cp, kv_bytes=kv, elem_bytes=e, forward_s=1.0, backward_s=2.0, link=link,
+                                        memory_bytes_per_s=rate)
+    assert slow.variant == "torch"
+    assert slow.forward_exposed_s == pytest.approx(forward / rate)
+    assert slow.backward_exposed_s == pytest.approx(hop + backward / rate)
+    assert slow.forward_comm_s == pytest.approx(gather) and slow.backward_comm_s == pytest.approx(gather + cp * hop)
+    fast = torch_context_attention_cost(cp=cp, kv_bytes=kv, elem_bytes=e, forward_s=4e-6, backward_s=8e-6, link=link,
+                                        memory_bytes_per_s=rate)
+    assert fast.forward_exposed_s == pytest.approx(gather - 1e-6 + forward / rate)
+    assert fast.backward_exposed_s == pytest.approx(gather - 2e-6 + (cp - 1) * (hop - 2e-6) + hop + backward / rate)
+    assert fast.sent_bytes == 2 * (cp - 1) * kv + cp * 8 * n
+    one = torch_context_attention_cost(cp=1, kv_bytes=kv, elem_bytes=e, forward_s=1.0, backward_s=1.0, link=link,
+                                       memory_bytes_per_s=rate)
+    assert one.exposed_s == 0 and one.forward_comm_s == 0
+
+
 def test_all_to_all_across_nodes_runs_at_one_nic_per_rank():
     """All-to-all has no ring to spread over a node's NICs: what a rank sends off its node
     leaves through its own NIC. EP 32 over 4 H100 nodes: 3/4 of each buffer crosses the network

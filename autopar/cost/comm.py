@@ -75,6 +75,7 @@ __all__ = [
     "reduce_scatter_s",
     "stage_group_link",
     "stage_ranks",
+    "torch_context_attention_cost",
 ]
 
 
@@ -291,6 +292,54 @@ def context_attention_cost(*, variant: str, cp: int, kv_bytes: float, dkv_bytes:
     return ContextAttentionCost(variant, (cp - 1) * hop_f, (cp - 1) * hop_b + last,
                                 (cp - 1) * exposed(hop_f, step_f), (cp - 1) * exposed(hop_b, step_b) + last,
                                 messages=3 * (cp - 1) + 1, sent_bytes=2 * (cp - 1) * kv_bytes + cp * dkv_bytes)
+
+
+def torch_context_attention_cost(*, cp: int, kv_bytes: float, elem_bytes: int, forward_s: float,
+                                 backward_s: float, link: Link, memory_bytes_per_s: float) -> ContextAttentionCost:
+    """K/V exchange of one attention layer as torch's own context parallelism runs it
+    (``torch.distributed.tensor.experimental.context_parallel`` with its "allgather" rotation,
+    torchtitan's default), the program of runs made with it (``bench/fidelity.py``); autopar's
+    runtime runs :mod:`autopar.context` instead, priced by :func:`context_attention_cost`.
+
+    ``kv_bytes``: one rank's K and V block as SDPA receives them, i.e. after any grouped-query
+    head repeat (torchtitan's Llama repeats K/V to every query head before SDPA, so the exchange
+    moves the repeated heads); ``forward_s``, ``backward_s``: the rank's attention compute of the
+    layer, ``cp`` equal steps of it. Read from ``_templated_ring_attention`` and its backward
+    (torch 2.13's ``_context_parallel/_attention.py``; the runs compared used a December 2024
+    build):
+
+    - forward: K/V all-gathered once, issued before step 0 (the own block) and awaited at step 1,
+      so step 0's compute hides it; each step then concatenates the K/V block it would send
+      (which the all-gather rotation ignores), and merges its output into an fp32 accumulator
+      by log-sum-exp (upcast, difference, sigmoid-weighted product, subtraction: eager kernels).
+    - backward: K/V gathered again the same way; fp32 gradient accumulators for q, k and v; each
+      step adds its gradients in, concatenates the K/V gradients and passes them to the next rank
+      (``permute_tensor``: an all-to-all with one peer), which the next step's compute hides; the
+      last pass nothing hides.
+
+    The eager traffic is counted per step on the busiest rank (its every step merges the whole
+    output) at ``memory_bytes_per_s``, and added to what is exposed: it runs on the compute stream.
+    """
+    if cp == 1:
+        return ContextAttentionCost("torch", 0.0, 0.0, 0.0, 0.0)
+    n = kv_bytes / (2 * elem_bytes)  # elements of one K (= V = query = output) block
+    e = elem_bytes
+    gather = all_gather_s(cp * kv_bytes, cp, link)
+    hop = p2p_s(2 * n * 4, link)  # fp32 K and V gradients
+    step_f, step_b = forward_s / cp, backward_s / cp
+    # forward bytes: per step after the first, the K/V concatenation (read + write) and one merge
+    # (upcast e + 4, difference 12, weighted product 8, subtraction 12 bytes per element), plus the
+    # first block's upcast and the result's downcast
+    forward_bytes = (cp - 1) * (4 * n * e + (e + 36) * n) + 2 * (e + 4) * n
+    # backward bytes: zeroed fp32 accumulators (12), per step the K/V concatenation but on the last,
+    # the q, k, v gradient additions (3 x (e + 8)) and the fp32 K/V gradient concatenation (16),
+    # and the three downcasts at the end
+    backward_bytes = 12 * n + (cp - 1) * 4 * n * e + cp * (3 * (e + 8) + 16) * n + 3 * (4 + e) * n
+    fwd_exposed = max(0.0, gather - step_f) + forward_bytes / memory_bytes_per_s
+    bwd_exposed = (max(0.0, gather - step_b) + (cp - 1) * max(0.0, hop - step_b) + hop
+                   + backward_bytes / memory_bytes_per_s)
+    return ContextAttentionCost("torch", gather, gather + cp * hop, fwd_exposed, bwd_exposed, messages=2 + cp,
+                                sent_bytes=2 * (cp - 1) * kv_bytes + cp * 8 * n)
 
 
 def broadcast_s(nbytes: float, group_size: int, link: Link) -> float:

@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from autopar.cluster import Cluster
-from autopar.cost.comm import ContextAttentionCost, context_attention_cost
+from autopar.cost.comm import ContextAttentionCost, context_attention_cost, torch_context_attention_cost
 from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
 
@@ -169,8 +169,10 @@ def cp_options(gm: fx.GraphModule, world: int) -> tuple[int, ...]:
 def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index: dict[str, int], cp: int,
                     tp_split: dict[str, bool], tp: int, microbatch_size: float, global_batch: int, link,
                     overlap_slowdown: float = 1.0, variants: tuple[str, ...] = ("ring", "allgather"),
-                    ) -> dict[str, list[ContextAttentionCost]]:
+                    memory_bytes_per_s: float | None = None) -> dict[str, list[ContextAttentionCost]]:
     """Layer path -> the K/V exchange cost of each of its attention ops on one rank, per micro-batch.
+    ``variants == ("torch",)`` prices torch's own context parallelism instead (pinned only,
+    :func:`autopar.cost.comm.torch_context_attention_cost`; its eager kernels at ``memory_bytes_per_s``).
 
     ``problem`` is the sharding problem at the per-rank batch (``microbatch_size / cp``): its node
     times are the busiest rank's attention compute, which the ring's hops hide behind.
@@ -186,8 +188,14 @@ def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index
         fwd_s = node_cost_s(problem, v, node.candidates[sol_choice[v]])
         b = sg_index.get(site.backward) if site.backward else None
         bwd_s = node_cost_s(problem, b, problem.graph.nodes[b].candidates[sol_choice[b]]) if b is not None else 0.0
-        kv = site.kv_bytes * (microbatch_size / global_batch) / cp / (tp if tp_split.get(site.forward) else 1)
+        scale = (microbatch_size / global_batch) / cp / (tp if tp_split.get(site.forward) else 1)
+        kv = site.kv_bytes * scale
         dkv = kv * 4 / site.elem_bytes  # the gradient blocks travel as fp32 accumulators
+        if variants == ("torch",):  # pinned only: torch's program exchanges the repeated heads
+            out.setdefault(site.layer, []).append(torch_context_attention_cost(
+                cp=cp, kv_bytes=(site.kv_bytes + site.repeated_bytes) * scale, elem_bytes=site.elem_bytes,
+                forward_s=fwd_s, backward_s=bwd_s, link=link, memory_bytes_per_s=memory_bytes_per_s))
+            continue
         best = min((context_attention_cost(variant=var, cp=cp, kv_bytes=kv, dkv_bytes=dkv, forward_s=fwd_s,
                                            backward_s=bwd_s, link=link, overlap_slowdown=overlap_slowdown)
                     for var in variants), key=lambda c: (c.exposed_s, c.variant))
@@ -271,7 +279,10 @@ def cp_costs(attention, problem, sg, sol, *, cp: int, tp: int, mbs: int, batch: 
     cheaper variant, or the pinned ``variant``)."""
     index = {n.name: v for v, n in enumerate(sg.nodes)}
     split = _tp_split(attention, sg, sol)
+    from autopar.cost.compute import kernel_time_s
+
+    eager = 1e9 / kernel_time_s(kind="other", flops=0.0, bytes_moved=1e9, device=cluster.device)  # bytes per s
     return attention_costs(attention, problem=problem, sol_choice=sol.choice, sg_index=index, cp=cp, tp_split=split,
                            tp=tp, microbatch_size=mbs, global_batch=batch,
                            link=cluster.link_for_group(cp, stride=tp),
-                           variants=(variant,) if variant else ("ring", "allgather"))
+                           variants=(variant,) if variant else ("ring", "allgather"), memory_bytes_per_s=eager)

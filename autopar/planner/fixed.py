@@ -15,6 +15,10 @@ from autopar.errors import PlanError
 __all__ = ["Fixed", "FIXED_KEYS", "SCHEDULES", "RECOMPUTE", "PINNED_RECOMPUTE"]
 
 CP_VARIANTS = ("ring", "allgather")  # (autopar.context.VARIANTS, without importing the runtime op)
+PINNED_CP_VARIANTS = (*CP_VARIANTS, "torch")
+"""cp variants a plan may pin: autopar's two, and "torch" (torch's own ``context_parallel`` with its
+all-gather rotation, as torchtitan runs it: :func:`autopar.cost.comm.torch_context_attention_cost`),
+priced for runs made that way (``bench/fidelity.py``); autopar's runtime does not run it."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 RECOMPUTE = ("none", "selective", "full")
 PINNED_RECOMPUTE = (*RECOMPUTE, "sac")
@@ -56,7 +60,8 @@ class Fixed:
     cp_variant: str | None = None
     """How cp attention meets the other ranks' keys: "ring" (K/V blocks passed around, hidden
     behind the block computation) or "allgather" (all K/V gathered first); None: per attention
-    op, whichever the cost model says leaves less exposed."""
+    op, whichever the cost model says leaves less exposed. "torch" (:data:`PINNED_CP_VARIANTS`)
+    prices torch's own program, for runs made with it; autopar's runtime refuses such a plan."""
 
     @classmethod
     def from_dict(cls, fixed: dict | None) -> Fixed:
@@ -86,7 +91,7 @@ class Fixed:
                 values[key] = factor
                 continue
             if key in ("schedule", "recompute", "cp_variant"):
-                allowed = {"schedule": SCHEDULES, "recompute": PINNED_RECOMPUTE, "cp_variant": CP_VARIANTS}[key]
+                allowed = {"schedule": SCHEDULES, "recompute": PINNED_RECOMPUTE, "cp_variant": PINNED_CP_VARIANTS}[key]
                 if value not in allowed:
                     problems.append(f"{key}={value!r} is not one of {', '.join(allowed)}")
                 values[key] = value

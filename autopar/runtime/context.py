@@ -69,11 +69,18 @@ _PASS_THROUGH = {_aten.view.default, _aten._unsafe_view.default, _aten.detach.de
                  _aten.reshape.default, _aten.clone.default, _aten.contiguous.default}
 
 
-def check_cp_runnable(cp: int | None, *, ep: int | None, compile: bool) -> None:
-    """What ``parallelize`` runs under cp > 1 (no ep, the compiled step program): a clear error
+def check_cp_runnable(cp: int | None, *, ep: int | None, compile: bool, variants=()) -> None:
+    """What ``parallelize`` runs under cp > 1 (no ep, the compiled step program, autopar's own K/V
+    exchange: ``variants``, the pinned one or the plan's, among :data:`VARIANTS`): a clear error
     before any collective for the rest."""
     if not cp or cp == 1:
         return
+    variants = [variants] if isinstance(variants, str) else list(variants or ())
+    alien = [v for v in variants if v not in VARIANTS]
+    if alien:
+        raise PlanError(f"cp={cp} with cp_variant={alien[0]!r}: that prices another program's K/V exchange "
+                        f"(torch's context_parallel, for comparing with runs made with it) and autopar does not run "
+                        f"it; pin cp_variant to one of {', '.join(VARIANTS)} or leave it to the planner")
     if ep and ep > 1:
         raise PlanError(f"cp={cp} with ep={ep}: context and expert parallelism do not run together yet; drop one")
     if not compile:
