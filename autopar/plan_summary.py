@@ -305,9 +305,9 @@ def render_summary(plan: Plan) -> str:
     comm = communication_rows(plan)
     if comm:
         lines += ["", "  communication per step (tp and pp: summed over stages; dp: the slowest pipeline rank):",
-                  f"    {'collective':<15} {'axis':<4} {'calls':>8} {'bytes':>9} {'time':>9}"]
+                  f"    {'collective':<15} {'axis':<5} {'calls':>8} {'bytes':>9} {'time':>9}"]
         for r in comm:
-            lines.append(f"    {r['kind']:<15} {r['axis']:<4} {r['count']:>8.4g} {fmt_bytes(r['bytes']):>9} "
+            lines.append(f"    {r['kind']:<15} {r['axis']:<5} {r['count']:>8.4g} {fmt_bytes(r['bytes']):>9} "
                          f"{fmt_s(r['time_s']):>9}")
     overlap = overlap_rows(plan)
     if overlap:

@@ -271,6 +271,18 @@ def test_zero_shards_expert_state_over_the_replicas(zero):
     assert memory["optimizer"] == pytest.approx(8 * chunks, rel=1e-12)
     assert memory["grads"] == pytest.approx(4 * (chunks if zero >= 2 else whole), rel=1e-12)
     assert memory["params"] == pytest.approx(4 * (chunks if zero == 3 else whole), rel=1e-12)
+    # the plan's dp communication: the expert buckets apart, on the replica groups ("dp/ep"), each
+    # collective moving the rank's expert part (fp32 gradients) padded to a multiple of 2 replicas
+    reduce = plan.communication["reduce_scatter"]
+    experts, others = reduce["dp/ep"], reduce["dp"]
+    assert all(b["replicas"] == 2 for b in experts["buckets"]) and not any("replicas" in b for b in others["buckets"])
+    per_call = {b["layer"]: b["bytes"] for b in experts["buckets"]}
+    assert sum(per_call.values()) == pytest.approx(4 * held, rel=1e-12)  # (tiny's parts split evenly)
+    assert sum(b["bytes"] for b in others["buckets"]) == pytest.approx(4 * rest, abs=4 * 4 * len(others["buckets"]))
+    assert experts["time_s"] > 0 and others["time_s"] > 0  # (together, the stage's gradient sync)
+    sync = sum(c["time_s"] for axes in plan.communication.values() for axis, c in axes.items() if "dp" in axis)
+    assert sync == pytest.approx(plan.stages[0]["predicted"]["grad_sync_s"], rel=1e-6)
+    assert "dp/ep" in plan.summary()
 
 
 def test_ep_cuts_the_experts_weight_gradients_in_the_working_set(moe_pair):

@@ -15,10 +15,12 @@ from torch import fx
 import autopar
 from autopar.cluster import Cluster
 from autopar.cost import comm
+from autopar.cost.step import group_dp_s
 from autopar.passes import meta_keys as mk
 from autopar.passes.layers import graph_hash
 from autopar.passes.strategies import StrategyGraph
 from autopar.plan import Plan
+from autopar.planner.bounds import replica_group
 from autopar.planner.context import context_record, cp_costs, find_attention, sequence_length
 from autopar.planner.cuts import CutTable, piece_bytes
 from autopar.planner.experts import experts_record, find_experts
@@ -71,8 +73,14 @@ def expanded_names(layers, info: mk.GraphTrace) -> dict[str, list[str]]:
 
 
 def _dp_buckets(gm: fx.GraphModule, stages: list[dict], layer_dict: dict, *, zero: int, dp: int,
-                tp: int, reduce_dtype: torch.dtype | None = None) -> list[dict]:
+                tp: int, reduce_dtype: torch.dtype | None = None, experts: frozenset[str] = frozenset(),
+                ep: int = 1) -> list[dict]:
     """The dp gradient buckets of a step: one per (stage, layer group, dtype), as ``runtime/zero.py`` makes them.
+
+    Under ``ep`` > 1 the stacked parameters in ``experts`` (the record's names) make buckets of
+    their own, marked ``"replicas": dp // ep``: a rank holds ``1/ep`` of their rows and reduces
+    (and at ZeRO >= 1 shards) them over the dp ranks that hold the same part, not over all of dp
+    (:mod:`autopar.runtime.expert`).
 
     A bucket holds the trainable parameters a layer owns (its first reader), and a stage that
     reads a parameter another stage's layer owns (a tied head) holds that owner's bucket too.
@@ -105,7 +113,7 @@ def _dp_buckets(gm: fx.GraphModule, stages: list[dict], layer_dict: dict, *, zer
                 if owner not in groups:
                     groups[owner] = [item for item in owned.get(owner, []) if item[0] == fqn]
         for path, items in groups.items():
-            by_dtype: dict[str, int] = defaultdict(int)
+            by_dtype: dict[tuple[str, int], int] = defaultdict(int)
             for _, fqn, src in items:
                 if fqn not in info.grad_outputs:
                     continue
@@ -114,14 +122,17 @@ def _dp_buckets(gm: fx.GraphModule, stages: list[dict], layer_dict: dict, *, zer
                 if placement.startswith("S"):
                     d = int(placement[1:])
                     local[d] = -(-local[d] // tp)
+                shards = dp
+                if ep > 1 and fqn in experts:  # the rank's expert part, chunked over its replicas
+                    local[0], shards = -(-local[0] // ep), dp // ep
                 numel = math.prod(local)
                 dtype, size = itemsize[fqn]
-                by_dtype[dtype] += (-(-numel // dp) * dp if zero else numel) * size
+                by_dtype[dtype, shards] += (-(-numel // shards) * shards if zero else numel) * size
             readers = {_stand_in(layer, layer_dict) or layer for layer in st["layers"]}
             backward = any(read_in_backward.get(f, set()) & readers for _, f, _ in items)
-            for dtype, nbytes in by_dtype.items():
-                out.append({"stage": s, "layer": path, "dtype": dtype, "bytes": nbytes,
-                            "read_in_backward": backward})
+            for (dtype, shards), nbytes in by_dtype.items():
+                out.append({"stage": s, "layer": path, "dtype": dtype, "bytes": nbytes, "read_in_backward": backward,
+                            **({"replicas": shards} if shards != dp else {})})
     return out
 
 
@@ -341,10 +352,19 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
                                      "time_s": c["time_s"] * cfg.microbatches}
     if cfg.dp > 1:
         per_rank = [0.0] * cfg.pp  # a rank syncs the stages it holds one after the other
+        expert_rank = [0.0] * cfg.pp  # the part of it on the experts' replica groups (ep > 1)
+        replicas, replica_link = replica_group(cluster, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep)
+        dp_link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
         for s, st in enumerate(best.stages):
             per_rank[s % cfg.pp] += st.grad_sync_s
+            expert_rank[s % cfg.pp] += sum(
+                group_dp_s(g.expert_bytes, zero=cfg.zero, dp=cfg.dp, link=dp_link, microbatches=cfg.microbatches,
+                           expert_bytes=g.expert_bytes, replicas=replicas, replica_link=replica_link)
+                for g in st.groups if g.expert_bytes)
+        slowest = max(range(cfg.pp), key=per_rank.__getitem__)
+        expert_names = frozenset(f for x in find_experts(gm) for f in x.params) if cfg.ep > 1 else frozenset()
         buckets = _dp_buckets(gm, stages, layer_dict, zero=cfg.zero, dp=cfg.dp, tp=cfg.tp,
-                              reduce_dtype=policy.reduce_dtype)
+                              reduce_dtype=policy.reduce_dtype, experts=expert_names, ep=cfg.ep)
         counts = step_collective_counts(cfg.zero, n_micro=cfg.microbatches)
         # a mixed policy gathers bf16 weights at stage 3 and fp32 masters after the step at stages 1-2
         gather_dtype = policy.param_dtype if cfg.zero == 3 else policy.master_dtype
@@ -357,9 +377,14 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
                 scale = gather_dtype.itemsize / policy.reduce_dtype.itemsize
                 rows = [{**r, "bytes": r["bytes"] * scale,
                          "dtype": str(gather_dtype).removeprefix("torch.")} for r in rows]
-            communication[kind]["dp"] = {"count": sum(r["count"] for r in rows),
-                                         "bytes": sum(r["bytes"] * r["count"] for r in rows),
-                                         "time_s": max(per_rank) / len(counts), "buckets": rows}
+            # (per axis: the slowest pipeline rank's time, split between all of dp and the replica groups)
+            for axis, mine, time_s in (("dp", [r for r in rows if "replicas" not in r],
+                                        per_rank[slowest] - expert_rank[slowest]),
+                                       ("dp/ep", [r for r in rows if "replicas" in r], expert_rank[slowest])):
+                if mine:
+                    communication[kind][axis] = {"count": sum(r["count"] for r in mine),
+                                                 "bytes": sum(r["bytes"] * r["count"] for r in mine),
+                                                 "time_s": max(0.0, time_s) / len(counts), "buckets": mine}
     if cfg.pp > 1:
         communication["p2p"]["pp"] = _p2p_record(best, sends, cluster)
     experts = {}
