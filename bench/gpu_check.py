@@ -19,7 +19,11 @@
     layers, eager bf16, forward and backward timed and profiled by kernel kind, against the sums
     of autopar's per-node prices of the same graphs.
 
-The parts run (b), (c), (a) (then the compiled blocks, with ``--compiled-blocks``), and the JSON
+(d) One rank of torch's context-parallel ring attention (:mod:`gpu_ring`): the compute of one
+    attention layer's ring at 32k tokens per rank, cp 2, 4 and 8, against autopar's price (the
+    context-parallel fidelity rows are 31-37% optimistic at cp 4 and 8 and not at cp 2).
+
+The parts run (b), (c), (d), (a) (then the compiled blocks, with ``--compiled-blocks``), and the JSON
 file is rewritten after each, so a run cut short keeps what it measured; when (a)'s first step
 fails, the step program's and joint graph's code are written beside it. The four H200 runs of
 2026-12-04 are in ``bench/gpu_check_h200.json``.
@@ -51,6 +55,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_blocks  # noqa: E402
+import gpu_ring  # noqa: E402
 import torch  # noqa: E402
 
 GEMMS = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 4096, 256), (4096, 4096, 512), (1024, 4096, 4096),
@@ -387,6 +392,8 @@ def main(argv=None) -> int:
     failed = not _part(result, "blocks", lambda: gpu_blocks.blocks(device, specs, tiny=args.tiny, time_s=_time_s,
                                                                    sustain_s=args.sustain_step))
     save()
+    failed |= not _part(result, "ring", lambda: gpu_ring.ring_steps(device, specs, tiny=args.tiny, time_s=_time_s))
+    save()
     backend_only.close()
     if not args.skip_model:
         failed |= not _part(result, "model", lambda: run_model(device, cluster, tiny=args.tiny, plan_file=args.plan,
@@ -421,6 +428,12 @@ def main(argv=None) -> int:
                            if k.startswith("block_measured_over_predicted_"))
         print(f"  {model} block: forward {sm['block_forward_s'] * 1e3:.1f} ms, backward "
               f"{sm['block_backward_s'] * 1e3:.1f} ms; measured/predicted: {ratios or 'no prediction'}")
+    for r in result.get("ring", {}).get("rows", []):
+        pred = "; ".join(f"{n.removeprefix('predicted_')} {p['forward_s'] * 1e3:.1f} + {p['backward_s'] * 1e3:.1f} ms"
+                         for n, p in r.items() if n.startswith("predicted_"))
+        print(f"  ring cp={r['cp']} rank {r['rank']}: forward {r['forward_s'] * 1e3:.1f} ms (SDPA alone "
+              f"{r['sdpa_forward_s'] * 1e3:.1f}), backward {r['backward_s'] * 1e3:.1f} ms (SDPA alone "
+              f"{r['sdpa_backward_s'] * 1e3:.1f}); predicted {pred}")
     print(f"wrote {out}")
     return 1 if failed else 0
 

@@ -59,4 +59,33 @@ def test_cpu_dry_run_without_ortools_writes_the_figures(tmp_path):
     assert summary["block_predicted_s_cpu"] > 0 and summary["block_flops"] > 0
     assert summary["block_measured_over_predicted_cpu"] == pytest.approx(
         summary["block_forward_backward_s"] / summary["block_predicted_s_cpu"])
-    assert "llama-tiny block" in r.stdout and "wrote" in r.stdout
+    ring = data["ring"]  # torch's ring attention of one cp rank, emulated on one device
+    assert all(err < 1e-5 for err in ring["check_cp2"].values()), ring["check_cp2"]
+    assert {(row["cp"], row["rank"]) for row in ring["rows"]} == {(2, 0), (2, 1), (4, 0), (4, 3)}
+    for row in ring["rows"]:
+        assert row["forward_s"] > 0 and row["sdpa_backward_s"] > 0
+        assert row["predicted_cpu"]["forward_s"] > row["predicted_cpu"]["sdpa_forward_s"] > 0
+    assert "llama-tiny block" in r.stdout and "ring cp=4 rank 3" in r.stdout and "wrote" in r.stdout
+
+
+@pytest.mark.parametrize("cp", [1, 3, 4])
+def test_ring_emulation_equals_whole_sequence_attention(cp, monkeypatch):
+    """bench/gpu_ring.py's rank programs, run for every rank in lockstep, give causal attention over
+    the whole sequence (output and the gradients of q, k and v); with the later ranks' half-blocks
+    swapped, they do not (so the comparison can fail)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_ring
+
+    errors = gpu_ring.check(cp, shape=(2, 3, 8, 4), seed=cp)
+    assert max(errors.values()) < 1e-6, errors
+    if cp > 1:
+        right = gpu_ring.RankRing._step_inputs
+
+        def swapped(self, i):
+            q, k, v, causal, partial = right(self, i)
+            if 0 < i <= self.rank:  # the second half of the keys instead of the first
+                k, v = (x.chunk(2, dim=2)[1] for x in self.blocks[(self.rank - i) % self.cp])
+            return q, k, v, causal, partial
+
+        monkeypatch.setattr(gpu_ring.RankRing, "_step_inputs", swapped)
+        assert max(gpu_ring.check(cp, shape=(2, 3, 8, 4), seed=cp).values()) > 1e-2
