@@ -231,6 +231,11 @@ def test_torch_context_attention_prices_its_gathers_last_gradient_hop_and_eager_
     assert fast.forward_exposed_s == pytest.approx(gather - 1e-6 + forward / rate)
     assert fast.backward_exposed_s == pytest.approx(gather - 2e-6 + (cp - 1) * (hop - 2e-6) + hop + backward / rate)
     assert fast.sent_bytes == 2 * (cp - 1) * kv + cp * 8 * n
+    # compute slowed while a transfer overlaps it: a hidden gather or hop still costs 1 - 1/slowdown of itself
+    shared = torch_context_attention_cost(cp=cp, kv_bytes=kv, elem_bytes=e, forward_s=1.0, backward_s=2.0,
+                                          link=link, memory_bytes_per_s=rate, overlap_slowdown=1.25)
+    assert shared.forward_exposed_s == pytest.approx(0.2 * gather + forward / rate)
+    assert shared.backward_exposed_s == pytest.approx(0.2 * gather + (cp - 1) * 0.2 * hop + hop + backward / rate)
     one = torch_context_attention_cost(cp=1, kv_bytes=kv, elem_bytes=e, forward_s=1.0, backward_s=1.0, link=link,
                                        memory_bytes_per_s=rate)
     assert one.exposed_s == 0 and one.forward_comm_s == 0

@@ -281,21 +281,24 @@ def context_attention_cost(*, variant: str, cp: int, kv_bytes: float, dkv_bytes:
                                     sent_bytes=(cp - 1) * (2 * kv_bytes + dkv_bytes))
     step_f, step_b = forward_s / cp, backward_s / cp
     hop_f, hop_b, last = p2p_s(kv_bytes, link), p2p_s(kv_bytes + dkv_bytes, link), p2p_s(dkv_bytes, link)
-    if not overlap_slowdown >= 1:
-        raise ValueError(f"overlap_slowdown must be >= 1, got {overlap_slowdown!r}")
-
-    def exposed(hop: float, step: float) -> float:
-        # compute runs at 1/slowdown while the hop is on the link: it ends inside the hop
-        # (exposed: hop - step), or the hop cost it hop x (1 - 1/slowdown) of progress
-        return hop - step if step * overlap_slowdown <= hop else hop * (1 - 1 / overlap_slowdown)
-
     return ContextAttentionCost(variant, (cp - 1) * hop_f, (cp - 1) * hop_b + last,
-                                (cp - 1) * exposed(hop_f, step_f), (cp - 1) * exposed(hop_b, step_b) + last,
+                                (cp - 1) * _behind(hop_f, step_f, overlap_slowdown),
+                                (cp - 1) * _behind(hop_b, step_b, overlap_slowdown) + last,
                                 messages=3 * (cp - 1) + 1, sent_bytes=2 * (cp - 1) * kv_bytes + cp * dkv_bytes)
 
 
+def _behind(comm_s: float, compute_s: float, slowdown: float) -> float:
+    """What a transfer of ``comm_s`` started beside ``compute_s`` of compute adds to it: compute runs
+    at 1/``slowdown`` while the transfer is on the link, so it ends inside the transfer (exposed:
+    the rest of the transfer), or the transfer costs it ``comm_s x (1 - 1/slowdown)`` of progress."""
+    if not slowdown >= 1:
+        raise ValueError(f"overlap_slowdown must be >= 1, got {slowdown!r}")
+    return comm_s - compute_s if compute_s * slowdown <= comm_s else comm_s * (1 - 1 / slowdown)
+
+
 def torch_context_attention_cost(*, cp: int, kv_bytes: float, elem_bytes: int, forward_s: float,
-                                 backward_s: float, link: Link, memory_bytes_per_s: float) -> ContextAttentionCost:
+                                 backward_s: float, link: Link, memory_bytes_per_s: float,
+                                 overlap_slowdown: float = 1.0) -> ContextAttentionCost:
     """K/V exchange of one attention layer as torch's own context parallelism runs it
     (``torch.distributed.tensor.experimental.context_parallel`` with its "allgather" rotation,
     torchtitan's default), the program of runs made with it (``bench/fidelity.py``); autopar's
@@ -319,6 +322,8 @@ def torch_context_attention_cost(*, cp: int, kv_bytes: float, elem_bytes: int, f
 
     The eager traffic is counted per step on the busiest rank (its every step merges the whole
     output) at ``memory_bytes_per_s``, and added to what is exposed: it runs on the compute stream.
+    A transfer hidden behind compute costs it as :func:`context_attention_cost`'s hops do
+    (``overlap_slowdown``).
     """
     if cp == 1:
         return ContextAttentionCost("torch", 0.0, 0.0, 0.0, 0.0)
@@ -335,9 +340,9 @@ def torch_context_attention_cost(*, cp: int, kv_bytes: float, elem_bytes: int, f
     # the q, k, v gradient additions (3 x (e + 8)) and the fp32 K/V gradient concatenation (16),
     # and the three downcasts at the end
     backward_bytes = 12 * n + (cp - 1) * 4 * n * e + cp * (3 * (e + 8) + 16) * n + 3 * (4 + e) * n
-    fwd_exposed = max(0.0, gather - step_f) + forward_bytes / memory_bytes_per_s
-    bwd_exposed = (max(0.0, gather - step_b) + (cp - 1) * max(0.0, hop - step_b) + hop
-                   + backward_bytes / memory_bytes_per_s)
+    fwd_exposed = _behind(gather, step_f, overlap_slowdown) + forward_bytes / memory_bytes_per_s
+    bwd_exposed = (_behind(gather, step_b, overlap_slowdown) + (cp - 1) * _behind(hop, step_b, overlap_slowdown)
+                   + hop + backward_bytes / memory_bytes_per_s)
     return ContextAttentionCost("torch", gather, gather + cp * hop, fwd_exposed, bwd_exposed, messages=2 + cp,
                                 sent_bytes=2 * (cp - 1) * kv_bytes + cp * 8 * n)
 

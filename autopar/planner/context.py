@@ -194,7 +194,8 @@ def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index
         if variants == ("torch",):  # pinned only: torch's program exchanges the repeated heads
             out.setdefault(site.layer, []).append(torch_context_attention_cost(
                 cp=cp, kv_bytes=(site.kv_bytes + site.repeated_bytes) * scale, elem_bytes=site.elem_bytes,
-                forward_s=fwd_s, backward_s=bwd_s, link=link, memory_bytes_per_s=memory_bytes_per_s))
+                forward_s=fwd_s, backward_s=bwd_s, link=link, memory_bytes_per_s=memory_bytes_per_s,
+                overlap_slowdown=overlap_slowdown))
             continue
         best = min((context_attention_cost(variant=var, cp=cp, kv_bytes=kv, dkv_bytes=dkv, forward_s=fwd_s,
                                            backward_s=bwd_s, link=link, overlap_slowdown=overlap_slowdown)
@@ -280,9 +281,11 @@ def cp_costs(attention, problem, sg, sol, *, cp: int, tp: int, mbs: int, batch: 
     index = {n.name: v for v, n in enumerate(sg.nodes)}
     split = _tp_split(attention, sg, sol)
     from autopar.cost.compute import kernel_time_s
+    from autopar.cost.step import OVERLAP_SLOWDOWN
 
     eager = 1e9 / kernel_time_s(kind="other", flops=0.0, bytes_moved=1e9, device=cluster.device)  # bytes per s
+    # (hops hidden behind attention slow it as the step program's overlapped collectives slow compute)
     return attention_costs(attention, problem=problem, sol_choice=sol.choice, sg_index=index, cp=cp, tp_split=split,
                            tp=tp, microbatch_size=mbs, global_batch=batch,
-                           link=cluster.link_for_group(cp, stride=tp),
+                           link=cluster.link_for_group(cp, stride=tp), overlap_slowdown=OVERLAP_SLOWDOWN,
                            variants=(variant,) if variant else ("ring", "allgather"), memory_bytes_per_s=eager)
