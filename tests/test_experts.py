@@ -285,6 +285,18 @@ def test_zero_shards_expert_state_over_the_replicas(zero):
     assert "dp/ep" in plan.summary()
 
 
+def test_experts_held_once_have_no_dp_collectives():
+    """ep = dp: each expert part lives on one rank, so the plan lists no replica-group buckets and
+    the dp buckets carry only the other parameters."""
+    plan = _plan({"tp": 1, "pp": 1, "microbatches": 1, "ep": 4, "zero": 1})
+    config = moe.SIZES["tiny"]
+    rest = moe.count_params(config) - moe.expert_params(config)
+    reduce = plan.communication["reduce_scatter"]
+    assert set(reduce) == {"dp"}
+    buckets = reduce["dp"]["buckets"]
+    assert sum(b["bytes"] for b in buckets) == pytest.approx(4 * rest, abs=16 * len(buckets))  # (padding)
+
+
 def test_ep_cuts_the_experts_weight_gradients_in_the_working_set(moe_pair):
     """The experts op's backward returns the weight gradients of all E experts at once (whole,
     batch-independent), and the slices and transposes after it pass them on: in the working set

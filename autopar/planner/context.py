@@ -278,11 +278,11 @@ def cp_costs(attention, problem, sg, sol, *, cp: int, tp: int, mbs: int, batch: 
               cluster: Cluster, variant: str | None = None) -> dict[str, list[ContextAttentionCost]]:
     """Per layer, the K/V exchange of its attention ops under cp, on the cp group's link (each op's
     cheaper variant, or the pinned ``variant``)."""
-    index = {n.name: v for v, n in enumerate(sg.nodes)}
-    split = _tp_split(attention, sg, sol)
     from autopar.cost.compute import kernel_time_s
     from autopar.cost.step import OVERLAP_SLOWDOWN
 
+    index = {n.name: v for v, n in enumerate(sg.nodes)}
+    split = _tp_split(attention, sg, sol)
     eager = 1e9 / kernel_time_s(kind="other", flops=0.0, bytes_moved=1e9, device=cluster.device)  # bytes per s
     # (hops hidden behind attention slow it as the step program's overlapped collectives slow compute)
     return attention_costs(attention, problem=problem, sol_choice=sol.choice, sg_index=index, cp=cp, tp_split=split,

@@ -80,7 +80,7 @@ def _dp_buckets(gm: fx.GraphModule, stages: list[dict], layer_dict: dict, *, zer
     Under ``ep`` > 1 the stacked parameters in ``experts`` (the record's names) make buckets of
     their own, marked ``"replicas": dp // ep``: a rank holds ``1/ep`` of their rows and reduces
     (and at ZeRO >= 1 shards) them over the dp ranks that hold the same part, not over all of dp
-    (:mod:`autopar.runtime.expert`).
+    (:mod:`autopar.runtime.expert`); with ``ep == dp`` each part lives on one rank and has none.
 
     A bucket holds the trainable parameters a layer owns (its first reader), and a stage that
     reads a parameter another stage's layer owns (a tied head) holds that owner's bucket too.
@@ -131,6 +131,8 @@ def _dp_buckets(gm: fx.GraphModule, stages: list[dict], layer_dict: dict, *, zer
             readers = {_stand_in(layer, layer_dict) or layer for layer in st["layers"]}
             backward = any(read_in_backward.get(f, set()) & readers for _, f, _ in items)
             for (dtype, shards), nbytes in by_dtype.items():
+                if shards == 1 and dp > 1:
+                    continue  # (ep = dp: each expert part on one rank, nothing to reduce or gather)
                 out.append({"stage": s, "layer": path, "dtype": dtype, "bytes": nbytes, "read_in_backward": backward,
                             **({"replicas": shards} if shards != dp else {})})
     return out
