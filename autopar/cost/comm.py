@@ -309,7 +309,8 @@ def torch_context_attention_cost(*, cp: int, kv_bytes: float, elem_bytes: int, f
     moves the repeated heads); ``forward_s``, ``backward_s``: the rank's attention compute of the
     layer, ``cp`` equal steps of it. Read from ``_templated_ring_attention`` and its backward
     (torch 2.13's ``_context_parallel/_attention.py``; the runs compared used a December 2024
-    build):
+    build, whose ``experimental/_attention.py`` has the same ring and also copies K and V
+    contiguous once per layer, not priced):
 
     - forward: K/V all-gathered once, issued before step 0 (the own block) and awaited at step 1,
       so step 0's compute hides it; each step then concatenates the K/V block it would send
