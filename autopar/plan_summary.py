@@ -267,7 +267,9 @@ def context_words(plan: Plan) -> list[str]:
             f"{x.get('layout', 'balanced')} over a group, {x.get('tokens_per_rank')} tokens per rank (chunks r and "
             f"2cp-1-r); {x.get('attention_ops', 0)} attention op(s) exchange K/V by "
             f"{'/'.join(x.get('variants', ())) or '?'}: {kv.get('time_s', 0) * 1e3:.1f} ms per step on the link, "
-            f"{kv.get('exposed_s', 0) * 1e3:.1f} ms of it not hidden behind attention{reason}"]
+            + (f"{kv.get('exposed_s', 0) * 1e3:.1f} ms exposed with the eager merges of torch's program"
+               if "torch" in x.get("variants", ()) else
+               f"{kv.get('exposed_s', 0) * 1e3:.1f} ms of it not hidden behind attention") + reason]
 
 
 def render_summary(plan: Plan) -> str:

@@ -102,6 +102,7 @@ def test_torch_cp_variant_prices_torchs_program_and_is_not_run():
     assert theirs["kv_exchange"]["bytes"] > 3 * ours["kv_exchange"]["bytes"]
     assert theirs["kv_exchange"]["exposed_s"] > ours["kv_exchange"]["exposed_s"]
     assert out["torch"].predicted["step_time_s"] > out["allgather"].predicted["step_time_s"]
+    assert "exchange K/V by torch:" in out["torch"].summary() and "eager merges" in out["torch"].summary()
     pm = autopar.parallelize(model, cluster="1x1xcpu", loss_fn=loss_fn, fixed={"cp": 2, "cp_variant": "torch"})
     with pytest.raises(autopar.PlanError, match=r"^cp=2 with cp_variant='torch': .* autopar does not run it"):
         pm.train_step(inputs, target)
