@@ -105,17 +105,6 @@ def _config_bound_s(work_s: float, n_params: float, *, zero: int, m: int, pp: in
                _overlap_bound_s(m * work_s / pp + opt, dp_comm_s / pp))
 
 
-def _dp_collective_s(nbytes: float, *, zero: int, dp: int, link: comm.Link, microbatches: int,
-                     expert_bytes: float = 0.0, replicas: int = 0, replica_link: comm.Link | None = None) -> float:
-    """One layer group's dp collectives in one step, each priced as the step program prices it
-    (:func:`autopar.cost.step.lower_step`: the same functions on the same links), alone on its link
-    (``expert_bytes`` of them over the experts' replica group: :func:`autopar.cost.step.dp_collective_s`)."""
-    if nbytes <= 0:
-        return 0.0
-    return group_dp_s(nbytes, zero=zero, dp=dp, link=link, microbatches=microbatches, expert_bytes=expert_bytes,
-                      replicas=replicas, replica_link=replica_link)
-
-
 def replica_group(cluster: Cluster, *, dp: int, tp: int, ep: int) -> tuple[int, comm.Link | None]:
     """(ranks, link) of the experts' replica group under ``ep`` > 1 (the dp ranks ``ep`` apart, so
     ``tp * ep`` apart in the world: :mod:`autopar.runtime.expert`); (0, None) without ep."""
@@ -134,8 +123,8 @@ def _dp_comm_prefix(units: Sequence[Unit], *, zero: int, dp: int, link: comm.Lin
     for u in units:
         key = (u.n_params * elem, u.expert_params * elem)
         if key not in seen:
-            seen[key] = _dp_collective_s(key[0], zero=zero, dp=dp, link=link, microbatches=microbatches,
-                                         expert_bytes=key[1], replicas=replicas, replica_link=replica_link)
+            seen[key] = group_dp_s(key[0], zero=zero, dp=dp, link=link, microbatches=microbatches,
+                                   expert_bytes=key[1], replicas=replicas, replica_link=replica_link)
         pre.append(pre[-1] + seen[key])
     return pre
 
@@ -276,8 +265,8 @@ def lower_bound_s(c: Candidate, cluster: Cluster | None = None) -> float:
     cfg = c.config
     link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
     replicas, replica_link = replica_group(cluster, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep)
-    dp_s = [sum(_dp_collective_s(g.bucket_bytes, zero=cfg.zero, dp=cfg.dp, link=link, microbatches=m,
-                                 expert_bytes=g.expert_bytes, replicas=replicas, replica_link=replica_link)
+    dp_s = [sum(group_dp_s(g.bucket_bytes, zero=cfg.zero, dp=cfg.dp, link=link, microbatches=m,
+                           expert_bytes=g.expert_bytes, replicas=replicas, replica_link=replica_link)
                 for g in st.groups) for st in c.stages]
     return max(bound, _comm_bound_s(cfg, f_s=[st.f_s for st in c.stages], b_s=[st.b_s for st in c.stages],
                                     w_s=[st.w_s for st in c.stages], dp_s=dp_s,
@@ -292,10 +281,6 @@ def _grad_elem_bytes(precision: str) -> int:
 def _optimizer_s(n_params: float, cluster: Cluster) -> float:
     """One fused AdamW step over ``n_params`` (memory bound; 80% of HBM bandwidth)."""
     return ADAM_BYTES_PER_PARAM * n_params / (cluster.device.hbm_bytes_per_s * 0.8)
-
-
-_COLLECTIVE_S = {"all_reduce": comm.all_reduce_s, "reduce_scatter": comm.reduce_scatter_s,
-                 "all_gather": comm.all_gather_s}
 
 
 def _tail_bound_s(stages: Sequence[StagePlan], pp: int) -> list[float]:

@@ -28,7 +28,7 @@ parameters (``Unit.expert_params``) and the stage memory shards them so
 (:func:`autopar.planner.state_memory.state_per_param`), and the step program prices the expert
 buckets' collectives over the replica group on its own link (``GroupCost.expert_bytes``,
 :func:`autopar.cost.step.dp_collective_s`; ranks ``tp * ep`` apart: one NIC per node once ep
-spans a node). Approximation, stated: ``communication`` lists the dp buckets at their full size.
+spans a node); the plan's ``communication`` lists those buckets on axis ``dp/ep``.
 ``ep`` is pinned (``fixed={"ep": k}``) or chosen by the search among :func:`ep_options`
 (ep dividing dp and every block's expert count), weighed like any other decision by the
 simulated step time.

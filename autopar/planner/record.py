@@ -352,6 +352,7 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
     for kind, c in ev.collectives.items():
         communication[kind]["tp"] = {"count": c["count"] * cfg.microbatches, "bytes": c["bytes"] * cfg.microbatches,
                                      "time_s": c["time_s"] * cfg.microbatches}
+    expert_sites = find_experts(gm) if cfg.ep > 1 else []
     if cfg.dp > 1:
         per_rank = [0.0] * cfg.pp  # a rank syncs the stages it holds one after the other
         expert_rank = [0.0] * cfg.pp  # the part of it on the experts' replica groups (ep > 1)
@@ -364,7 +365,7 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
                            expert_bytes=g.expert_bytes, replicas=replicas, replica_link=replica_link)
                 for g in st.groups if g.expert_bytes)
         slowest = max(range(cfg.pp), key=per_rank.__getitem__)
-        expert_names = frozenset(f for x in find_experts(gm) for f in x.params) if cfg.ep > 1 else frozenset()
+        expert_names = frozenset(f for x in expert_sites for f in x.params)
         buckets = _dp_buckets(gm, stages, layer_dict, zero=cfg.zero, dp=cfg.dp, tp=cfg.tp,
                               reduce_dtype=policy.reduce_dtype, experts=expert_names, ep=cfg.ep)
         counts = step_collective_counts(cfg.zero, n_micro=cfg.microbatches)
@@ -391,7 +392,7 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
         communication["p2p"]["pp"] = _p2p_record(best, sends, cluster)
     experts = {}
     if cfg.ep > 1:
-        experts = experts_record(find_experts(gm), ep=cfg.ep, dp=cfg.dp, tp=cfg.tp,
+        experts = experts_record(expert_sites, ep=cfg.ep, dp=cfg.dp, tp=cfg.tp,
                                  microbatch_size=cfg.microbatch_size, microbatches=cfg.microbatches,
                                  global_batch=info.global_batch, counts={x.path: x.count for x in layers},
                                  cluster=cluster, imbalance=fixed.moe_imbalance or 1.0)

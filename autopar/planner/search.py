@@ -46,7 +46,7 @@ from autopar.errors import InfeasibleError, PlanError
 from autopar.planner.fixed import FIXED_KEYS, PINNED_RECOMPUTE, RECOMPUTE, SCHEDULES, Fixed  # noqa: F401 (re-exported)
 from autopar.planner.partition import _inflight, _partition
 from autopar.planner.state_memory import _state, state_per_param, zero_buffer_bytes, zero_buffers  # noqa: F401
-from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _COLLECTIVE_S, _config_bound_s,  # noqa: F401
+from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _config_bound_s,  # noqa: F401
                                     _cuts_bound_s, _dp_comm_prefix, _grad_elem_bytes, _optimizer_s,
                                     _pipeline_bound_s, _prefix_sums, _schedule, _unit_times, _work_s, lower_bound_s,
                                     replica_group)
