@@ -138,17 +138,18 @@ NETWORK_EFFICIENCY = 0.96 * 0.87
 NCCL_ALL_TO_ALL_MANY_NODES = 0.6
 """What NCCL's all-to-all reaches, as a fraction of the NIC figure above, in a group over more
 than two nodes (two nodes reach the NIC: 46 GB/s busbw, NCCL alltoall on 2 DGX-H100 with
-NVLink off, deepseek-ai/DeepEP#3). Field reports on 400 Gb/s CX7 nodes: 24-28 GB/s busbw
-on 8 nodes of 8 H800 (NVIDIA/nccl#1531, nccl-tests alltoall), "20+" GB/s on 16 H20 nodes
+NVLink off, deepseek-ai/DeepEP#3). Field reports, nccl-tests alltoall, NICs not stated: 24-28
+GB/s busbw at 8 MiB on 8 nodes of 8 H800 (NVIDIA/nccl#1531), "20+" GB/s on 16 H20 nodes
 (NVIDIA/nccl#1792); 0.57-0.67 of 41.8. And torchtitan's DeepSeek-V3 pair (#2107: 64 H100
 nodes, EP32 over 4 of them, plain all_to_all_single 346 tok/s/GPU, DeepEP 579): with its forced
 round-robin routing a token's 8 experts sit on one rank, so DeepEP, which sends a token once
 per rank, moves 1/8 of NCCL's bytes and the rest of the program is the same. The step time
 difference (23.7 - 14.2 s) is then NCCL's all-to-all time on the critical path less DeepEP's
 (1/8 of the bytes at 41.8 GB/s, 0.7 s): about 245 GB per rank off-node (6 all-to-alls of
-3/4 x 470 MB per MoE layer and micro-batch, 7.25 layers x 16 micro-batches) in 10.2 s, 24-29 GB/s (the upper end if the interleaved pipeline's
-bubble stretches it by its 1.22), 0.57-0.70 of 41.8. (DeepEP's own kernels, built for this,
-reach the NIC: 43-58 GB/s at EP 16-64, see :func:`group_link`.)"""
+3/4 x 470 MB per MoE layer and micro-batch, 7.25 layers x 16 micro-batches) in 10.2 s,
+24-29 GB/s (the upper end if the interleaved pipeline's bubble stretches it by its 1.22),
+0.57-0.70 of 41.8. (DeepEP's own kernels, built for this, reach the NIC: 43-58 GB/s at EP
+16-64, see :func:`group_link`.)"""
 NCCL_BASE_LATENCY_S = 8.4e-6
 """NCCL ``baseLat`` of the ring algorithm, SIMPLE protocol (tuning.cc)."""
 NVLINK_HOP_LATENCY_S = 3.4e-6
