@@ -263,10 +263,11 @@ def moe_stand_in(zero: int = 1) -> None:
     """torchtitan's DeepSeek-V3 671B run (#2107: 512 H100 80 GB, FSDP64 EP32 PP8 interleaved,
     local batch 16 at seq 4096, full AC, compile, forced load balance; plain all-to-all 346
     tok/s/GPU, 60.18 GiB) planned with ``zero`` (1: the program torchtitan's FSDP runs under pp; see
-    the module docstring) and two stages per rank: the run set no ``pipeline_parallel_layers_per_stage``,
-    so torchtitan's ``pipeline_parallel.py`` (at d021aa9ca) gives a multi-stage schedule 2 per rank. Its attention is priced as causal SDPA over the whole 4096 tokens; the
-    run's config at d021aa9ca uses FlexAttention with a block-causal (per-document) mask, which
-    computes less, so this part of the price errs pessimistic, against the row's optimism."""
+    the module docstring) and two stages per rank: the run set no
+    ``pipeline_parallel_layers_per_stage``, so torchtitan's ``pipeline_parallel.py`` (at d021aa9ca)
+    gives a multi-stage schedule two per rank. Its attention is priced as causal SDPA over the
+    whole 4096 tokens; the run's config at d021aa9ca uses FlexAttention with a block-causal
+    (per-document) mask, which computes less, so this part of the price errs pessimistic."""
     device = torchtitan_device("H100")
     cluster = Cluster(nodes=64, devices_per_node=8, device=device.with_overrides(hbm_bytes=64 * device.hbm_bytes))
     model, inputs, _, _ = deepseek_v3_671b(64 * 16, 4096)
