@@ -27,10 +27,12 @@ Two ways to meet the other ranks' keys (``variant``):
 Inside a block, the work is done per pair of (query chunk, key chunk): a key chunk after the
 query chunk is skipped under a causal mask, the same chunk gets the triangular mask, an
 earlier one is full. So a rank computes only the pairs the mask leaves, the FLOPs
-:func:`attention_flops` counts. Computed with matmuls in fp32 (or fp64 inputs' own dtype),
-not a fused kernel: the op must run on CPU (gloo) and in fp64 for the equivalence tests; the
-backward is FlashAttention's (recompute each block's probabilities from the saved
-log-sum-exp), so no (S x S) matrix outlives its block.
+:func:`attention_flops` counts. Each pair runs on the device's fused attention kernel
+(:mod:`autopar.context_blocks`: FlashAttention-2 on CUDA for fp16/bf16, ATen's flash kernel on
+CPU for any float dtype, fp64 included), which returns the pair's log-sum-exp; the pairs merge
+in fp32 (fp64). The backward is FlashAttention's: each pair's kernel gets the merged output
+and log-sum-exp of its query chunk and recomputes its probabilities from them, so no
+(S x S) matrix is ever held (the explicit-matmul fallback, for fp32 on CUDA, holds one pair's).
 
 Why own ops rather than DTensor's context parallel (``torch.distributed.tensor.experimental.
 context_parallel``): that one patches SDPA in eager mode around a module, while autopar needs
@@ -43,6 +45,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import register_flop_formula
+
+from autopar.context_blocks import acc_dtype, block_backward, block_forward
 
 __all__ = ["cp_attention", "chunk_ids", "shard_sequence", "unshard_sequence", "sequence_positions",
            "attention_flops", "VARIANTS"]
@@ -102,77 +106,47 @@ def _mode(q_chunk: int, k_chunk: int, causal: bool) -> str:
     return "diag" if k_chunk == q_chunk else "skip"
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _like(ref: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value`` in ``ref``'s dtype and memory layout (the fake impls promise ``empty_like`` results,
     and the traced program's views after attention rely on SDPA's (B, S, H, D)-major layout)."""
     return torch.empty_like(ref).copy_(value)
 
 
-def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
-    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
-
-
-def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of :func:`_expand`: sum each K/V head's query group."""
-    if groups == 1:
-        return grad
-    b, h, s, d = grad.shape
-    return grad.view(b, h // groups, groups, s, d).sum(2)
-
-
-def _scores(q, k, scale, mode):
-    s = (q.to(_acc_dtype(q.dtype)) @ k.to(_acc_dtype(q.dtype)).transpose(-1, -2)) * scale
-    if mode == "diag":
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
-
-
-def _forward_block(q, k, v, out, lse, q_chunks, k_chunks, causal, scale, groups):
+def _forward_block(q, k, v, out, lse, q_chunks, k_chunks, causal, scale):
     """Merge the attention of the local queries on one rank's K/V block into (out, lse)."""
-    ke, ve = _expand(k, groups), _expand(v, groups)
-    qs, ks, vs = q.chunk(2, dim=2), ke.chunk(2, dim=2), ve.chunk(2, dim=2)
+    qs, ks, vs = q.chunk(2, dim=2), k.chunk(2, dim=2), v.chunk(2, dim=2)
     outs, lses = list(out.chunk(2, dim=2)), list(lse.chunk(2, dim=2))
     for i, qc in enumerate(q_chunks):
         for j, kc in enumerate(k_chunks):
             mode = _mode(qc, kc, causal)
             if mode == "skip":
                 continue
-            s = _scores(qs[i], ks[j], scale, mode)
-            block_lse = torch.logsumexp(s, dim=-1, keepdim=True)
-            block_out = torch.exp(s - block_lse) @ vs[j].to(s.dtype)
+            block_out, block_lse = block_forward(qs[i], ks[j], vs[j], mode == "diag", scale)
             new = torch.logaddexp(lses[i], block_lse)
-            outs[i] = torch.exp(lses[i] - new) * outs[i] + torch.exp(block_lse - new) * block_out
+            outs[i] = torch.exp(lses[i] - new) * outs[i] + torch.exp(block_lse - new) * block_out.to(new.dtype)
             lses[i] = new
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
-def _backward_block(q, k, v, do, lse, delta, dq, q_chunks, k_chunks, causal, scale, groups):
-    """This block's share: dq accumulated in place; returns (dk, dv) of the block."""
-    ke, ve = _expand(k, groups), _expand(v, groups)
+def _backward_block(q, k, v, do, out, lse, dq, q_chunks, k_chunks, causal, scale):
+    """This block's share: dq accumulated in place; returns (dk, dv) of the block (grouped heads)."""
     acc = lse.dtype
-    qs, ks, vs = q.chunk(2, dim=2), ke.chunk(2, dim=2), ve.chunk(2, dim=2)
-    dos, lses, deltas = do.chunk(2, dim=2), lse.chunk(2, dim=2), delta.chunk(2, dim=2)
+    qs, ks, vs = q.chunk(2, dim=2), k.chunk(2, dim=2), v.chunk(2, dim=2)
+    dos, outs, lses = do.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=2)
     dqs = dq.chunk(2, dim=2)  # views: accumulated in place
-    dk = torch.zeros(ke.shape, dtype=acc, device=q.device)
-    dv = torch.zeros(ve.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     dks, dvs = dk.chunk(2, dim=2), dv.chunk(2, dim=2)
     for i, qc in enumerate(q_chunks):
         for j, kc in enumerate(k_chunks):
             mode = _mode(qc, kc, causal)
             if mode == "skip":
                 continue
-            p = torch.exp(_scores(qs[i], ks[j], scale, mode) - lses[i])  # probabilities, recomputed
-            doi = dos[i].to(acc)
-            dvs[j].add_(p.transpose(-1, -2) @ doi)
-            ds = p * (doi @ vs[j].to(acc).transpose(-1, -2) - deltas[i])
-            dqs[i].add_(ds @ ks[j].to(acc) * scale)
-            dks[j].add_(ds.transpose(-1, -2) @ qs[i].to(acc) * scale)
-    return _fold(dk, groups), _fold(dv, groups)
+            dqi, dki, dvi = block_backward(dos[i], qs[i], ks[j], vs[j], outs[i], lses[i], mode == "diag", scale)
+            dqs[i].add_(dqi)
+            dks[j].add_(dki)
+            dvs[j].add_(dvi)
+    return dk, dv
 
 
 class _Ring:
@@ -195,13 +169,12 @@ class _Ring:
 @torch.library.custom_op("autopar::cp_attention", mutates_args=())
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, cp: int,
                  group: str, variant: str, balanced: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    groups = q.shape[1] // k.shape[1]
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full((*q.shape[:3], 1), float("-inf"), dtype=acc, device=q.device)
     g = _check(group, cp, variant)
     if g is None:  # cp == 1: the whole sequence is here
-        out, lse = _forward_block(q, k, v, out, lse, (0, 1), (0, 1), causal, scale, groups)
+        out, lse = _forward_block(q, k, v, out, lse, (0, 1), (0, 1), causal, scale)
         return _like(q, out), lse.squeeze(-1)
     rank = dist.get_rank(g)
     mine = chunk_ids(cp, rank, balanced)
@@ -209,14 +182,14 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
         ks, vs = _all_gather(k, g), _all_gather(v, g)
         for src in range(cp):
             out, lse = _forward_block(q, ks[src], vs[src], out, lse, mine, chunk_ids(cp, src, balanced), causal,
-                                      scale, groups)
+                                      scale)
         return _like(q, out), lse.squeeze(-1)
     ring = _Ring(g)
     kv = [k, v]
     for step in range(cp):
         pending = ring.start(kv) if step < cp - 1 else None  # the next block travels while this one computes
         src = (rank - step) % cp
-        out, lse = _forward_block(q, kv[0], kv[1], out, lse, mine, chunk_ids(cp, src, balanced), causal, scale, groups)
+        out, lse = _forward_block(q, kv[0], kv[1], out, lse, mine, chunk_ids(cp, src, balanced), causal, scale)
         if pending is not None:
             works, kv = pending
             for w in works:
@@ -226,21 +199,19 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 
 @cp_attention.register_fake
 def _(q, k, v, causal, scale, cp, group, variant, balanced):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("autopar::cp_attention_backward", mutates_args=())
 def cp_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, cp: int, group: str,
                           variant: str, balanced: bool) -> list[torch.Tensor]:
-    groups = q.shape[1] // k.shape[1]
     acc = lse.dtype
-    lse = lse.unsqueeze(-1)  # (B, H, S, 1): broadcasts over each block's keys
-    delta = (grad_out.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
+    lse = lse.unsqueeze(-1)  # (B, H, S, 1), as block_forward gives it
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     g = _check(group, cp, variant)
     if g is None:
-        dk, dv = _backward_block(q, k, v, grad_out, lse, delta, dq, (0, 1), (0, 1), causal, scale, groups)
+        dk, dv = _backward_block(q, k, v, grad_out, out, lse, dq, (0, 1), (0, 1), causal, scale)
         return [_like(q, dq), _like(k, dk), _like(v, dv)]
     rank = dist.get_rank(g)
     mine = chunk_ids(cp, rank, balanced)
@@ -248,8 +219,8 @@ def cp_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tens
         ks, vs = _all_gather(k, g), _all_gather(v, g)
         dks, dvs = [], []
         for src in range(cp):
-            dk, dv = _backward_block(q, ks[src], vs[src], grad_out, lse, delta, dq, mine,
-                                     chunk_ids(cp, src, balanced), causal, scale, groups)
+            dk, dv = _backward_block(q, ks[src], vs[src], grad_out, out, lse, dq, mine,
+                                     chunk_ids(cp, src, balanced), causal, scale)
             dks.append(dk)
             dvs.append(dv)
         dk, dv = _reduce_scatter(dks, g), _reduce_scatter(dvs, g)
@@ -259,8 +230,8 @@ def cp_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tens
     for step in range(cp):
         src = (rank - step) % cp
         pending = ring.start(kv) if step < cp - 1 else None  # K/V ahead; gradients follow their block
-        dk, dv = _backward_block(q, kv[0], kv[1], grad_out, lse, delta, dq, mine, chunk_ids(cp, src, balanced),
-                                 causal, scale, groups)
+        dk, dv = _backward_block(q, kv[0], kv[1], grad_out, out, lse, dq, mine, chunk_ids(cp, src, balanced),
+                                 causal, scale)
         if dkv is not None:
             works, got = dkv
             for w in works:

@@ -22,8 +22,10 @@
 (d) One rank of torch's context-parallel ring attention (:mod:`gpu_ring`): the compute of one
     attention layer's ring at 32k tokens per rank, cp 2, 4 and 8, against autopar's price (the
     context-parallel fidelity rows are 31-37% optimistic at cp 4 and 8 and not at cp 2).
+(e) autopar's own cp attention op at cp 1 on the GPU's fused kernel (``gpu_ring.autopar_op``):
+    its output and gradients against SDPA's, and its time beside SDPA's (Llama 3.1 8B, 32k tokens).
 
-The parts run (b), (c), (d), (a) (then the compiled blocks, with ``--compiled-blocks``), and the JSON
+The parts run (b), (c), (d), (e), (a) (then the compiled blocks, with ``--compiled-blocks``), and the JSON
 file is rewritten after each, so a run cut short keeps what it measured; when (a)'s first step
 fails, the step program's and joint graph's code are written beside it. The four H200 runs of
 2026-12-04 are in ``bench/gpu_check_h200.json``.
@@ -394,6 +396,8 @@ def main(argv=None) -> int:
     save()
     failed |= not _part(result, "ring", lambda: gpu_ring.ring_steps(device, specs, tiny=args.tiny, time_s=_time_s))
     save()
+    failed |= not _part(result, "cp_op", lambda: gpu_ring.autopar_op(device, tiny=args.tiny, time_s=_time_s))
+    save()
     backend_only.close()
     if not args.skip_model:
         failed |= not _part(result, "model", lambda: run_model(device, cluster, tiny=args.tiny, plan_file=args.plan,
@@ -434,6 +438,12 @@ def main(argv=None) -> int:
         print(f"  ring cp={r['cp']} rank {r['rank']}: forward {r['forward_s'] * 1e3:.1f} ms (SDPA alone "
               f"{r['sdpa_forward_s'] * 1e3:.1f}), backward {r['backward_s'] * 1e3:.1f} ms (SDPA alone "
               f"{r['sdpa_backward_s'] * 1e3:.1f}); predicted {pred}")
+    if "cp_op" in result:
+        c = result["cp_op"]
+        errs = ", ".join(f"{k} {v:.1e}" for k, v in c["relative_error"].items())
+        print(f"  cp op ({c['kernel']}): forward {c['autopar_forward_s'] * 1e3:.1f} ms (SDPA "
+              f"{c['sdpa_forward_s'] * 1e3:.1f}), forward + backward {c['autopar_forward_backward_s'] * 1e3:.1f} ms "
+              f"(SDPA {c['sdpa_forward_backward_s'] * 1e3:.1f}); error against SDPA: {errs}")
     print(f"wrote {out}")
     return 1 if failed else 0
 

@@ -250,3 +250,48 @@ def ring_steps(device: torch.device, specs: dict, *, tiny: bool, time_s) -> dict
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return out
+
+
+OP_SHAPE = (1, 32, 8, 32768, 128)
+"""(batch, query heads, K/V heads, tokens, head dim): Llama 3.1 8B's grouped-query attention at 32k."""
+TINY_OP_SHAPE = (1, 4, 2, 16, 8)
+
+
+def autopar_op(device: torch.device, *, tiny: bool, time_s) -> dict:
+    """Part (e): autopar's own cp attention op (:mod:`autopar.context`) on this device, at cp 1 (its
+    chunk pairs on the kernel :mod:`autopar.context_blocks` picks, no process group): the output
+    and gradients against SDPA on repeated heads (largest error over largest entry), and the
+    forward and forward + backward timed beside SDPA's (the ring adds merges of fp32 partial
+    outputs; the kernels' work is the same)."""
+    from autopar.context import cp_attention
+    from autopar.context_blocks import kernel_for
+
+    batch, heads, kv_heads, tokens, dim = TINY_OP_SHAPE if tiny else OP_SHAPE
+    gen = torch.Generator(device=device).manual_seed(0)
+    rand = lambda h: torch.randn(batch, h, tokens, dim, dtype=torch.bfloat16, device=device,
+                                 generator=gen).requires_grad_()
+    q, k, v = rand(heads), rand(kv_heads), rand(kv_heads)
+    grad = torch.randn(batch, heads, tokens, dim, dtype=torch.bfloat16, device=device, generator=gen)
+    groups = heads // kv_heads
+    scale = dim ** -0.5
+
+    def ours():
+        return cp_attention(q, k, v, True, scale, 1, "", "ring", True)[0]
+
+    def theirs():
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                              is_causal=True)
+
+    errors = {}
+    a, b = ours(), theirs()
+    errors["out"] = float((a.float() - b.float()).abs().max() / b.float().abs().max())
+    for name, x, y in zip("qkv", torch.autograd.grad(a, (q, k, v), grad), torch.autograd.grad(b, (q, k, v), grad)):
+        errors[f"d{name}"] = float((x.float() - y.float()).abs().max() / y.float().abs().max())
+    iters, warmup = (2, 1) if tiny else (5, 2)
+    row = {"shape": [batch, heads, kv_heads, tokens, dim], "kernel": kernel_for(q), "relative_error": errors}
+    for label, fn in (("autopar", ours), ("sdpa", theirs)):
+        with torch.no_grad():
+            row[f"{label}_forward_s"] = time_s(fn, device, warmup=warmup, iters=iters)
+        row[f"{label}_forward_backward_s"] = time_s(lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), grad),
+                                                    device, warmup=warmup, iters=iters)
+    return row

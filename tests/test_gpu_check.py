@@ -65,7 +65,11 @@ def test_cpu_dry_run_without_ortools_writes_the_figures(tmp_path):
     for row in ring["rows"]:
         assert row["forward_s"] > 0 and row["sdpa_backward_s"] > 0
         assert row["predicted_cpu"]["forward_s"] > row["predicted_cpu"]["sdpa_forward_s"] > 0
-    assert "llama-tiny block" in r.stdout and "ring cp=4 rank 3" in r.stdout and "wrote" in r.stdout
+    op = data["cp_op"]  # autopar's own cp attention op at cp 1, on the device's fused kernel
+    assert op["kernel"] == "cpu_flash" and all(err < 2e-2 for err in op["relative_error"].values()), op
+    assert op["autopar_forward_backward_s"] > 0 and op["sdpa_forward_s"] > 0
+    assert "llama-tiny block" in r.stdout and "ring cp=4 rank 3" in r.stdout and "cp op (cpu_flash)" in r.stdout
+    assert "wrote" in r.stdout
 
 
 @pytest.mark.parametrize("cp", [1, 3, 4])
