@@ -4,6 +4,7 @@ K/V exchange is priced, recorded in the plan and said in the summary; impossible
 refused in one line; parallelize says it does not run cp yet."""
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,20 @@ def test_torch_cp_variant_prices_torchs_program_and_is_not_run():
     with pytest.raises(autopar.PlanError, match=r"cp_variant='ulysses' is not one of ring, allgather, torch"):
         autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
                      fixed=dict(PIN, cp=4, cp_variant="ulysses"))
+
+
+def test_the_k_v_exchange_buffers_count_in_the_peak(monkeypatch):
+    """Under cp the attention op also holds what its K/V exchange keeps live. With a vocabulary
+    small enough that attention's backward is the largest op, the all-gather variant's peak
+    exceeds the ring's by what it holds beyond the ring's one block in flight: (cp - 1) K/V
+    blocks and cp - 3 more fp32 gradient blocks; per rank at cp = 4, 4096 tokens x 8 K/V heads
+    x 128 x bf16: 16 MiB a block (32 MiB its fp32 gradients), so 3 x 16 + 32 MiB."""
+    monkeypatch.setitem(llama.SIZES, "8b-vocab2k", replace(llama.SIZES["8b"], vocab_size=2048))
+    model, inputs, loss_fn, target = llama.build(size="8b-vocab2k", n_layers=2, batch=8, seq=16384, device="meta")
+    peak = {v: autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
+                            fixed=dict(PIN, cp=4, cp_variant=v)).predicted["peak_memory_bytes"]
+            for v in ("ring", "allgather")}
+    assert peak["allgather"] - peak["ring"] == 3 * 16 * 2**20 + 32 * 2**20
 
 
 def test_plan_validation_counts_batch_groups(plans):

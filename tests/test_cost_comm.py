@@ -242,6 +242,34 @@ def test_torch_context_attention_prices_its_gathers_last_gradient_hop_and_eager_
     assert one.exposed_s == 0 and one.forward_comm_s == 0
 
 
+def test_context_exchange_working_sets_grow_with_what_each_variant_holds():
+    """Bytes the K/V exchange keeps live inside the attention op (per rank): the ring holds one
+    K/V block arriving and three fp32 gradient blocks (its own, arriving, leaving) at any cp; the
+    all-gather holds all cp blocks (and their cp gradient blocks in the backward); torch's program
+    gathers the repeated K/V and keeps fp32 accumulators of q, k and v. The fp32 output (and
+    query gradient) accumulators: 4 bytes per query element, twice in the forward (the merge)."""
+    from autopar.cost.comm import context_attention_cost, torch_context_attention_cost
+
+    link = Link(bytes_per_s=100e9, latency_s=5e-6)
+    kv, dkv, q = 1e6, 2e6, 4e5
+
+    def cost(variant, cp):
+        return context_attention_cost(variant=variant, cp=cp, kv_bytes=kv, dkv_bytes=dkv, forward_s=1.0,
+                                      backward_s=2.0, link=link, query_elems=q)
+
+    for cp in (2, 8):
+        ring, ag = cost("ring", cp), cost("allgather", cp)
+        assert (ring.forward_working_bytes, ring.backward_working_bytes) == (8 * q + kv, 4 * q + kv + 3 * dkv)
+        assert (ag.forward_working_bytes, ag.backward_working_bytes) == (8 * q + cp * kv, 4 * q + cp * (kv + dkv))
+    assert cost("ring", 1).forward_working_bytes == cost("allgather", 1).backward_working_bytes == 0
+    n, e = 1_000_000, 2
+    torch4, torch8 = (torch_context_attention_cost(cp=cp, kv_bytes=2 * n * e, elem_bytes=e, forward_s=1.0,
+                                                   backward_s=2.0, link=link, memory_bytes_per_s=1e12)
+                      for cp in (4, 8))
+    assert torch8.forward_working_bytes - torch4.forward_working_bytes == 4 * 2 * n * e  # 4 more blocks gathered
+    assert torch4.backward_working_bytes == 5 * 2 * n * e + 3 * 4 * n + 3 * e * n + 2 * 8 * n
+
+
 def test_all_to_all_across_nodes_runs_at_one_nic_per_rank():
     """All-to-all has no ring to spread over a node's NICs: what a rank sends off its node
     leaves through its own NIC. EP 16 over 2 H100 nodes: 1/2 of each buffer crosses the network

@@ -263,6 +263,11 @@ class ContextAttentionCost:
     """Transfers one rank starts per layer, forward and backward (ring hops; collective calls)."""
     sent_bytes: float = 0.0
     """Bytes one rank sends per layer, forward and backward."""
+    forward_working_bytes: float = 0.0
+    backward_working_bytes: float = 0.0
+    """Bytes the exchange keeps live inside the attention op beyond its inputs and outputs
+    (blocks in flight or gathered, fp32 accumulators), forward and backward: the op's working
+    set grows by this much (:func:`autopar.planner.context.apply_cp`)."""
 
     @property
     def exposed_s(self) -> float:
@@ -270,7 +275,8 @@ class ContextAttentionCost:
 
 
 def context_attention_cost(*, variant: str, cp: int, kv_bytes: float, dkv_bytes: float, forward_s: float,
-                           backward_s: float, link: Link, overlap_slowdown: float = 1.0) -> ContextAttentionCost:
+                           backward_s: float, link: Link, overlap_slowdown: float = 1.0,
+                           query_elems: float = 0.0) -> ContextAttentionCost:
     """K/V exchange of one attention layer over a cp group of ``cp`` ranks on ``link``.
 
     ``kv_bytes``, ``dkv_bytes``: one rank's block (:func:`context_kv_bytes`); ``forward_s``,
@@ -285,22 +291,35 @@ def context_attention_cost(*, variant: str, cp: int, kv_bytes: float, dkv_bytes:
     K/V block together with a gradient block, then one last hop of the gradient block that
     nothing hides. All-gather: K/V gathered (``cp x kv_bytes``) before the forward and again
     before the backward (it keeps no gathered copy), the gradients reduce-scattered after.
+
+    Working set beyond the op's inputs and outputs (``query_elems``: elements of the rank's query
+    block, whose output and gradient accumulate in fp32; the blocks run on fused kernels, which
+    hold no score matrix, :mod:`autopar.context_blocks`): forward, the fp32 output and the merged
+    one being made (2 x 4 bytes per query element) and one K/V block arriving (ring) or all ``cp``
+    gathered; backward, the fp32 query gradient, and one K/V block arriving with the block's
+    gradients, the ones arriving and the ones leaving (ring: ``3 dkv_bytes``), or all ``cp`` blocks
+    gathered and their ``cp`` gradient blocks until the reduce-scatter.
     """
     if variant not in ("ring", "allgather"):
         raise ValueError(f"context attention variant {variant!r} is not 'ring' or 'allgather'")
     if cp == 1:
         return ContextAttentionCost(variant, 0.0, 0.0, 0.0, 0.0)
+    acc = 2 * 4 * query_elems
     if variant == "allgather":
         gather = all_gather_s(cp * kv_bytes, cp, link)
         fwd, bwd = gather, gather + reduce_scatter_s(cp * dkv_bytes, cp, link)
         return ContextAttentionCost(variant, fwd, bwd, fwd, bwd, messages=3,
-                                    sent_bytes=(cp - 1) * (2 * kv_bytes + dkv_bytes))
+                                    sent_bytes=(cp - 1) * (2 * kv_bytes + dkv_bytes),
+                                    forward_working_bytes=acc + cp * kv_bytes,
+                                    backward_working_bytes=acc / 2 + cp * (kv_bytes + dkv_bytes))
     step_f, step_b = forward_s / cp, backward_s / cp
     hop_f, hop_b, last = p2p_s(kv_bytes, link), p2p_s(kv_bytes + dkv_bytes, link), p2p_s(dkv_bytes, link)
     return ContextAttentionCost(variant, (cp - 1) * hop_f, (cp - 1) * hop_b + last,
                                 (cp - 1) * _behind(hop_f, step_f, overlap_slowdown),
                                 (cp - 1) * _behind(hop_b, step_b, overlap_slowdown) + last,
-                                messages=3 * (cp - 1) + 1, sent_bytes=2 * (cp - 1) * kv_bytes + cp * dkv_bytes)
+                                messages=3 * (cp - 1) + 1, sent_bytes=2 * (cp - 1) * kv_bytes + cp * dkv_bytes,
+                                forward_working_bytes=acc + kv_bytes,
+                                backward_working_bytes=acc / 2 + kv_bytes + 3 * dkv_bytes)
 
 
 def _behind(comm_s: float, compute_s: float, slowdown: float) -> float:
@@ -341,6 +360,11 @@ def torch_context_attention_cost(*, cp: int, kv_bytes: float, elem_bytes: int, f
     output) at ``memory_bytes_per_s``, and added to what is exposed: it runs on the compute stream.
     A transfer hidden behind compute costs it as :func:`context_attention_cost`'s hops do
     (``overlap_slowdown``).
+
+    Working set beyond the op's inputs and outputs: forward, the gathered K/V (``cp x kv_bytes``),
+    one concatenated block and the fp32 output with the merge's two fp32 temporaries; backward,
+    the gathered K/V, one concatenated block, the fp32 q, k, v gradient accumulators, a step's
+    gradients from the kernel, and the fp32 K/V gradients concatenated to leave and arriving.
     """
     if cp == 1:
         return ContextAttentionCost("torch", 0.0, 0.0, 0.0, 0.0)
@@ -361,7 +385,9 @@ def torch_context_attention_cost(*, cp: int, kv_bytes: float, elem_bytes: int, f
     bwd_exposed = (_behind(gather, step_b, overlap_slowdown) + (cp - 1) * _behind(hop, step_b, overlap_slowdown)
                    + hop + backward_bytes / memory_bytes_per_s)
     return ContextAttentionCost("torch", gather, gather + cp * hop, fwd_exposed, bwd_exposed, messages=2 + cp,
-                                sent_bytes=2 * (cp - 1) * kv_bytes + cp * 8 * n)
+                                sent_bytes=2 * (cp - 1) * kv_bytes + cp * 8 * n,
+                                forward_working_bytes=(cp + 1) * kv_bytes + 3 * 4 * n,
+                                backward_working_bytes=(cp + 1) * kv_bytes + 3 * 4 * n + 3 * e * n + 2 * 8 * n)
 
 
 def broadcast_s(nbytes: float, group_size: int, link: Link) -> float:

@@ -37,7 +37,8 @@ from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
 
 __all__ = ["AttentionSite", "find_attention", "sequence_length", "check_cp", "cp_options", "attention_costs",
-           "cp_costs", "cp_decision", "apply_cp", "repeat_savings", "context_record", "CP_DEGREES", "MIN_SEQUENCE", "MIN_TOKENS_PER_RANK"]
+           "cp_costs", "cp_decision", "apply_cp", "cp_working_sets", "repeat_savings", "context_record", "CP_DEGREES",
+           "MIN_SEQUENCE", "MIN_TOKENS_PER_RANK"]
 
 CP_DEGREES = (2, 4, 8, 16, 32)
 """cp degrees the search tries (Llama 3 405B trained its 128k-token stage with cp = 16)."""
@@ -66,6 +67,9 @@ class AttentionSite:
     grouped K/V), at the traced batch."""
     elem_bytes: int
     """Bytes of one K/V element (the gradient blocks travel in fp32, 4 bytes)."""
+    query_elems: int = 0
+    """Elements of its queries (= of its output) at the traced batch: the fp32 accumulators cp's op
+    keeps are this size."""
 
 
 def _attention_nodes(gm: fx.GraphModule, phase_forward: bool) -> list[fx.Node]:
@@ -97,8 +101,13 @@ def find_attention(gm: fx.GraphModule) -> list[AttentionSite]:
                                    kv_bytes=kv_bytes,
                                    repeated_bytes=max(0, k.numel() * k.element_size() + v.numel() * v.element_size()
                                                       - kv_bytes),
-                                   elem_bytes=k.element_size()))
+                                   elem_bytes=k.element_size(), query_elems=_numel(n.args[0])))
     return sites
+
+
+def _numel(node) -> int:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return int(v.numel()) if isinstance(v, torch.Tensor) else 0
 
 
 # Ops that only copy or broadcast their input: grouped-query attention's K/V head repeat is
@@ -198,33 +207,55 @@ def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index
                 overlap_slowdown=overlap_slowdown))
             continue
         best = min((context_attention_cost(variant=var, cp=cp, kv_bytes=kv, dkv_bytes=dkv, forward_s=fwd_s,
-                                           backward_s=bwd_s, link=link, overlap_slowdown=overlap_slowdown)
+                                           backward_s=bwd_s, link=link, overlap_slowdown=overlap_slowdown,
+                                           query_elems=site.query_elems * scale)
                     for var in variants), key=lambda c: (c.exposed_s, c.variant))
         out.setdefault(site.layer, []).append(best)
     return out
 
 
 def apply_cp(units: list, costs: dict[str, list[ContextAttentionCost]], names: dict[str, list[str]],
-             unsaved: dict[str, float] | None = None) -> list:
-    """Units with each layer's exposed K/V exchange added to its forward and backward, and less
+             unsaved: dict[str, float] | None = None, working: dict[str, float] | None = None) -> list:
+    """Units with each layer's exposed K/V exchange added to its forward and backward, less
     saved by the bytes in ``unsaved`` (per layer: the grouped-query repeat copies cp's op does
     not keep, :func:`repeat_savings`; zero-FLOP copies, so counted among the cheap activations
-    too, which selective recompute already leaves unsaved)."""
+    too, which selective recompute already leaves unsaved), and a largest op's working set of at
+    least ``working`` (per layer: its attention op's under cp, :func:`cp_working_sets`)."""
     extra = {}
     for layer, cs in costs.items():
         f = sum(c.forward_exposed_s for c in cs)
         b = sum(c.backward_exposed_s for c in cs)
         for name in names.get(layer, [layer]):
-            extra[name] = (f, b, (unsaved or {}).get(layer, 0.0))
+            extra[name] = (f, b, (unsaved or {}).get(layer, 0.0), (working or {}).get(layer, 0.0))
     out = []
     for u in units:
         if u.path not in extra:
             out.append(u)
             continue
-        f, b, less = extra[u.path]
+        f, b, less, ws = extra[u.path]
         less = min(less, u.cheap_act_bytes)
         out.append(replace(u, f_s=u.f_s + f, b_s=u.b_s + b, comm_s=u.comm_s + f + b,
-                           act_bytes=u.act_bytes - less, cheap_act_bytes=u.cheap_act_bytes - less))
+                           act_bytes=u.act_bytes - less, cheap_act_bytes=u.cheap_act_bytes - less,
+                           transient_bytes=max(u.transient_bytes, ws)))
+    return out
+
+
+def cp_working_sets(attention: list[AttentionSite], costs: dict[str, list[ContextAttentionCost]], problem, sg,
+                    sol) -> dict[str, float]:
+    """Per layer, the largest working set of its attention ops under cp: each op's own (its
+    outputs and unsaved inputs, as :mod:`autopar.planner.evaluation` counts every op's) plus what
+    the K/V exchange keeps live inside it (``ContextAttentionCost.*_working_bytes``)."""
+    from autopar.planner.evaluation import _working_sets
+
+    ws = _working_sets(problem, sol)
+    index = {n.name: v for v, n in enumerate(sg.nodes)}
+    out: dict[str, float] = {}
+    for layer, cs in costs.items():
+        sites = [s for s in attention if s.layer == layer and s.forward in index]
+        for site, c in zip(sites, cs):
+            fwd = ws.get(index[site.forward], 0.0) + c.forward_working_bytes
+            bwd = ws.get(index.get(site.backward, -1), 0.0) + c.backward_working_bytes
+            out[layer] = max(out.get(layer, 0.0), fwd, bwd)
     return out
 
 

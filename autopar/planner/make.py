@@ -35,7 +35,7 @@ from autopar.plan import Plan
 from autopar.precision import Precision, plan_precision, resolve_precision
 from autopar.planner.cuts import CutTable
 from autopar.planner.context import apply_cp, check_cp, cp_costs, cp_decision, cp_options, \
-    find_attention, repeat_savings, sequence_length
+    cp_working_sets, find_attention, repeat_savings, sequence_length
 from autopar.planner.experts import apply_ep, check_ep, ep_options, find_experts, runnable_sites
 from autopar.planner.frontend import trace_pair
 from autopar.planner.evaluation import evaluate
@@ -310,9 +310,11 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                                  global_batch=batch, cluster=cluster, imbalance=fixed.moe_imbalance or 1.0,
                                  local_params=local)
             if cp > 1:
-                units = apply_cp(units, cp_costs(attention, problem, sg, sol, cp=cp, tp=tp, mbs=mbs, batch=batch,
-                                                  cluster=cluster, variant=fixed.cp_variant), names,
-                                 repeat_savings(attention, sg, sol, cp=cp, tp=tp, mbs=mbs, batch=batch))
+                costs = cp_costs(attention, problem, sg, sol, cp=cp, tp=tp, mbs=mbs, batch=batch, cluster=cluster,
+                                 variant=fixed.cp_variant)
+                units = apply_cp(units, costs, names, repeat_savings(attention, sg, sol, cp=cp, tp=tp, mbs=mbs,
+                                                                     batch=batch),
+                                 cp_working_sets(attention, costs, problem, sg, sol))
             cache[tp, mbs, sp, ep, cp] = units
         return cache[tp, mbs, sp, ep, cp]
 
