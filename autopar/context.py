@@ -113,9 +113,10 @@ def _like(ref: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 def _forward_block(q, k, v, out, lse, q_chunks, k_chunks, causal, scale):
-    """Merge the attention of the local queries on one rank's K/V block into (out, lse)."""
+    """Merge the attention of the local queries on one rank's K/V block into ``out`` and ``lse``
+    (in place: the fp32 accumulators are updated chunk by chunk, with no copy of them)."""
     qs, ks, vs = q.chunk(2, dim=2), k.chunk(2, dim=2), v.chunk(2, dim=2)
-    outs, lses = list(out.chunk(2, dim=2)), list(lse.chunk(2, dim=2))
+    outs, lses = out.chunk(2, dim=2), lse.chunk(2, dim=2)
     for i, qc in enumerate(q_chunks):
         for j, kc in enumerate(k_chunks):
             mode = _mode(qc, kc, causal)
@@ -123,9 +124,8 @@ def _forward_block(q, k, v, out, lse, q_chunks, k_chunks, causal, scale):
                 continue
             block_out, block_lse = block_forward(qs[i], ks[j], vs[j], mode == "diag", scale)
             new = torch.logaddexp(lses[i], block_lse)
-            outs[i] = torch.exp(lses[i] - new) * outs[i] + torch.exp(block_lse - new) * block_out.to(new.dtype)
-            lses[i] = new
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+            outs[i].mul_(torch.exp(lses[i] - new)).addcmul_(block_out, torch.exp(block_lse - new))
+            lses[i].copy_(new)
 
 
 def _backward_block(q, k, v, do, out, lse, dq, q_chunks, k_chunks, causal, scale):
@@ -143,7 +143,7 @@ def _backward_block(q, k, v, do, out, lse, dq, q_chunks, k_chunks, causal, scale
             if mode == "skip":
                 continue
             dqi, dki, dvi = block_backward(dos[i], qs[i], ks[j], vs[j], outs[i], lses[i], mode == "diag", scale)
-            dqs[i].add_(dqi)
+            dqs[i].add_(dqi)  # (the kernel's dtype, added into the fp32 accumulators in one pass)
             dks[j].add_(dki)
             dvs[j].add_(dvi)
     return dk, dv
@@ -174,22 +174,21 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     lse = torch.full((*q.shape[:3], 1), float("-inf"), dtype=acc, device=q.device)
     g = _check(group, cp, variant)
     if g is None:  # cp == 1: the whole sequence is here
-        out, lse = _forward_block(q, k, v, out, lse, (0, 1), (0, 1), causal, scale)
+        _forward_block(q, k, v, out, lse, (0, 1), (0, 1), causal, scale)
         return _like(q, out), lse.squeeze(-1)
     rank = dist.get_rank(g)
     mine = chunk_ids(cp, rank, balanced)
     if variant == "allgather":
         ks, vs = _all_gather(k, g), _all_gather(v, g)
         for src in range(cp):
-            out, lse = _forward_block(q, ks[src], vs[src], out, lse, mine, chunk_ids(cp, src, balanced), causal,
-                                      scale)
+            _forward_block(q, ks[src], vs[src], out, lse, mine, chunk_ids(cp, src, balanced), causal, scale)
         return _like(q, out), lse.squeeze(-1)
     ring = _Ring(g)
     kv = [k, v]
     for step in range(cp):
         pending = ring.start(kv) if step < cp - 1 else None  # the next block travels while this one computes
         src = (rank - step) % cp
-        out, lse = _forward_block(q, kv[0], kv[1], out, lse, mine, chunk_ids(cp, src, balanced), causal, scale)
+        _forward_block(q, kv[0], kv[1], out, lse, mine, chunk_ids(cp, src, balanced), causal, scale)
         if pending is not None:
             works, kv = pending
             for w in works:

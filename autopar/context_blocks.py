@@ -10,7 +10,8 @@ them by their log-sum-exps. Each pair goes through:
   the gradients, given the *merged* output and log-sum-exp of the query chunk (FlashAttention's
   backward recomputes each probability as ``exp(s - lse)`` and uses ``rowsum(dO * O)``, so a
   block computed with the global ``out`` and ``lse`` is exactly its share of the whole
-  attention's gradient), in the accumulation dtype; ``dk``, ``dv`` with ``k``'s (grouped) heads.
+  attention's gradient), in the kernel's dtype (the caller adds them into its fp32 accumulators
+  in one pass); ``dk``, ``dv`` with ``k``'s (grouped) heads.
 
 Which kernel (:func:`kernel_for`):
 
@@ -71,15 +72,14 @@ def block_backward(do, q, k, v, out, lse, causal: bool, scale: float) -> tuple[t
         return _exact_backward(do, q, k, v, out, lse, causal, scale)
     lse = lse.squeeze(-1).contiguous()
     if kernel == "cpu_flash":
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse.to(acc), 0.0, causal, scale=scale)
-        return dq.to(acc), dk.to(acc), dv.to(acc)
     groups = q.shape[1] // k.shape[1]
     rng, unused = _flash_rng_state(q.device, q.dtype)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         do, q, _expand(k, groups), _expand(v, groups), out, lse.float(), None, None, q.shape[2], k.shape[2], 0.0,
         causal, rng, unused, scale=scale)
-    return dq.to(acc), _fold(dk.to(acc), groups), _fold(dv.to(acc), groups)
+    return dq, _fold(dk, groups, acc), _fold(dv, groups, acc)
 
 
 @functools.cache
@@ -96,12 +96,12 @@ def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
     return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
 
 
-def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of :func:`_expand`: sum each K/V head's query group."""
+def _fold(grad: torch.Tensor, groups: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The gradient of :func:`_expand`: sum each K/V head's query group (in ``dtype``)."""
     if groups == 1:
         return grad
     b, h, s, d = grad.shape
-    return grad.view(b, h // groups, groups, s, d).sum(2)
+    return grad.view(b, h // groups, groups, s, d).sum(2, dtype=dtype)
 
 
 def _scores(q, k, scale, causal):

@@ -30,7 +30,10 @@ def measure(kernel: str, tokens: int, repeat: int, device: str, dtype: str) -> d
         context_blocks.kernel_for = lambda q: "exact"
     gen = torch.Generator(device=device).manual_seed(0)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    rand = lambda h: torch.randn(1, h, tokens, 64, generator=gen, device=device).to(dt).requires_grad_()
+
+    def rand(h):
+        return torch.randn(1, h, tokens, 64, generator=gen, device=device).to(dt).requires_grad_()
+
     q, k, v = rand(8), rand(2), rand(2)
     grad = torch.randn(1, 8, tokens, 64, generator=gen, device=device).to(dt)
     times = []

@@ -268,8 +268,10 @@ def autopar_op(device: torch.device, *, tiny: bool, time_s) -> dict:
 
     batch, heads, kv_heads, tokens, dim = TINY_OP_SHAPE if tiny else OP_SHAPE
     gen = torch.Generator(device=device).manual_seed(0)
-    rand = lambda h: torch.randn(batch, h, tokens, dim, dtype=torch.bfloat16, device=device,
-                                 generator=gen).requires_grad_()
+
+    def rand(h):
+        return torch.randn(batch, h, tokens, dim, dtype=torch.bfloat16, device=device, generator=gen).requires_grad_()
+
     q, k, v = rand(heads), rand(kv_heads), rand(kv_heads)
     grad = torch.randn(batch, heads, tokens, dim, dtype=torch.bfloat16, device=device, generator=gen)
     groups = heads // kv_heads
@@ -289,9 +291,31 @@ def autopar_op(device: torch.device, *, tiny: bool, time_s) -> dict:
         errors[f"d{name}"] = float((x.float() - y.float()).abs().max() / y.float().abs().max())
     iters, warmup = (2, 1) if tiny else (5, 2)
     row = {"shape": [batch, heads, kv_heads, tokens, dim], "kernel": kernel_for(q), "relative_error": errors}
+    if row["kernel"] == "cuda_flash":  # the flash kernel on grouped K/V directly (context_blocks repeats them)
+        row["native_gqa_relative_error"] = _native_gqa_errors(q, k, v, grad, b, scale)
     for label, fn in (("autopar", ours), ("sdpa", theirs)):
         with torch.no_grad():
             row[f"{label}_forward_s"] = time_s(fn, device, warmup=warmup, iters=iters)
         row[f"{label}_forward_backward_s"] = time_s(lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), grad),
                                                     device, warmup=warmup, iters=iters)
     return row
+
+
+def _native_gqa_errors(q, k, v, grad, ref, scale) -> dict:
+    """PyTorch's CUDA flash kernel given grouped K/V (fewer heads than the queries), forward and
+    backward, against SDPA on repeated heads: whether :mod:`autopar.context_blocks` could skip its
+    repeat of K/V to the query heads."""
+    d = {}
+    with torch.no_grad():
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+        out, lse = res[0], res[1]
+        d["out"] = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, True, res[6], res[7], scale=scale)
+    groups = q.shape[1] // k.shape[1]
+    want = torch.autograd.grad(F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1),
+                                                              v.repeat_interleave(groups, 1), is_causal=True,
+                                                              scale=scale), (q, k, v), grad)
+    for name, x, y in zip("qkv", grads, want):
+        d[f"d{name}"] = float((x.float() - y.float()).abs().max() / y.float().abs().max())
+    return d

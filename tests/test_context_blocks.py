@@ -18,7 +18,10 @@ def _close(a, b, rel=1e-12):
 
 def _tensors(sq=6, sk=10, h=4, hkv=2, d=8, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    mk = lambda heads, s: torch.randn(2, heads, s, d, dtype=torch.float64, generator=g).to(dtype).requires_grad_()
+
+    def mk(heads, s):
+        return torch.randn(2, heads, s, d, dtype=torch.float64, generator=g).to(dtype).requires_grad_()
+
     return mk(h, sq), mk(hkv, sk), mk(hkv, sk)
 
 
@@ -64,7 +67,8 @@ def test_the_kernel_is_chosen_by_device_and_dtype():
 
 def test_the_cuda_flash_calls_fit_their_schemas(monkeypatch):
     """The CUDA path run on meta tensors (ATen's meta kernels check the arguments and give the
-    shapes): K/V repeated to the query heads and their gradients folded back to the grouped heads."""
+    shapes): K/V repeated to the query heads and their gradients summed back to the grouped heads
+    in fp32; the query gradient in the kernel's dtype, for the caller's fp32 accumulator."""
     monkeypatch.setattr(context_blocks, "kernel_for", lambda q: "cuda_flash")
     q = torch.empty(2, 8, 16, 64, device="meta", dtype=torch.bfloat16)
     k = v = torch.empty(2, 2, 32, 64, device="meta", dtype=torch.bfloat16)
@@ -72,4 +76,4 @@ def test_the_cuda_flash_calls_fit_their_schemas(monkeypatch):
     assert out.shape == q.shape and lse.shape == (2, 8, 16, 1) and lse.dtype == torch.float32
     dq, dk, dv = block_backward(torch.empty_like(out), q, k, v, out, lse, False, 0.125)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
-    assert {dq.dtype, dk.dtype, dv.dtype} == {torch.float32}
+    assert dq.dtype == torch.bfloat16 and dk.dtype == dv.dtype == torch.float32  # (group sums in fp32)
