@@ -266,10 +266,23 @@ def context_words(plan: Plan) -> list[str]:
             f"{plan.mesh.get('dp', 0) // x['cp']} group(s)); each sequence of {x.get('sequence')} tokens split "
             f"{x.get('layout', 'balanced')} over a group, {x.get('tokens_per_rank')} tokens per rank (chunks r and "
             f"2cp-1-r); {x.get('attention_ops', 0)} attention op(s) exchange K/V by "
-            f"{'/'.join(x.get('variants', ())) or '?'}: {kv.get('time_s', 0) * 1e3:.1f} ms per step on the link, "
+            f"{'/'.join(x.get('variants', ())) or '?'}: {kv.get('time_s', 0) * 1e3:.1f} ms per step on the link"
+            + (f" (summed over the {plan.mesh['pp']} pipeline stages, as what follows), "
+               if plan.mesh.get("pp", 1) > 1 else ", ")
             + (f"{kv.get('exposed_s', 0) * 1e3:.1f} ms exposed with the eager merges of torch's program"
                if "torch" in x.get("variants", ()) else
-               f"{kv.get('exposed_s', 0) * 1e3:.1f} ms of it not hidden behind attention") + reason]
+               _cp_added(kv)) + reason]
+
+
+def _cp_added(kv: dict) -> str:
+    """What autopar's cp op adds per step, split into its parts."""
+    eager, kernel = kv.get("eager_s", 0.0), kv.get("kernel_s", 0.0)
+    parts = [f"{fmt_s(max(0.0, kv.get('exposed_s', 0) - eager - kernel))} of the exchange not hidden behind attention"]
+    if eager:
+        parts.append(f"{fmt_s(eager)} the op's eager merges")
+    if kernel:
+        parts.append(f"{fmt_s(kernel)} its FlashAttention-2 blocks against the SDPA kernel priced")
+    return f"{kv.get('exposed_s', 0) * 1e3:.1f} ms added ({', '.join(parts)})"
 
 
 def render_summary(plan: Plan) -> str:

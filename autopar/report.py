@@ -237,10 +237,11 @@ def _context_table(plan: Plan) -> list[str]:
     kv = x.get("kv_exchange")
     if kv:
         head = ("sequence", "tokens per rank", "layout", "attention ops", "K/V exchange", "messages", "bytes sent",
-                "time on the link", "exposed")
+                "time on the link", "added to the step", "of it eager merges", "of it the blocks' kernel")
         row = (x.get("sequence"), x.get("tokens_per_rank"), x.get("layout"), x.get("attention_ops"),
                "/".join(x.get("variants", ())), f"{kv.get('count', 0):.4g}", fmt_bytes(kv.get("bytes", 0)),
-               fmt_s(kv.get("time_s", 0)), fmt_s(kv.get("exposed_s", 0)))
+               fmt_s(kv.get("time_s", 0)), fmt_s(kv.get("exposed_s", 0)), fmt_s(kv.get("eager_s", 0)),
+               fmt_s(kv.get("kernel_s", 0)))
         out += ["<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr><tr>"
                 + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr></table>",
                 '<p class="legend">per step and rank of a cp group (every micro-batch, every attention op)</p>']

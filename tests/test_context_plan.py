@@ -47,7 +47,8 @@ def test_each_rank_holds_a_cp_th_of_each_sequence(plans):
         # forward time per micro-batch: 1/cp of the compute, plus the exposed K/V exchange
         assert st["f_s"] < one["f_s"] / cp * 1.5, cp
         kv = plan.communication["p2p"]["cp"]
-        assert kv["bytes"] > 0 and kv["count"] > 0 and 0 <= kv["exposed_s"] <= kv["time_s"]
+        # exposed: what attention does not hide of the link time, plus the op's eager merges
+        assert kv["bytes"] > 0 and kv["count"] > 0 and kv["time_s"] > 0 and kv["exposed_s"] > 0
     assert not plans[1].context and "cp" not in plans[1].communication.get("p2p", {})
 
 

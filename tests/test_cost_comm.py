@@ -270,6 +270,34 @@ def test_context_exchange_working_sets_grow_with_what_each_variant_holds():
     assert torch4.backward_working_bytes == 5 * 2 * n * e + 3 * 4 * n + 3 * e * n + 2 * 8 * n
 
 
+def test_context_eager_kernels_are_counted_op_by_op_and_added_to_what_is_exposed():
+    """autopar's cp op merges its blocks' partial outputs and gradients with eager kernels on the
+    compute stream; counted here pass by pass (independently of the function's closed form), Llama
+    3 8B's shape: 32 query heads, 8 grouped K/V heads repeated to 32 per pair, bf16."""
+    from autopar.cost.comm import context_attention_cost, context_eager_bytes
+
+    cp, n, e = 4, 1_000_000, 2
+    kv = 2 * n // 4  # K and V elements of a block: a quarter of the heads each
+    rep = 2 * n  # repeated K and V
+    merge = (4 + 4) + (4 + e + 4)  # rescale the fp32 output in place, add the weighted block output
+    forward = 4 * n + cp * (merge * n + kv * e + rep * e) + (4 + e) * n
+    dq = 4 + e + 4  # the kernel's query gradient added into the fp32 one
+    dkv = 4 + (rep * e + 4 * kv) / kv + (4 + 4 + 4)  # zeroed; repeated heads summed in fp32, added in
+    per_block = dq * n + dkv * kv + (kv + rep) * e
+    backward = 4 * n + cp * per_block + (4 + e) * (n + kv)
+    ring_add = (cp - 1) * 12 * kv  # each arriving gradient block added
+    assert context_eager_bytes(variant="allgather", cp=cp, query_elems=n, kv_bytes=kv * e,
+                               dkv_bytes=kv * 4) == pytest.approx((forward, backward))
+    assert context_eager_bytes(variant="ring", cp=cp, query_elems=n, kv_bytes=kv * e,
+                               dkv_bytes=kv * 4) == pytest.approx((forward, backward + ring_add))
+    link, rate = Link(bytes_per_s=100e9, latency_s=5e-6), 1e12
+    args = dict(variant="ring", cp=cp, kv_bytes=kv * e, dkv_bytes=kv * 4, forward_s=1.0, backward_s=2.0, link=link,
+                query_elems=n)
+    plain, eager = context_attention_cost(**args), context_attention_cost(**args, memory_bytes_per_s=rate)
+    assert eager.forward_exposed_s - plain.forward_exposed_s == pytest.approx(forward / rate)
+    assert eager.backward_exposed_s - plain.backward_exposed_s == pytest.approx((backward + ring_add) / rate)
+
+
 def test_all_to_all_across_nodes_runs_at_one_nic_per_rank():
     """All-to-all has no ring to spread over a node's NICs: what a rank sends off its node
     leaves through its own NIC. EP 16 over 2 H100 nodes: 1/2 of each buffer crosses the network

@@ -68,6 +68,7 @@ __all__ = [
     "ContextAttentionCost",
     "context_attention_cost",
     "context_kv_bytes",
+    "context_eager_bytes",
     "expert_all_to_all_bytes",
     "expert_all_to_all_s",
     "group_link",
@@ -257,12 +258,18 @@ class ContextAttentionCost:
     """Time on the link, whether or not compute hides it."""
     forward_exposed_s: float
     backward_exposed_s: float
-    """What compute does not hide: the ring hides each hop behind the block computed meanwhile;
-    the all-gather variant hides nothing (it gathers before computing)."""
+    """What cp adds to the layer beyond its priced attention: the exchange compute does not hide
+    (the ring hides each hop behind the block computed meanwhile; the all-gather variant hides
+    nothing), plus ``eager_s`` and ``kernel_s``."""
     messages: int = 0
     """Transfers one rank starts per layer, forward and backward (ring hops; collective calls)."""
     sent_bytes: float = 0.0
     """Bytes one rank sends per layer, forward and backward."""
+    eager_s: float = 0.0
+    """Of the exposed time, forward and backward: the op's eager kernels (merges, accumulators)."""
+    kernel_s: float = 0.0
+    """Of the exposed time, forward and backward: the op's attention kernel beyond the SDPA kernel
+    the graph's attention is priced at (:func:`autopar.planner.context.cp_kernel_ratio`)."""
     forward_working_bytes: float = 0.0
     backward_working_bytes: float = 0.0
     """Bytes the exchange keeps live inside the attention op beyond its inputs and outputs
@@ -276,7 +283,7 @@ class ContextAttentionCost:
 
 def context_attention_cost(*, variant: str, cp: int, kv_bytes: float, dkv_bytes: float, forward_s: float,
                            backward_s: float, link: Link, overlap_slowdown: float = 1.0,
-                           query_elems: float = 0.0) -> ContextAttentionCost:
+                           query_elems: float = 0.0, memory_bytes_per_s: float | None = None) -> ContextAttentionCost:
     """K/V exchange of one attention layer over a cp group of ``cp`` ranks on ``link``.
 
     ``kv_bytes``, ``dkv_bytes``: one rank's block (:func:`context_kv_bytes`); ``forward_s``,
@@ -299,27 +306,65 @@ def context_attention_cost(*, variant: str, cp: int, kv_bytes: float, dkv_bytes:
     gathered; backward, the fp32 query gradient, and one K/V block arriving with the block's
     gradients, the ones arriving and the ones leaving (ring: ``3 dkv_bytes``), or all ``cp`` blocks
     gathered and their ``cp`` gradient blocks until the reduce-scatter.
+
+    With ``memory_bytes_per_s`` (eager PyTorch's rate), the op's eager kernels are added to what is
+    exposed (they run on the compute stream): :func:`context_eager_bytes`.
     """
     if variant not in ("ring", "allgather"):
         raise ValueError(f"context attention variant {variant!r} is not 'ring' or 'allgather'")
     if cp == 1:
         return ContextAttentionCost(variant, 0.0, 0.0, 0.0, 0.0)
     acc = 2 * 4 * query_elems
+    eager_f, eager_b = (0.0, 0.0) if not memory_bytes_per_s else \
+        (b / memory_bytes_per_s for b in context_eager_bytes(variant=variant, cp=cp, query_elems=query_elems,
+                                                             kv_bytes=kv_bytes, dkv_bytes=dkv_bytes))
     if variant == "allgather":
         gather = all_gather_s(cp * kv_bytes, cp, link)
         fwd, bwd = gather, gather + reduce_scatter_s(cp * dkv_bytes, cp, link)
-        return ContextAttentionCost(variant, fwd, bwd, fwd, bwd, messages=3,
+        return ContextAttentionCost(variant, fwd, bwd, fwd + eager_f, bwd + eager_b, messages=3,
+                                    eager_s=eager_f + eager_b,
                                     sent_bytes=(cp - 1) * (2 * kv_bytes + dkv_bytes),
                                     forward_working_bytes=acc + cp * kv_bytes,
                                     backward_working_bytes=acc / 2 + cp * (kv_bytes + dkv_bytes))
     step_f, step_b = forward_s / cp, backward_s / cp
     hop_f, hop_b, last = p2p_s(kv_bytes, link), p2p_s(kv_bytes + dkv_bytes, link), p2p_s(dkv_bytes, link)
     return ContextAttentionCost(variant, (cp - 1) * hop_f, (cp - 1) * hop_b + last,
-                                (cp - 1) * _behind(hop_f, step_f, overlap_slowdown),
-                                (cp - 1) * _behind(hop_b, step_b, overlap_slowdown) + last,
+                                (cp - 1) * _behind(hop_f, step_f, overlap_slowdown) + eager_f,
+                                (cp - 1) * _behind(hop_b, step_b, overlap_slowdown) + last + eager_b,
+                                eager_s=eager_f + eager_b,
                                 messages=3 * (cp - 1) + 1, sent_bytes=2 * (cp - 1) * kv_bytes + cp * dkv_bytes,
                                 forward_working_bytes=acc + kv_bytes,
                                 backward_working_bytes=acc / 2 + kv_bytes + 3 * dkv_bytes)
+
+
+def context_eager_bytes(*, variant: str, cp: int, query_elems: float, kv_bytes: float,
+                        dkv_bytes: float) -> tuple[float, float]:
+    """(forward, backward) bytes the eager kernels of :mod:`autopar.context` move for one attention
+    layer on one rank at ``cp > 1``, as it runs on CUDA in bf16/fp16 (``n`` query elements, ``kv``
+    K and V elements of a block, ``e`` bytes each, ``r = 2n`` when K/V are grouped: the repeat to
+    the query heads each pair's kernel gets, :mod:`autopar.context_blocks`):
+
+    - forward: the zeroed fp32 output (4n); per block, the log-sum-exp merge of its pairs into the
+      fp32 output in place (rescale 8, then add the weighted block output 8 + e bytes per query
+      element; the own block's third, diagonal pair not counted) and the K/V repeat (read kv e,
+      write r e); the result's downcast.
+    - backward: the zeroed fp32 query gradient; per block, the pairs' query gradients added into it
+      (8 + e per query element), the K/V gradient accumulators zeroed and added into (4 + 8 + e per
+      K/V element; with grouped K/V the repeated heads' gradients are first summed per group into
+      fp32, r e + 4 kv, and added as fp32, 12 per K/V element), the K/V repeat again; the ring
+      adds each arriving gradient block (12 per K/V element, all blocks but the first); the three
+      downcasts.
+    """
+    n = query_elems
+    e = 4 * kv_bytes / dkv_bytes  # the gradient blocks are fp32
+    kv = kv_bytes / e
+    r = 2 * n if kv < 2 * n else 0.0
+    repeat = (kv + r) * e
+    fwd = 4 * n + cp * ((16 + e) * n + repeat) + (4 + e) * n
+    dkv = 4 * kv + (r * e + 16 * kv if r else (8 + e) * kv)
+    bwd = (4 * n + cp * ((8 + e) * n + dkv + repeat) + (4 + e) * (n + kv)
+           + (12 * (cp - 1) * kv if variant == "ring" else 0.0))
+    return fwd, bwd
 
 
 def _behind(comm_s: float, compute_s: float, slowdown: float) -> float:
@@ -385,6 +430,7 @@ def torch_context_attention_cost(*, cp: int, kv_bytes: float, elem_bytes: int, f
     bwd_exposed = (_behind(gather, step_b, overlap_slowdown) + (cp - 1) * _behind(hop, step_b, overlap_slowdown)
                    + hop + backward_bytes / memory_bytes_per_s)
     return ContextAttentionCost("torch", gather, gather + cp * hop, fwd_exposed, bwd_exposed, messages=2 + cp,
+                                eager_s=(forward_bytes + backward_bytes) / memory_bytes_per_s,
                                 sent_bytes=2 * (cp - 1) * kv_bytes + cp * 8 * n,
                                 forward_working_bytes=(cp + 1) * kv_bytes + 3 * 4 * n,
                                 backward_working_bytes=(cp + 1) * kv_bytes + 3 * 4 * n + 3 * e * n + 2 * 8 * n)

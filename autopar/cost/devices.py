@@ -103,6 +103,11 @@ class DeviceSpec:
     fp8_flops_per_s: float | None = None
     """Dense FP8 (e4m3/e5m2) tensor-core peak; None: the device has no FP8 tensor cores. Used only
     for GEMMs priced as Float8 training runs them (:mod:`autopar.passes.float8`)."""
+    flash_attention_efficiency: float | None = None
+    """The same fraction for FlashAttention-2 (PyTorch's flash kernel), which autopar's
+    context-parallel attention op runs on CUDA whatever SDPA's own choice
+    (:mod:`autopar.context_blocks`), where it differs from ``attention_efficiency`` (Hopper, where
+    SDPA runs cuDNN's kernel); None: ``attention_efficiency``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -133,11 +138,12 @@ class DeviceSpec:
             allow_zero = name.endswith("_latency_s")
             value = _check_number(owner, name, getattr(self, name), allow_zero=allow_zero)
             object.__setattr__(self, name, float(value))
-        if self.attention_efficiency is not None:
-            eff = _check_number(owner, "attention_efficiency", self.attention_efficiency, allow_zero=False)
-            if eff > 1:
-                raise ValueError(f"{owner}: attention_efficiency is a fraction of peak, in (0, 1]; got {eff!r}")
-            object.__setattr__(self, "attention_efficiency", float(eff))
+        for name in ("attention_efficiency", "flash_attention_efficiency"):
+            if getattr(self, name) is not None:
+                eff = _check_number(owner, name, getattr(self, name), allow_zero=False)
+                if eff > 1:
+                    raise ValueError(f"{owner}: {name} is a fraction of peak, in (0, 1]; got {eff!r}")
+                object.__setattr__(self, name, float(eff))
         if self.fp8_flops_per_s is not None:
             fp8 = _check_number(owner, "fp8_flops_per_s", self.fp8_flops_per_s, allow_zero=False)
             object.__setattr__(self, "fp8_flops_per_s", float(fp8))
@@ -160,7 +166,8 @@ class DeviceSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DeviceSpec:
         """Build from :meth:`to_dict` output; every field without a default is required (a dict
-        written before ``attention_efficiency`` or ``fp8_flops_per_s`` existed reads as the default)."""
+        written before ``attention_efficiency``, ``fp8_flops_per_s`` or ``flash_attention_efficiency`` existed
+        reads as the default)."""
         names = {f.name for f in dataclasses.fields(cls)}
         required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
         unknown = sorted(set(data) - names)
@@ -257,6 +264,7 @@ _H100 = DeviceSpec(
     intra_node_latency_s=_NVLINK_LATENCY_S,
     inter_node_latency_s=_NETWORK_LATENCY_S,
     attention_efficiency=HOPPER_CUDNN_ATTENTION_EFFICIENCY,
+    flash_attention_efficiency=HOPPER_FLASH2_ATTENTION_EFFICIENCY,
     fp8_flops_per_s=_HOPPER_FP8,
 )
 
@@ -287,6 +295,7 @@ _H100_96GB = DeviceSpec(
     intra_node_latency_s=_NVLINK_LATENCY_S,
     inter_node_latency_s=_NETWORK_LATENCY_S,
     attention_efficiency=HOPPER_CUDNN_ATTENTION_EFFICIENCY,
+    flash_attention_efficiency=HOPPER_FLASH2_ATTENTION_EFFICIENCY,
     fp8_flops_per_s=_HOPPER_FP8 * _H100_500W_PEAK_FRACTION,
 )
 
@@ -300,6 +309,7 @@ _H200 = DeviceSpec(
     intra_node_latency_s=_NVLINK_LATENCY_S,
     inter_node_latency_s=_NETWORK_LATENCY_S,
     attention_efficiency=HOPPER_CUDNN_ATTENTION_EFFICIENCY,
+    flash_attention_efficiency=HOPPER_FLASH2_ATTENTION_EFFICIENCY,
     fp8_flops_per_s=_HOPPER_FP8,
 )
 

@@ -37,8 +37,8 @@ from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
 
 __all__ = ["AttentionSite", "find_attention", "sequence_length", "check_cp", "cp_options", "attention_costs",
-           "cp_costs", "cp_decision", "apply_cp", "cp_working_sets", "repeat_savings", "context_record", "CP_DEGREES",
-           "MIN_SEQUENCE", "MIN_TOKENS_PER_RANK"]
+           "cp_costs", "cp_decision", "apply_cp", "cp_kernel_ratio", "cp_working_sets", "repeat_savings",
+           "context_record", "CP_DEGREES", "MIN_SEQUENCE", "MIN_TOKENS_PER_RANK"]
 
 CP_DEGREES = (2, 4, 8, 16, 32)
 """cp degrees the search tries (Llama 3 405B trained its 128k-token stage with cp = 16)."""
@@ -178,10 +178,14 @@ def cp_options(gm: fx.GraphModule, world: int) -> tuple[int, ...]:
 def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index: dict[str, int], cp: int,
                     tp_split: dict[str, bool], tp: int, microbatch_size: float, global_batch: int, link,
                     overlap_slowdown: float = 1.0, variants: tuple[str, ...] = ("ring", "allgather"),
-                    memory_bytes_per_s: float | None = None) -> dict[str, list[ContextAttentionCost]]:
-    """Layer path -> the K/V exchange cost of each of its attention ops on one rank, per micro-batch.
+                    memory_bytes_per_s: float | None = None,
+                    kernel_ratio: float = 1.0) -> dict[str, list[ContextAttentionCost]]:
+    """Layer path -> what cp adds to each of its attention ops on one rank, per micro-batch: the
+    K/V exchange attention does not hide, the op's eager kernels at ``memory_bytes_per_s`` (eager
+    PyTorch's rate; None: not priced), and its blocks' kernel time beyond the attention priced in
+    the graph (``kernel_ratio``: the cp op's kernel time over that, :func:`cp_kernel_ratio`).
     ``variants == ("torch",)`` prices torch's own context parallelism instead (pinned only,
-    :func:`autopar.cost.comm.torch_context_attention_cost`; its eager kernels at ``memory_bytes_per_s``).
+    :func:`autopar.cost.comm.torch_context_attention_cost`; its kernel is the graph's SDPA).
 
     ``problem`` is the sharding problem at the per-rank batch (``microbatch_size / cp``): its node
     times are the busiest rank's attention compute, which the ring's hops hide behind.
@@ -206,11 +210,15 @@ def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index
                 forward_s=fwd_s, backward_s=bwd_s, link=link, memory_bytes_per_s=memory_bytes_per_s,
                 overlap_slowdown=overlap_slowdown))
             continue
-        best = min((context_attention_cost(variant=var, cp=cp, kv_bytes=kv, dkv_bytes=dkv, forward_s=fwd_s,
-                                           backward_s=bwd_s, link=link, overlap_slowdown=overlap_slowdown,
-                                           query_elems=site.query_elems * scale)
+        best = min((context_attention_cost(variant=var, cp=cp, kv_bytes=kv, dkv_bytes=dkv,
+                                           forward_s=fwd_s * kernel_ratio, backward_s=bwd_s * kernel_ratio,
+                                           link=link, overlap_slowdown=overlap_slowdown,
+                                           query_elems=site.query_elems * scale, memory_bytes_per_s=memory_bytes_per_s)
                     for var in variants), key=lambda c: (c.exposed_s, c.variant))
-        out.setdefault(site.layer, []).append(best)
+        slower = kernel_ratio - 1.0
+        out.setdefault(site.layer, []).append(replace(best, forward_exposed_s=best.forward_exposed_s + slower * fwd_s,
+                                                      backward_exposed_s=best.backward_exposed_s + slower * bwd_s,
+                                                      kernel_s=slower * (fwd_s + bwd_s)))
     return out
 
 
@@ -288,10 +296,13 @@ def context_record(costs: dict[str, list[ContextAttentionCost]], *, cp: int, seq
     exposed = sum(c.exposed_s * counts.get(layer, 1) for layer, cs in costs.items() for c in cs)
     count = sum(c.messages * counts.get(layer, 1) for layer, cs in costs.items() for c in cs)
     sent = sum(c.sent_bytes * counts.get(layer, 1) for layer, cs in costs.items() for c in cs)
+    eager = sum(c.eager_s * counts.get(layer, 1) for layer, cs in costs.items() for c in cs)
+    kernel = sum(c.kernel_s * counts.get(layer, 1) for layer, cs in costs.items() for c in cs)
     return {"cp": cp, "layout": "balanced", "sequence": seq, "tokens_per_rank": seq // cp,
             "variants": variants, "attention_ops": n,
             "kv_exchange": {"count": count * microbatches, "bytes": sent * microbatches,
-                            "time_s": comm * microbatches, "exposed_s": exposed * microbatches}}
+                            "time_s": comm * microbatches, "exposed_s": exposed * microbatches,
+                            "eager_s": eager * microbatches, "kernel_s": kernel * microbatches}}
 
 
 def cp_decision(best, other, cps: tuple[int, ...], *, seq: int) -> dict:
@@ -303,6 +314,17 @@ def cp_decision(best, other, cps: tuple[int, ...], *, seq: int) -> dict:
     if best.config.cp == 1:
         out.update(cp=1, sequence=seq, tokens_per_rank=seq)
     return out
+
+
+def cp_kernel_ratio(device) -> float:
+    """The cp op's attention kernel time over the graph's SDPA's on ``device``: autopar's op runs
+    FlashAttention-2 on CUDA (:mod:`autopar.context_blocks`), SDPA the device's default kernel
+    (``DeviceSpec.flash_attention_efficiency`` against ``attention_efficiency``; 1 where they agree)."""
+    from autopar.cost.compute import ATTENTION_EFFICIENCY
+
+    if device.flash_attention_efficiency is None:
+        return 1.0
+    return (device.attention_efficiency or ATTENTION_EFFICIENCY) / device.flash_attention_efficiency
 
 
 def cp_costs(attention, problem, sg, sol, *, cp: int, tp: int, mbs: int, batch: int,
@@ -319,4 +341,5 @@ def cp_costs(attention, problem, sg, sol, *, cp: int, tp: int, mbs: int, batch: 
     return attention_costs(attention, problem=problem, sol_choice=sol.choice, sg_index=index, cp=cp, tp_split=split,
                            tp=tp, microbatch_size=mbs, global_batch=batch,
                            link=cluster.link_for_group(cp, stride=tp), overlap_slowdown=OVERLAP_SLOWDOWN,
-                           variants=(variant,) if variant else ("ring", "allgather"), memory_bytes_per_s=eager)
+                           variants=(variant,) if variant else ("ring", "allgather"), memory_bytes_per_s=eager,
+                           kernel_ratio=cp_kernel_ratio(cluster.device))
