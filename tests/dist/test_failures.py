@@ -51,8 +51,12 @@ def _raw_world(rank, world, victim, stuck):
     t = torch.ones(4)
     with watch.guard("the first all-reduce"):
         dist.all_reduce(t)
-    # The group under test, made right after every rank passed the all-reduce above.
+    # The group under test, made right after every rank passed the all-reduce above; then a barrier
+    # on the world group, so that no rank dies while a peer is still connecting to it inside
+    # new_group (gloo connects the new group's full mesh there, and a rank can return from it
+    # first: once, rank 2's connect to the victim rank 0 failed and rank 2 died too).
     group = dist.new_group(timeout=timedelta(seconds=timeout_s))
+    dist.barrier()
     if rank == victim:
         if not stuck:
             os._exit(17)
