@@ -301,11 +301,12 @@ def context_attention_cost(*, variant: str, cp: int, kv_bytes: float, dkv_bytes:
 
     Working set beyond the op's inputs and outputs (``query_elems``: elements of the rank's query
     block, whose output and gradient accumulate in fp32; the blocks run on fused kernels, which
-    hold no score matrix, :mod:`autopar.context_blocks`): forward, the fp32 output and the merged
-    one being made (2 x 4 bytes per query element) and one K/V block arriving (ring) or all ``cp``
-    gathered; backward, the fp32 query gradient, and one K/V block arriving with the block's
-    gradients, the ones arriving and the ones leaving (ring: ``3 dkv_bytes``), or all ``cp`` blocks
-    gathered and their ``cp`` gradient blocks until the reduce-scatter.
+    hold no score matrix, :mod:`autopar.context_blocks`): forward, the fp32 output (merged into in
+    place, 4 bytes per query element), a pair's output from the kernel (half the queries, in the
+    K/V dtype) and one K/V block arriving (ring) or all ``cp`` gathered; backward, the fp32 query
+    gradient, and one K/V block arriving with the block's gradients, the ones arriving and the
+    ones leaving (ring: ``3 dkv_bytes``), or all ``cp`` blocks gathered and their ``cp`` gradient
+    blocks until the reduce-scatter.
 
     With ``memory_bytes_per_s`` (eager PyTorch's rate), the op's eager kernels are added to what is
     exposed (they run on the compute stream): :func:`context_eager_bytes`.
@@ -314,7 +315,8 @@ def context_attention_cost(*, variant: str, cp: int, kv_bytes: float, dkv_bytes:
         raise ValueError(f"context attention variant {variant!r} is not 'ring' or 'allgather'")
     if cp == 1:
         return ContextAttentionCost(variant, 0.0, 0.0, 0.0, 0.0)
-    acc = 2 * 4 * query_elems
+    acc = 4 * query_elems  # the fp32 output, or query gradient
+    pair = query_elems / 2 * 4 * kv_bytes / dkv_bytes if dkv_bytes else 0.0  # a pair's output, K/V dtype
     eager_f, eager_b = (0.0, 0.0) if not memory_bytes_per_s else \
         (b / memory_bytes_per_s for b in context_eager_bytes(variant=variant, cp=cp, query_elems=query_elems,
                                                              kv_bytes=kv_bytes, dkv_bytes=dkv_bytes))
@@ -324,8 +326,8 @@ def context_attention_cost(*, variant: str, cp: int, kv_bytes: float, dkv_bytes:
         return ContextAttentionCost(variant, fwd, bwd, fwd + eager_f, bwd + eager_b, messages=3,
                                     eager_s=eager_f + eager_b,
                                     sent_bytes=(cp - 1) * (2 * kv_bytes + dkv_bytes),
-                                    forward_working_bytes=acc + cp * kv_bytes,
-                                    backward_working_bytes=acc / 2 + cp * (kv_bytes + dkv_bytes))
+                                    forward_working_bytes=acc + pair + cp * kv_bytes,
+                                    backward_working_bytes=acc + cp * (kv_bytes + dkv_bytes))
     step_f, step_b = forward_s / cp, backward_s / cp
     hop_f, hop_b, last = p2p_s(kv_bytes, link), p2p_s(kv_bytes + dkv_bytes, link), p2p_s(dkv_bytes, link)
     return ContextAttentionCost(variant, (cp - 1) * hop_f, (cp - 1) * hop_b + last,
@@ -333,8 +335,8 @@ def context_attention_cost(*, variant: str, cp: int, kv_bytes: float, dkv_bytes:
                                 (cp - 1) * _behind(hop_b, step_b, overlap_slowdown) + last + eager_b,
                                 eager_s=eager_f + eager_b,
                                 messages=3 * (cp - 1) + 1, sent_bytes=2 * (cp - 1) * kv_bytes + cp * dkv_bytes,
-                                forward_working_bytes=acc + kv_bytes,
-                                backward_working_bytes=acc / 2 + kv_bytes + 3 * dkv_bytes)
+                                forward_working_bytes=acc + pair + kv_bytes,
+                                backward_working_bytes=acc + kv_bytes + 3 * dkv_bytes)
 
 
 def context_eager_bytes(*, variant: str, cp: int, query_elems: float, kv_bytes: float,
