@@ -26,6 +26,13 @@ Which kernel (:func:`kernel_for`):
 - ``"exact"``: explicit matmuls in fp32 (fp64), for anything else (fp32 on CUDA). This one holds
   the (S_q x S_k) score matrix of the pair; the fused kernels hold none.
 
+``"cuda_cudnn"`` (cuDNN's fused attention, which SDPA runs on Hopper and which also returns the
+log-sum-exp, in the (B, H, S_q, 1) layout used here) is written but off (:data:`CUDNN_BLOCKS`):
+it runs only where ``bench/gpu_check.py`` part (e) forces it, until a GPU run shows its output
+and gradients match SDPA's. On Hopper it would make the blocks as fast as the SDPA they replace
+(0.50 of peak against FlashAttention-2's 0.29; :func:`autopar.planner.context.cp_kernel_ratio`
+prices the blocks at FlashAttention-2 meanwhile).
+
 Why not ``F.scaled_dot_product_attention``: it returns no log-sum-exp, which the merge needs.
 """
 
@@ -35,7 +42,10 @@ import functools
 
 import torch
 
-__all__ = ["acc_dtype", "block_backward", "block_forward", "kernel_for"]
+__all__ = ["CUDNN_BLOCKS", "acc_dtype", "block_backward", "block_forward", "kernel_for"]
+
+CUDNN_BLOCKS = False
+"""Whether CUDA bf16/fp16 blocks run on cuDNN's kernel (see the module docstring): off until checked."""
 
 
 def kernel_for(q: torch.Tensor) -> str:
@@ -44,7 +54,7 @@ def kernel_for(q: torch.Tensor) -> str:
         return "cpu_flash"
     if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 \
             and q.shape[-1] <= 256:
-        return "cuda_flash"
+        return "cuda_cudnn" if CUDNN_BLOCKS and q.shape[-1] <= 128 else "cuda_flash"
     return "exact"
 
 
@@ -60,6 +70,11 @@ def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, to
         groups = q.shape[1] // k.shape[1]
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
             q, _expand(k, groups), _expand(v, groups), 0.0, causal, False, scale=scale)
+    elif kernel == "cuda_cudnn":
+        groups = q.shape[1] // k.shape[1]
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, _expand(k, groups), _expand(v, groups), None, True, 0.0, causal, False, scale=scale)
+        return out, lse.view(*q.shape[:3], 1).to(acc_dtype(q.dtype))
     else:
         return _exact_forward(q, k, v, causal, scale)
     return out, lse.to(acc_dtype(q.dtype)).unsqueeze(-1)
@@ -70,12 +85,19 @@ def block_backward(do, q, k, v, out, lse, causal: bool, scale: float) -> tuple[t
     kernel = kernel_for(q)
     if kernel == "exact":
         return _exact_backward(do, q, k, v, out, lse, causal, scale)
+    if kernel == "cuda_cudnn":
+        groups = q.shape[1] // k.shape[1]
+        seed, offset = _rng_state(q.device, q.dtype, "cudnn")
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            do.contiguous(), q, _expand(k, groups), _expand(v, groups), out.contiguous(), lse.float().contiguous(),
+            seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
+        return dq, _fold(dk, groups, acc), _fold(dv, groups, acc)
     lse = lse.squeeze(-1).contiguous()
     if kernel == "cpu_flash":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse.to(acc), 0.0, causal, scale=scale)
     groups = q.shape[1] // k.shape[1]
-    rng, unused = _flash_rng_state(q.device, q.dtype)
+    rng, unused = _rng_state(q.device, q.dtype, "flash")
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         do, q, _expand(k, groups), _expand(v, groups), out, lse.float(), None, None, q.shape[2], k.shape[2], 0.0,
         causal, rng, unused, scale=scale)
@@ -83,12 +105,15 @@ def block_backward(do, q, k, v, out, lse, causal: bool, scale: float) -> tuple[t
 
 
 @functools.cache
-def _flash_rng_state(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dropout RNG state tensors the CUDA flash backward takes, as its forward makes them. With
+def _rng_state(device: torch.device, dtype: torch.dtype, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dropout RNG state tensors a CUDA kernel's backward takes, as its forward makes them. With
     no dropout the kernel never reads them; taking them from a tiny forward keeps their dtype and
     shape whatever this torch version expects (they changed across releases)."""
     x = torch.zeros(1, 1, 8, 8, device=device, dtype=dtype)
-    res = torch.ops.aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
+    if kernel == "cudnn":
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)
+    else:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
     return res[6], res[7]
 
 

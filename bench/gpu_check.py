@@ -23,7 +23,9 @@
     attention layer's ring at 32k tokens per rank, cp 2, 4 and 8, against autopar's price (the
     context-parallel fidelity rows are 31-37% optimistic at cp 4 and 8 and not at cp 2).
 (e) autopar's own cp attention op at cp 1 on the GPU's fused kernel (``gpu_ring.autopar_op``):
-    its output and gradients against SDPA's, and its time beside SDPA's (Llama 3.1 8B, 32k tokens).
+    its output and gradients against SDPA's, and its time beside SDPA's (Llama 3.1 8B, 32k tokens);
+    then the flash kernel on grouped K/V, and the op with its blocks on cuDNN's kernel (off by
+    default: ``autopar.context_blocks.CUDNN_BLOCKS``), to decide whether to turn either on.
 
 The parts run (b), (c), (d), (e), (a) (then the compiled blocks, with ``--compiled-blocks``), and the JSON
 file is rewritten after each, so a run cut short keeps what it measured; when (a)'s first step
@@ -444,6 +446,9 @@ def main(argv=None) -> int:
         print(f"  cp op ({c['kernel']}): forward {c['autopar_forward_s'] * 1e3:.1f} ms (SDPA "
               f"{c['sdpa_forward_s'] * 1e3:.1f}), forward + backward {c['autopar_forward_backward_s'] * 1e3:.1f} ms "
               f"(SDPA {c['sdpa_forward_backward_s'] * 1e3:.1f}); error against SDPA: {errs}")
+        for key in ("native_gqa_relative_error", "cudnn"):
+            if key in c:
+                print(f"  cp op, {key}: {c[key]}")
     print(f"wrote {out}")
     return 1 if failed else 0
 

@@ -284,15 +284,16 @@ def autopar_op(device: torch.device, *, tiny: bool, time_s) -> dict:
         return F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
                                               is_causal=True)
 
-    errors = {}
-    a, b = ours(), theirs()
-    errors["out"] = float((a.float() - b.float()).abs().max() / b.float().abs().max())
-    for name, x, y in zip("qkv", torch.autograd.grad(a, (q, k, v), grad), torch.autograd.grad(b, (q, k, v), grad)):
-        errors[f"d{name}"] = float((x.float() - y.float()).abs().max() / y.float().abs().max())
+    b = theirs()
+    errors = _errors(ours(), b, (q, k, v), grad)
     iters, warmup = (2, 1) if tiny else (5, 2)
     row = {"shape": [batch, heads, kv_heads, tokens, dim], "kernel": kernel_for(q), "relative_error": errors}
     if row["kernel"] == "cuda_flash":  # the flash kernel on grouped K/V directly (context_blocks repeats them)
-        row["native_gqa_relative_error"] = _native_gqa_errors(q, k, v, grad, b, scale)
+        try:  # (a failure is the finding: recorded, and the rest of the check goes on)
+            row["native_gqa_relative_error"] = _native_gqa_errors(q, k, v, grad, b, scale)
+        except Exception as e:
+            row["native_gqa_relative_error"] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        row["cudnn"] = _cudnn_blocks(ours, theirs, q, k, v, grad, device, time_s, warmup=warmup, iters=iters)
     for label, fn in (("autopar", ours), ("sdpa", theirs)):
         with torch.no_grad():
             row[f"{label}_forward_s"] = time_s(fn, device, warmup=warmup, iters=iters)
@@ -309,7 +310,7 @@ def _native_gqa_errors(q, k, v, grad, ref, scale) -> dict:
     with torch.no_grad():
         res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
         out, lse = res[0], res[1]
-        d["out"] = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+        d["out"] = _rel(out, ref)
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, True, res[6], res[7], scale=scale)
     groups = q.shape[1] // k.shape[1]
@@ -317,5 +318,39 @@ def _native_gqa_errors(q, k, v, grad, ref, scale) -> dict:
                                                               v.repeat_interleave(groups, 1), is_causal=True,
                                                               scale=scale), (q, k, v), grad)
     for name, x, y in zip("qkv", grads, want):
-        d[f"d{name}"] = float((x.float() - y.float()).abs().max() / y.float().abs().max())
+        d[f"d{name}"] = _rel(x, y)
     return d
+
+
+def _cudnn_blocks(ours, theirs, q, k, v, grad, device, time_s, *, warmup: int, iters: int) -> dict:
+    """The op again with its blocks on cuDNN's kernel (``context_blocks.CUDNN_BLOCKS``, off by
+    default): errors against SDPA and times, to decide whether to turn it on."""
+    from autopar import context_blocks
+
+    context_blocks.CUDNN_BLOCKS = True
+    try:
+        d = {"kernel": context_blocks.kernel_for(q), "relative_error": _errors(ours(), theirs(), (q, k, v), grad)}
+        with torch.no_grad():
+            d["forward_s"] = time_s(ours, device, warmup=warmup, iters=iters)
+        d["forward_backward_s"] = time_s(lambda: torch.autograd.grad(ours(), (q, k, v), grad), device,
+                                         warmup=warmup, iters=iters)
+        return d
+    except Exception as e:  # (a failure is the finding: recorded, and the rest of the check goes on)
+        return {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+    finally:
+        context_blocks.CUDNN_BLOCKS = False
+
+
+def _rel(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Largest error over the largest entry of the reference."""
+    x, y = x.detach().float(), y.detach().float()
+    return float((x - y).abs().max() / y.abs().max())
+
+
+def _errors(out: torch.Tensor, ref: torch.Tensor, inputs: tuple, grad: torch.Tensor) -> dict:
+    """``out`` against ``ref``, and the gradients of ``inputs`` through each (``ref``'s graph kept)."""
+    errors = {"out": _rel(out, ref)}
+    theirs = torch.autograd.grad(ref, inputs, grad, retain_graph=True)
+    for name, x, y in zip("qkv", torch.autograd.grad(out, inputs, grad), theirs):
+        errors[f"d{name}"] = _rel(x, y)
+    return errors

@@ -63,13 +63,15 @@ def test_the_kernel_is_chosen_by_device_and_dtype():
     assert kernel_for(torch.empty(1, 1, 4, 8)) == "cpu_flash"
     assert kernel_for(torch.empty(1, 1, 4, 8, dtype=torch.float64)) == "cpu_flash"
     assert kernel_for(torch.empty(1, 1, 4, 8, device="meta")) == "exact"
+    assert not context_blocks.CUDNN_BLOCKS  # (cuDNN's blocks stay off until a GPU run checks them)
 
 
-def test_the_cuda_flash_calls_fit_their_schemas(monkeypatch):
+@pytest.mark.parametrize("kernel", ["cuda_flash", "cuda_cudnn"])
+def test_the_cuda_calls_fit_their_schemas(monkeypatch, kernel):
     """The CUDA path run on meta tensors (ATen's meta kernels check the arguments and give the
     shapes): K/V repeated to the query heads and their gradients summed back to the grouped heads
     in fp32; the query gradient in the kernel's dtype, for the caller's fp32 accumulator."""
-    monkeypatch.setattr(context_blocks, "kernel_for", lambda q: "cuda_flash")
+    monkeypatch.setattr(context_blocks, "kernel_for", lambda q: kernel)
     q = torch.empty(2, 8, 16, 64, device="meta", dtype=torch.bfloat16)
     k = v = torch.empty(2, 2, 32, 64, device="meta", dtype=torch.bfloat16)
     out, lse = block_forward(q, k, v, False, 0.125)
