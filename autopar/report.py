@@ -244,7 +244,8 @@ def _context_table(plan: Plan) -> list[str]:
                fmt_s(kv.get("kernel_s", 0)))
         out += ["<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr><tr>"
                 + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr></table>",
-                '<p class="legend">per step and rank of a cp group (every micro-batch, every attention op)</p>']
+                '<p class="legend">per step and rank of a cp group (every micro-batch, every attention op; with pp, '
+                'summed over the stages)</p>']
     return out
 
 

@@ -280,6 +280,11 @@ class ContextAttentionCost:
     def exposed_s(self) -> float:
         return self.forward_exposed_s + self.backward_exposed_s
 
+    @property
+    def exchange_exposed_s(self) -> float:
+        """Of the exposed time, the exchange's (communication) part; the rest is compute."""
+        return self.exposed_s - self.eager_s - self.kernel_s
+
 
 def context_attention_cost(*, variant: str, cp: int, kv_bytes: float, dkv_bytes: float, forward_s: float,
                            backward_s: float, link: Link, overlap_slowdown: float = 1.0,

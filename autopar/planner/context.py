@@ -233,17 +233,17 @@ def apply_cp(units: list, costs: dict[str, list[ContextAttentionCost]], names: d
     for layer, cs in costs.items():
         f = sum(c.forward_exposed_s for c in cs)
         b = sum(c.backward_exposed_s for c in cs)
-        compute = sum(c.eager_s + c.kernel_s for c in cs)  # (of f + b: compute, not communication)
+        comm = sum(c.exchange_exposed_s for c in cs)  # (the rest of f + b is compute)
         for name in names.get(layer, [layer]):
-            extra[name] = (f, b, compute, (unsaved or {}).get(layer, 0.0), (working or {}).get(layer, 0.0))
+            extra[name] = (f, b, comm, (unsaved or {}).get(layer, 0.0), (working or {}).get(layer, 0.0))
     out = []
     for u in units:
         if u.path not in extra:
             out.append(u)
             continue
-        f, b, compute, less, ws = extra[u.path]
+        f, b, comm, less, ws = extra[u.path]
         less = min(less, u.cheap_act_bytes)
-        out.append(replace(u, f_s=u.f_s + f, b_s=u.b_s + b, comm_s=u.comm_s + f + b - compute,
+        out.append(replace(u, f_s=u.f_s + f, b_s=u.b_s + b, comm_s=u.comm_s + comm,
                            act_bytes=u.act_bytes - less, cheap_act_bytes=u.cheap_act_bytes - less,
                            transient_bytes=max(u.transient_bytes, ws)))
     return out

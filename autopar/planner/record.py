@@ -409,8 +409,8 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
                                  microbatches=cfg.microbatches)
         communication["p2p"]["cp"] = dict(context["kv_exchange"])
         names = expanded_names(layers, info)
-        cp_exposed = {name: sum(c.exposed_s - c.eager_s - c.kernel_s for c in cs) for layer, cs in costs.items()
-                      for name in names.get(layer, [layer])}  # (the exchange's part; merges and kernel are compute)
+        cp_exposed = {name: sum(c.exchange_exposed_s for c in cs) for layer, cs in costs.items()
+                      for name in names.get(layer, [layer])}
     model_flops = sum((x.flops_fwd + x.flops_bwd) * x.count for x in layers)
     recompute_flops = 0.0
     if cfg.recompute == "full":
