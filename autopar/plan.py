@@ -244,7 +244,13 @@ class Plan:
         if ep is not None:
             if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
                 problems.append(f"experts ep={ep!r} must be an integer >= 1")
-            elif isinstance(self.mesh.get("dp"), int) and self.mesh["dp"] % ep:
+            elif self.experts.get("folded_over") == "tp x dp" and isinstance(self.mesh.get("dp"), int) \
+                    and isinstance(self.mesh.get("tp"), int) and (ep % self.mesh["tp"]
+                                                                  or self.mesh["dp"] % (ep // self.mesh["tp"])):
+                problems.append(f"experts ep={ep} folded over tp and dp must be tp={self.mesh['tp']} x k with k "
+                                f"dividing dp={self.mesh['dp']}")
+            elif self.experts.get("folded_over") != "tp x dp" and isinstance(self.mesh.get("dp"), int) \
+                    and self.mesh["dp"] % ep:
                 problems.append(f"experts ep={ep} does not divide dp={self.mesh['dp']} (ep folds over the dp ranks)")
             else:
                 for name, layer in self.experts.get("layers", {}).items():

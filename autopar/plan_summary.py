@@ -184,6 +184,7 @@ def config_words(config: dict[str, Any]) -> str:
             + (f" v={config['virtual_stages']}" if config.get("virtual_stages", 1) > 1 else "")
             + (" sp" if config.get("sp") else "")
             + (f" ep={config['ep']}" if config.get("ep", 1) > 1 else "")
+            + (" etp=1" if config.get("etp") == 1 else "")
             + (f" cp={config['cp']}" if config.get("cp", 1) > 1 else ""))
 
 
@@ -239,9 +240,15 @@ def expert_words(plan: Plan) -> list[str]:
     layers = list(x.get("layers", {}).values())
     n = layers[0]["n_experts"] if layers else 0
     a2a = x.get("all_to_all", {})
-    return [f"experts: ep={x['ep']} folded over dp={plan.mesh.get('dp')} ({x['replicas']} replica(s) of each expert "
-            f"part); {n // x['ep'] if n else 0} of {n} experts per rank in each of {sum(l['instances'] for l in layers)} "
-            f"MoE layer(s), rank r holding part r mod ep; dispatch/combine all-to-all {fmt_bytes(a2a.get('bytes', 0))} "
+    replicas = f"{x['replicas']} replica(s) of each expert part"
+    if x.get("folded_over") == "tp x dp":
+        where = (f"ep={x['ep']} folded over tp={plan.mesh.get('tp')} and dp={plan.mesh.get('dp')} (etp=1: each tp "
+                 f"rank routes its share of the tokens to experts kept whole; {replicas})")
+    else:
+        where = f"ep={x['ep']} folded over dp={plan.mesh.get('dp')} ({replicas})"
+    blocks = sum(layer["instances"] for layer in layers)
+    return [f"experts: {where}; {n // x['ep'] if n else 0} of {n} experts per rank in each of {blocks} MoE "
+            f"layer(s), rank r holding part r mod ep; dispatch/combine all-to-all {fmt_bytes(a2a.get('bytes', 0))} "
             f"per step ({a2a.get('link', '?')}), {x.get('routing', '')}"]
 
 

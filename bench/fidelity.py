@@ -109,6 +109,9 @@ class Row:
     """torchao's tensorwise Float8 linears (every nn.Linear but the output head)."""
     async_tp: bool = False
     """torch's async TP (tp collectives overlapped with the GEMMs next to them)."""
+    device: str = ""
+    """The catalog device the run's GPUs are ("": torchtitan's Grand Teton H100, FlashAttention-2:
+    :func:`torchtitan_device`)."""
 
 
 def _qwen3(dp: int, tp: int, lb: int, tok_s: float | None, mem_gib: float | None, compiled: bool = False) -> Row:
@@ -204,6 +207,13 @@ ROWS = [
     _qwen3(8, 8, 32, 873, 63.27),
     *(_qwen3(dp, tp, lb, None, None)  # the configurations the commit lists as out of memory
       for dp, tp, lb in ((16, 1, 8), (16, 1, 16), (32, 1, 16), (16, 2, 16), (8, 4, 32), (4, 8, 64), (8, 8, 64))),
+    # Megatron-LM's plain all-to-all dispatcher row (step 24.2 s = 2048 x 4096 / 24.2 / 256 tok/s/GPU)
+    Row(label="Qwen3-235B-A22B TP2 EP8 (etp=1) PP32 VPP3 DP4 mbs1 sel. recompute (Megatron-LM, all-to-all)",
+        model="qwen3moe:235b", nodes=32, seq=4096, local_batch=512,
+        fixed={"dp": 4, "tp": 2, "pp": 32, "ep": 8, "etp": 1, "sp": True, "zero": 1, "recompute": "selective",
+               "schedule": "interleaved", "virtual_stages": 3, "microbatch_size": 1, "microbatches": 512},
+        tok_s=2048 * 4096 / 24.2 / 256, mem_gib=None, compiled=True, device="H100",
+        source="yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md (A2A row, main 1e057005)"),
 ]
 
 
@@ -242,6 +252,27 @@ def qwen3_32b(batch: int, seq: int, *, n_layers: int = 64, device: str = "meta")
         model = transformers.Qwen3ForCausalLM._from_config(config, attn_implementation=_register_causal_sdpa(),
                                                             dtype=torch.bfloat16)
     ids = torch.empty(batch, seq, dtype=torch.long, device=device)  # (B, T)
+    return model, {"input_ids": ids, "labels": ids.clone()}, None, None
+
+
+def qwen3_235b_a22b(batch: int, seq: int):
+    """Qwen3-235B-A22B (the Megatron-MoE-ModelZoo's ``model_configs/benchmarking/Qwen3-235B-A22B.yaml``,
+    as Qwen/Qwen3-235B-A22B's config: 94 layers, every one MoE, hidden 4096, 64 query and 4
+    key/value heads of 128 with q/k norms, 128 routed experts of width 1536, top-8 with the
+    top-k probabilities renormalised, vocab 151936, untied head) on "meta", bf16, causal SDPA;
+    transformers' gated-SiLU experts, which autopar traces as its experts op."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=94,
+        num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+        use_cache=False, attention_dropout=0.0)
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM._from_config(config, attn_implementation=_register_causal_sdpa(),
+                                                               dtype=torch.bfloat16)
+    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
     return model, {"input_ids": ids, "labels": ids.clone()}, None, None
 
 
@@ -306,6 +337,9 @@ def build(row: Row):
     if family == "llama":
         model, inputs, _, target = _example("llama").build(size=size, batch=batch, seq=row.seq)
         return model, inputs, torchtitan_loss, target
+    if family == "qwen3moe":
+        assert size == "235b", row.model
+        return qwen3_235b_a22b(batch, row.seq)
     assert family == "qwen3" and size == "32b", row.model
     return qwen3_32b(batch, row.seq)
 
@@ -351,7 +385,7 @@ def torchtitan_qk_replicated(gm) -> set[str]:
 
 
 def predict(row: Row) -> dict:
-    device = torchtitan_device("H100-96GB")
+    device = lookup_device(row.device) if row.device else torchtitan_device("H100-96GB")
     world = row.nodes * 8
     # Capacity out of the way: every pinned configuration gets a plan, fit is judged below.
     cluster = Cluster(nodes=row.nodes, devices_per_node=8, device=device.with_overrides(hbm_bytes=64 * device.hbm_bytes))

@@ -264,7 +264,7 @@ def lower_bound_s(c: Candidate, cluster: Cluster | None = None) -> float:
         return bound
     cfg = c.config
     link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
-    replicas, replica_link = replica_group(cluster, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep)
+    replicas, replica_link = replica_group(cluster, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep_dp)
     dp_s = [sum(group_dp_s(g.bucket_bytes, zero=cfg.zero, dp=cfg.dp, link=link, microbatches=m,
                            expert_bytes=g.expert_bytes, replicas=replicas, replica_link=replica_link)
                 for g in st.groups) for st in c.stages]

@@ -158,8 +158,21 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_ep(ep: int | None, sites: list[ExpertSite], *, cluster: Cluster, dp: int | None, tp: int | None) -> None:
-    """One :class:`PlanError` naming the values when ``ep`` cannot be planned."""
+def check_ep(ep: int | None, sites: list[ExpertSite], *, cluster: Cluster, dp: int | None, tp: int | None,
+             etp: int | None = None) -> None:
+    """One :class:`PlanError` naming the values when ``ep`` (and ``etp``, the expert tensor-parallel
+    size: 1 folds ep over tp too, :mod:`autopar.planner.expert_folding`) cannot be planned."""
+    if etp is not None and etp != 1 and etp != tp:
+        raise PlanError(f"etp={etp} must be 1 (experts whole, ep folded over tp and dp) or tp"
+                        f"{f'={tp}' if tp else ' (pin tp to it)'} (each expert split over tp, the default)")
+    if etp == 1 and not sites:
+        raise PlanError("etp=1 folds expert parallelism over tp, but the model has no expert layers; drop etp")
+    folded = etp == 1 and (tp or 1) > 1
+    if folded and ep and ep > 1 and tp:
+        if ep % tp or (dp is not None and dp % (ep // tp)):
+            raise PlanError(f"ep={ep} with etp=1 folds over tp={tp} and dp: ep must be tp x k with k dividing "
+                            f"dp{f'={dp}' if dp else ''}; pick ep among "
+                            f"{[tp * k for k in (_divisors(dp) if dp else (1, 2, 4, 8))]}")
     if not ep or ep == 1:
         return
     if not sites:
@@ -170,10 +183,10 @@ def check_ep(ep: int | None, sites: list[ExpertSite], *, cluster: Cluster, dp: i
         if s.n_experts % ep:
             raise PlanError(f"ep={ep} does not divide the {s.n_experts} experts of {s.module}; "
                             f"pick ep among {_divisors(s.n_experts)}")
-    if dp is not None and dp % ep:
+    if dp is not None and dp % ep and not folded:
         raise PlanError(f"ep={ep} must divide dp={dp}: expert parallelism folds over the data-parallel ranks; "
                         f"pick ep among {_divisors(dp)} or another dp")
-    if cluster.world_size % (ep * (tp or 1)):
+    if cluster.world_size % (ep * (1 if folded else tp or 1)):
         raise PlanError(f"ep={ep}{f' x tp={tp}' if tp else ''} does not divide the {cluster.world_size} devices "
                         f"of {cluster.spec}")
 
@@ -195,25 +208,31 @@ def _by_layer(sites: list[ExpertSite]) -> dict[str, list[ExpertSite]]:
 
 def apply_ep(units: list, *, names: dict[str, list[str]], sites: list[ExpertSite], ep: int, tp: int,
              microbatch_size: int, global_batch: int, cluster: Cluster, imbalance: float = 1.0,
-             local_params: dict[str, float] | None = None) -> list:
+             local_params: dict[str, float] | None = None, ep_tp: int = 1) -> list:
     """``units`` (``search.Unit``, at ``microbatch_size`` per dp rank) with expert parameters
     (``local_params``: elements per tp rank, by FQN; default whole) divided by ``ep``, the all-to-all time added to forward and backward, and the experts' GEMMs
     priced at their size under ep (:func:`_experts_gemms_s`), all for the busiest rank of an ep
-    group, which receives ``imbalance`` times its balanced share of rows."""
+    group, which receives ``imbalance`` times its balanced share of rows.
+
+    ``ep_tp`` = tp: ep folded over tp as well (:mod:`autopar.planner.expert_folding`, whose
+    strategy graph the units were priced on): a rank routes 1/tp of its tp group's tokens over
+    an ep group of consecutive ranks, and its tp share of the experts (E/tp, whole) is cut by
+    the ``ep / tp`` data-parallel part only."""
     if ep <= 1 or not sites:
         return units
-    link = cluster.link_for_group(ep, stride=tp)
+    link = cluster.link_for_group(ep, stride=1 if ep_tp > 1 else tp)
+    cut = ep // ep_tp  # what is left to cut of the units' expert parameters (the MIP split them over tp)
     extra: dict[str, tuple[float, ...]] = {}  # unit path -> (fwd_s, bwd_s, comm_s, params removed, experts kept)
     for layer, here in _by_layer(sites).items():
         f = b = comm = removed = kept = 0.0
         for s in here:
-            rows = s.rows * microbatch_size / global_batch
+            rows = s.rows * microbatch_size / global_batch / ep_tp  # (a tp rank's share when folded)
             fs, bs = expert_all_to_all_s(rows=rows * imbalance, width=s.width, elem_bytes=s.elem_bytes,
                                          n_experts=s.n_experts, ep=ep, link=link)
             gf, gb = _experts_gemms_s(s, rows, ep, cluster, imbalance)
             held = sum(local_params.get(p, 0.0) for p in s.params) if local_params is not None else s.n_params
-            f, b, comm, removed = f + fs + gf, b + bs + gb, comm + fs + bs, removed + held * (1 - 1 / ep)
-            kept += held / ep
+            f, b, comm, removed = f + fs + gf, b + bs + gb, comm + fs + bs, removed + held * (1 - 1 / cut)
+            kept += held / cut
         for path in names.get(layer, [layer]):
             extra[path] = (f, b, comm, removed, kept)
     out = []
@@ -223,7 +242,7 @@ def apply_ep(units: list, *, names: dict[str, list[str]], sites: list[ExpertSite
             continue
         f, b, comm, removed, kept = extra[u.path]
         other, grad_path = u.expert_transient  # the experts op computes the weight gradients of E/ep experts
-        transient = max([other] + [rest + grads / ep for rest, grads in grad_path]) if grad_path else u.transient_bytes
+        transient = max([other] + [rest + grads / cut for rest, grads in grad_path]) if grad_path else u.transient_bytes
         out.append(replace(u, f_s=u.f_s + f, b_s=u.b_s + b, comm_s=u.comm_s + comm,
                            n_params=max(0.0, u.n_params - removed), expert_params=u.expert_params + kept,
                            transient_bytes=transient))
@@ -253,12 +272,14 @@ def _experts_gemms_s(site: ExpertSite, rows: float, ep: int, cluster: Cluster,
 
 
 def experts_record(sites: list[ExpertSite], *, ep: int, dp: int, tp: int, microbatch_size: int, microbatches: int,
-                   global_batch: int, counts: dict[str, int], cluster: Cluster, imbalance: float = 1.0) -> dict:
-    """The plan's ``experts`` entry: where the experts live and what their all-to-alls cost."""
-    link = cluster.link_for_group(ep, stride=tp)
+                   global_batch: int, counts: dict[str, int], cluster: Cluster, imbalance: float = 1.0,
+                   ep_tp: int = 1) -> dict:
+    """The plan's ``experts`` entry: where the experts live and what their all-to-alls cost
+    (``ep_tp`` as in :func:`apply_ep`)."""
+    link = cluster.link_for_group(ep, stride=1 if ep_tp > 1 else tp)
     layers, fwd_bytes, bwd_bytes, time_s, messages = {}, 0.0, 0.0, 0.0, 0
     for s in sites:
-        rows = s.rows * microbatch_size / global_batch
+        rows = s.rows * microbatch_size / global_batch / ep_tp
         f, b = expert_all_to_all_bytes(rows=rows, width=s.width, elem_bytes=s.elem_bytes, n_experts=s.n_experts)
         fs, bs = expert_all_to_all_s(rows=rows * imbalance, width=s.width, elem_bytes=s.elem_bytes,
                                      n_experts=s.n_experts, ep=ep, link=link)
@@ -271,15 +292,19 @@ def experts_record(sites: list[ExpertSite], *, ep: int, dp: int, tp: int, microb
         bwd_bytes += sum(b) * n
         time_s += (fs + bs) * n
         messages += (len(f) + len(b)) * n
+    folded = ep_tp > 1
     return {
-        "ep": ep, "folded_over": "dp", "replicas": dp // ep,
-        "ep_groups": "consecutive dp ranks (stride tp in the world); replicas of one expert part are ep apart",
+        "ep": ep, "folded_over": "tp x dp" if folded else "dp", "replicas": dp // (ep // ep_tp),
+        **({"etp": 1} if folded else {}),
+        "ep_groups": (f"{ep} consecutive ranks of the world (the {tp} tp ranks of {ep // tp} dp ranks), each holding "
+                      f"E/{ep} experts whole; replicas of one expert part are {ep} ranks apart") if folded else
+                     "consecutive dp ranks (stride tp in the world); replicas of one expert part are ep apart",
         "layers": layers,
         "expert_params_per_rank": sum(s.n_params * counts.get(s.layer, 1) for s in sites) / ep,
         "all_to_all": {"count": messages, "bytes": fwd_bytes + bwd_bytes, "forward_bytes": fwd_bytes,
                        "backward_bytes": bwd_bytes, "time_s": time_s,
-                       "link": "intra-node" if ep * tp <= cluster.devices_per_node or cluster.nodes == 1
-                       else "inter-node", "link_bytes_per_s": link.bytes_per_s},
+                       "link": "intra-node" if (ep if folded else ep * tp) <= cluster.devices_per_node
+                       or cluster.nodes == 1 else "inter-node", "link_bytes_per_s": link.bytes_per_s},
         "routing": "dropless top-k; " + ("balanced load assumed" if imbalance == 1 else
                                          f"the busiest rank receives {imbalance:g}x its balanced rows (assumed)"),
         "imbalance": imbalance,

@@ -26,7 +26,7 @@ PINNED_RECOMPUTE = (*RECOMPUTE, "sac")
 selective checkpointing: "selective" plus every second matmul of a layer), priced for runs made
 that way (``bench/fidelity.py``) and never chosen by the search."""
 FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
-              "virtual_stages", "ep", "moe_imbalance", "cp", "cp_variant")
+              "virtual_stages", "ep", "etp", "moe_imbalance", "cp", "cp_variant")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -49,6 +49,12 @@ class Fixed:
     ep: int | None = None
     """Expert parallelism: experts cut in ep parts over groups of ep data-parallel ranks
     (``autopar.planner.experts``); None: the search chooses it for a model with experts."""
+    etp: int | None = None
+    """Expert tensor parallelism, Megatron-LM's ``--expert-tensor-parallel-size``: tp (or None,
+    the default) splits each expert's hidden width over the tp ranks and folds ep over dp alone;
+    1 keeps the experts whole and folds ep over tp as well (``ep = tp x k``, the ep group the tp
+    ranks and k data-parallel ranks: :mod:`autopar.planner.expert_folding`). Planned and priced;
+    :func:`autopar.parallelize` runs only the default."""
     moe_imbalance: float | None = None
     """An assumption, not a decision: under ep, the busiest rank of an ep group receives this
     many times its balanced share of token rows (>= 1; None or 1: balanced routing). It prices

@@ -39,6 +39,7 @@ from autopar.planner.context import apply_cp, check_cp, cp_costs, cp_decision, c
 from autopar.planner.experts import apply_ep, check_ep, ep_options, find_experts, runnable_sites
 from autopar.planner.frontend import trace_pair
 from autopar.planner.evaluation import evaluate
+from autopar.planner.expert_folding import fold_experts
 from autopar.planner.ilp import Solution, build_problem, solve
 from autopar.planner.record import expanded_names, first_value, shared_params, to_plan, token_sharded
 from autopar.planner.search import Fixed, Unit, search
@@ -235,7 +236,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
         precision = plan_precision({"precision": "fp32" if _param_dtype(gm) == "fp32" else "bf16-mixed"})
     policy, precision = precision, precision.name
     experts = find_experts(gm)
-    check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp)
+    check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp, etp=fixed.etp)
     eps = ep_options(experts)
     check_cp(fixed.cp, gm, cluster=cluster, dp=fixed.dp, ep=fixed.ep)
     # cp is weighed where sequences are long (unless pinned)
@@ -249,11 +250,16 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                 f"autopar.parallelize does not run under expert parallelism yet; plan it with autopar.plan or "
                 f"`autopar plan`, or drop ep")
         eps = ()
+    if ep_runnable_only and fixed.etp == 1:
+        raise autopar.PlanError("etp=1 (experts whole, ep folded over tp and dp) is planned and priced, but "
+                                "autopar.parallelize does not run it yet; plan it with autopar.plan or `autopar plan`, "
+                                "or drop etp (each expert then splits over tp)")
+    fold = experts if fixed.etp == 1 else []
     t0 = time.perf_counter()
     solved: dict[tuple[int, bool], tuple[StrategyGraph, Solution]] = {}
     with progress("solving the sharding MIP"):
         for (tp, sp), (sg, sol) in _solve_all(gm, gm2, _tp_options(cluster, fixed), fixed.sp, batch=batch,
-                                              cluster=cluster, replicated=replicated).items():
+                                              cluster=cluster, replicated=replicated, fold=fold).items():
             solved[tp, sp] = (sg, sol)
             if sol.limit:  # the plan records this for the chosen tp only; the others rank by it too
                 log.warning("sharding MIP at tp=%d (sp=%s) stopped at its limit of %d branch-and-bound nodes "
@@ -308,7 +314,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
             if ep > 1:
                 units = apply_ep(units, names=names, sites=experts, ep=ep, tp=tp, microbatch_size=mbs,
                                  global_batch=batch, cluster=cluster, imbalance=fixed.moe_imbalance or 1.0,
-                                 local_params=local)
+                                 local_params=local, ep_tp=tp if fold else 1)
             if cp > 1:
                 costs = cp_costs(attention, problem, sg, sol, cp=cp, tp=tp, mbs=mbs, batch=batch, cluster=cluster,
                                  variant=fixed.cp_variant)
@@ -366,11 +372,12 @@ def _cores() -> int:
 
 
 def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_sp: bool | None, *, batch: int,
-               cluster: Cluster, replicated: frozenset[str] = frozenset()
+               cluster: Cluster, replicated: frozenset[str] = frozenset(), fold: list | None = None
                ) -> dict[tuple[int, bool], tuple[StrategyGraph, Solution]]:
     """The sharding MIPs of every tp degree, each side of the sp decision its own MIP
     (:func:`_sp_sides`, :func:`_solve_side`): (tp, sp) -> (strategy graph, solution), in the
-    order of ``tps`` (sp False first).
+    order of ``tps`` (sp False first). ``fold`` (expert sites): each tp > 1 graph with those
+    experts' blocks folded (ep over tp, :func:`autopar.planner.expert_folding.fold_experts`).
 
     The strategy graphs are built here, in the calling thread, one after another (each tp's
     MIPs start as soon as its graph is built); the MIPs run side by side in threads, up to one
@@ -394,6 +401,8 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_s
     try:  # the widest tp's MIPs are usually the longest: they start first, while the next graph is built
         for tp in sorted(tps, reverse=True):
             graphs[tp] = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False, skeleton=skeleton)
+            if fold and tp > 1:
+                graphs[tp] = fold_experts(graphs[tp], skeleton, fold)
             norms[tp] = _norm_nodes(gm, graphs[tp])
             for sp in _sp_sides(norms[tp], tp, pinned_sp):
                 tasks[tp, sp] = pool.submit(one, tp, sp) if pool else one(tp, sp)

@@ -234,6 +234,8 @@ def _config_dict(c: Candidate) -> dict[str, Any]:
         out["sp"] = True
     if cfg.ep > 1:
         out["ep"] = cfg.ep
+    if cfg.ep_tp > 1:
+        out["etp"] = 1  # (ep folded over tp: the experts whole, Megatron-LM's expert tp size 1)
     if cfg.cp > 1:
         out["cp"] = cfg.cp
     return out
@@ -356,7 +358,7 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
     if cfg.dp > 1:
         per_rank = [0.0] * cfg.pp  # a rank syncs the stages it holds one after the other
         expert_rank = [0.0] * cfg.pp  # the part of it on the experts' replica groups (ep > 1)
-        replicas, replica_link = replica_group(cluster, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep)
+        replicas, replica_link = replica_group(cluster, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep_dp)
         dp_link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
         for s, st in enumerate(best.stages):
             per_rank[s % cfg.pp] += st.grad_sync_s
@@ -367,7 +369,7 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
         slowest = max(range(cfg.pp), key=per_rank.__getitem__)
         expert_names = frozenset(f for x in expert_sites for f in x.params)
         buckets = _dp_buckets(gm, stages, layer_dict, zero=cfg.zero, dp=cfg.dp, tp=cfg.tp,
-                              reduce_dtype=policy.reduce_dtype, experts=expert_names, ep=cfg.ep)
+                              reduce_dtype=policy.reduce_dtype, experts=expert_names, ep=cfg.ep_dp)
         counts = step_collective_counts(cfg.zero, n_micro=cfg.microbatches)
         # a mixed policy gathers bf16 weights at stage 3 and fp32 masters after the step at stages 1-2
         gather_dtype = policy.param_dtype if cfg.zero == 3 else policy.master_dtype
@@ -392,7 +394,7 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
         communication["p2p"]["pp"] = _p2p_record(best, sends, cluster)
     experts = {}
     if cfg.ep > 1:
-        experts = experts_record(expert_sites, ep=cfg.ep, dp=cfg.dp, tp=cfg.tp,
+        experts = experts_record(expert_sites, ep=cfg.ep, ep_tp=cfg.ep_tp, dp=cfg.dp, tp=cfg.tp,
                                  microbatch_size=cfg.microbatch_size, microbatches=cfg.microbatches,
                                  global_batch=info.global_batch, counts={x.path: x.count for x in layers},
                                  cluster=cluster, imbalance=fixed.moe_imbalance or 1.0)

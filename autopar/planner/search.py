@@ -109,7 +109,11 @@ class Config:
     sp: bool = False
     """Sequence parallelism in the sharding MIP's solution this configuration uses."""
     ep: int = 1
-    """Expert parallelism folded over the dp ranks (``autopar.planner.experts``; 1: none)."""
+    """Expert parallelism folded over the dp ranks (``autopar.planner.experts``; 1: none), and
+    over the tp ranks too where ``ep_tp`` > 1."""
+    ep_tp: int = 1
+    """How many of an ep group's ranks are tp ranks: tp where ep is folded over tp as well
+    (``fixed.etp = 1``: :mod:`autopar.planner.expert_folding`), else 1."""
     cp: int = 1
     """Context parallelism folded over the dp ranks: dp / cp groups split the batch, each
     sequence is split over the cp ranks of a group (1: none)."""
@@ -118,6 +122,12 @@ class Config:
     def batch_groups(self) -> int:
         """Data-parallel groups the global batch is split over (dp / cp)."""
         return self.dp // self.cp
+
+    @property
+    def ep_dp(self) -> int:
+        """The data-parallel ranks of an ep group: the dp ranks apart from which the same experts
+        have replicas (``dp / ep_dp`` of them)."""
+        return self.ep // self.ep_tp
 
     @property
     def n_stages(self) -> int:
@@ -278,17 +288,23 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
         tried = [fixed.cp] if fixed.cp else cp_options
         return [c for c in tried if dp % c == 0 and (c == 1 or ep == 1)]
 
+    def ep_tp(tp: int) -> int:
+        """The tp ranks of an ep group: tp where ep folds over tp too (``fixed.etp == 1``), else 1."""
+        return tp if fixed.etp == 1 else 1
+
     def eps(tp: int, pp: int, dp: int) -> list[int]:
-        """The ep degrees a (tp, pp, dp) shape is tried with."""
-        tried = [fixed.ep] if fixed.ep else [1, *ep_options]
-        return [e for e in tried if dp % e == 0]
+        """The ep degrees a (tp, pp, dp) shape is tried with: folded over dp (ep divides dp), or
+        with ``fixed.etp == 1`` over tp and dp (ep = tp x k, k dividing dp)."""
+        folded = ep_tp(tp)
+        tried = [fixed.ep] if fixed.ep else [1, *ep_options] if folded == 1 else sorted({folded, *ep_options})
+        return [e for e in tried if e % folded == 0 and dp % (e // folded) == 0]
 
     dp_prefixes: dict[tuple, list[float]] = {}  # (tp, sp, mbs, zero, dp, m, ep, cp) -> _dp_comm_prefix
 
     def dp_prefix(tp: int, sp: bool, mbs: int, zero: int, dp: int, m: int, ep: int, cp: int) -> list[float]:
         key = (tp, sp, mbs, zero, dp, m, ep, cp)
         if key not in dp_prefixes:
-            replicas, replica_link = replica_group(cluster, dp=dp, tp=tp, ep=ep)
+            replicas, replica_link = replica_group(cluster, dp=dp, tp=tp, ep=ep // ep_tp(tp))
             dp_prefixes[key] = _dp_comm_prefix(units_at(tp, mbs, sp, ep, cp), zero=zero, dp=dp,
                                                link=cluster.link_for_group(dp, stride=tp), microbatches=m,
                                                precision=precision, replicas=replicas, replica_link=replica_link)
@@ -419,11 +435,11 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             for kind in _schedules(fixed, pp):
                 for v in _virtual_options(kind, fixed, pp, m, n_units):
                     for zero in zeros(dp):
-                        per_param = state_per_param(zero, dp, ep, precision)
+                        per_param = state_per_param(zero, dp, ep // ep_tp(tp), precision)
                         for recompute in recomputes:
                             cfg = Config(tp=tp, pp=pp, dp=dp, microbatch_size=mbs, microbatches=m, zero=zero,
                                          recompute=recompute, schedule=kind, virtual_stages=v, sp=sp, ep=ep,
-                                         cp=cp)
+                                         ep_tp=ep_tp(tp), cp=cp)
                             counts["configurations"] += 1
                             key = len(shapes) + counts["configurations"]
                             pending[key] = (cfg, units, per_param)
@@ -481,7 +497,7 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
               inflight: tuple[int, ...]) -> Candidate:
     stages = []
     dp_link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
-    replicas, replica_link = replica_group(cluster, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep)
+    replicas, replica_link = replica_group(cluster, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep_dp)
     grad_elem = _grad_elem_bytes(precision)
     owners = {u.path: s for s, (i, j) in enumerate(cuts) for u in units[i:j]}
     for s, (i, j) in enumerate(cuts):
@@ -506,7 +522,7 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
                               expert_bytes=g.expert_bytes, replicas=replicas, replica_link=replica_link)
                    for g in groups)
         opt_s = _optimizer_s((n_params - experts) / zero_def.state_shards(cfg.zero, cfg.dp)[2]
-                             + experts / zero_def.state_shards(cfg.zero, cfg.dp // cfg.ep)[2], cluster)
+                             + experts / zero_def.state_shards(cfg.zero, cfg.dp // cfg.ep_dp)[2], cluster)
         stages.append(StagePlan(
             layers=tuple(u.path for u in chunk), f_s=f, b_s=b, w_s=w, comm_s=c, inflight=inflight[s],
             params_bytes=state.params, grads_bytes=state.grads, optimizer_bytes=state.optimizer,

@@ -37,7 +37,7 @@ def _state(n_params: float, expert_params: float, cfg: Config, precision: str) -
     rest = training_state_bytes(n_params=n_params - expert_params, zero_stage=cfg.zero, dp=cfg.dp, precision=precision)
     if not expert_params:
         return rest
-    experts = training_state_bytes(n_params=expert_params, zero_stage=cfg.zero, dp=cfg.dp // cfg.ep,
+    experts = training_state_bytes(n_params=expert_params, zero_stage=cfg.zero, dp=cfg.dp // cfg.ep_dp,
                                    precision=precision)
     return replace(rest, **{f: getattr(rest, f) + getattr(experts, f) for f in ("params", "grads", "optimizer")})
 

@@ -111,7 +111,7 @@ def step_spec(c: Candidate, cluster: Cluster) -> StepSpec:
                                      device=cluster.device)
         tied.append(TiedCost(name=fqn, stages=tuple(s for s, _ in where), groups=tuple(g for _, g in where),
                              nbytes=nbytes, link=link))
-    replicas, replica_link = replica_group(cluster, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep)
+    replicas, replica_link = replica_group(cluster, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep_dp)
     return StepSpec(schedule=cfg.schedule, pp=cfg.pp, microbatches=cfg.microbatches, zero=cfg.zero, dp=cfg.dp,
                     stages=stages, dp_link=cluster.link_for_group(cfg.dp, stride=cfg.tp), tied=tuple(tied),
                     replicas=replicas, replica_link=replica_link)

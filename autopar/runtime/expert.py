@@ -43,7 +43,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ep_groups", "expert_param_names", "cut_experts", "whole_experts_in", "point_experts_at", "EpLayout"]
+__all__ = ["ep_groups", "expert_param_names", "cut_experts", "whole_experts_in", "point_experts_at", "EpLayout",
+           "check_ep_runnable"]
+
+
+def check_ep_runnable(folded_over_tp: bool) -> None:
+    """What ``parallelize`` runs under ep: ep folded over dp, each expert split over tp. A plan (or
+    a pinned ``etp=1``) that folds ep over tp as well, experts whole (Megatron-LM's expert tensor
+    parallel size 1, :mod:`autopar.planner.expert_folding`), is planned and priced only: a clear
+    error before any collective."""
+    if folded_over_tp:
+        from autopar.errors import PlanError
+
+        raise PlanError("this plan folds expert parallelism over tp and dp (etp=1, experts whole), which "
+                        "autopar.parallelize does not run yet; re-plan without etp (each expert then splits over "
+                        "tp) or read the plan with `autopar plan`")
 
 
 def ep_groups(mesh_ranks: torch.Tensor, ep: int, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

@@ -1,0 +1,159 @@
+"""Expert parallelism folded over tp as well as dp (``fixed={"etp": 1}``): the sharding MIP's side.
+
+Megatron-LM's "MoE parallel folding" (its ``--expert-tensor-parallel-size 1``): inside a
+routed-experts block the tp ranks stop being tensor parallel and act as more data-parallel
+ranks. Each tp rank routes its own share of the tokens (under sequence parallelism, the
+sequence shard it already holds), the experts stay whole (no split of their hidden width),
+and the ep group spans the tp ranks and ``ep / tp`` data-parallel ranks: ``ep = tp x k``
+consecutive ranks of the world, each holding ``E / ep`` whole experts. Without folding
+(``etp = tp``, autopar's default) each expert's hidden width is split over tp (Megatron's
+MLP split per expert), every tp rank routes all of its group's tokens, and the ep group is
+``ep`` data-parallel ranks of one tp column (:mod:`autopar.planner.experts`).
+
+What folding changes is in the layout on the tp axis, so it is written as a strategy graph
+whose experts-block ops each have one candidate (:func:`fold_experts`), the layout a
+token-local block has on tp:
+
+- a tensor with batch-derived dims (the block's tokens, their k routed copies, anything in
+  token order) is split over tp along them: dim 1 of a (batch, sequence, ...) tensor, where
+  sequence parallelism splits the residual stream (so under sp nothing is exchanged at the
+  block's edges), else its first batch-derived dim;
+- a stacked expert parameter (and every 3-d view or gradient of one) is split over tp on
+  dim 0, the expert dim: a tp rank holds ``E / tp`` experts whole, and the search's ep cut
+  (:func:`autopar.planner.experts.apply_ep`, by the ``ep / tp`` data-parallel part) leaves
+  ``E / ep``;
+- a value computed from token-split values without batch dims of its own (token counts per
+  expert, the router's weight gradient, the balance loss's statistics) is partial over tp,
+  a sum of the ranks' addends: the router's weight gradient is all-reduced over tp on its
+  way to the parameter, as Megatron-LM does for parameters under sequence parallelism;
+- anything else (the router's weight, constants) is whole.
+
+The MIP prices the rest as for any layout: the block's compute and saved activations are
+1/tp per rank, its edges are free where the neighbours hold the same split (sp) and pay an
+all-gather or reduce-scatter where they do not. The all-to-alls over the ep group, which
+now spans the tp ranks, are :func:`autopar.planner.experts.apply_ep`'s. Shared experts
+(a child module named ``shared...``) keep the MIP's free choice: Megatron-LM runs them
+tensor-parallel beside the routed experts.
+
+The layout is planned and priced; :func:`autopar.parallelize` does not run it yet (it
+refuses such a plan in one line), so the search weighs it only where pinned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import fx
+
+from autopar.errors import PlanError
+from autopar.passes import meta_keys as mk
+from autopar.passes.strategies import Skeleton, StrategyGraph, Strategy
+from autopar.planner.experts import ExpertSite
+
+__all__ = ["block_roots", "fold_experts", "token_split"]
+
+
+def block_roots(sites: list[ExpertSite]) -> dict[str, int]:
+    """Module path of each experts block -> its expert count. The block is the module that
+    routes: the experts op's own module (``examples/moe.py``'s ``MoE``), or its parent when the
+    op runs in a child module named like ``experts`` (Hugging Face's ``mlp.experts``, routed by
+    its sibling ``mlp.gate``)."""
+    roots = {}
+    for s in sites:
+        parent, _, last = s.module.rpartition(".")
+        roots[parent if "expert" in last.lower() and parent else s.module] = s.n_experts
+    return roots
+
+
+def _in_block(path: str, roots: dict[str, int]) -> str | None:
+    """The block root ``path`` lies in (shared experts excluded), or None."""
+    for root in roots:
+        if path == root:
+            return root
+        if path.startswith(root + "."):
+            child = path[len(root) + 1:].split(".")[0]
+            return None if child.lower().startswith("shared") else root
+    return None
+
+
+def token_split(val, dims: frozenset[int]) -> str:
+    """The tp placement of a token-ordered value with batch-derived dims ``dims``."""
+    first = min(dims)
+    return "S1" if first == 0 and isinstance(val, torch.Tensor) and val.dim() >= 3 else f"S{first}"
+
+
+def _values(node: fx.Node) -> tuple:
+    val = node.meta.get("val")
+    return tuple(val) if isinstance(val, (tuple, list)) else (val,)
+
+
+def fold_experts(sg: StrategyGraph, skeleton: Skeleton, sites: list[ExpertSite]) -> StrategyGraph:
+    """``sg`` (at tp = ``sg.axis_size`` > 1) with every op of an experts block given its one
+    folded candidate and every stacked expert parameter split on the expert dim (module
+    docstring). Raises :class:`PlanError` when a block's experts do not split evenly over tp."""
+    tp = sg.axis_size
+    roots = block_roots(sites)
+    for root, n_experts in roots.items():
+        if n_experts % tp:
+            raise PlanError(f"etp=1 folds ep over tp={tp}, which must divide the {n_experts} experts of {root}; "
+                            f"pick tp among {[d for d in range(1, n_experts + 1) if n_experts % d == 0]} or drop etp")
+    expert_params = {p for s in sites for p in s.params}
+    inputs: dict[int, dict[int, tuple[int, int]]] = {}  # dst -> dst_in -> (src, src_out)
+    for e in sg.edges:
+        if not e.virtual:
+            inputs.setdefault(e.dst, {})[e.dst_in] = (e.src, e.src_out)
+    nodes = list(sg.nodes)
+    folded: dict[int, Strategy] = {}
+    block_of: dict[int, str] = {}  # folded op -> its block's root
+    for v, (snode, source) in enumerate(zip(sg.nodes, skeleton.sources)):
+        if source is None:
+            continue
+        node = source[0]
+        if snode.kind == "param" and snode.fqn in expert_params:
+            nodes[v] = replace(snode, candidates=(Strategy(outs=("S0",), ins=("S0",)),))
+            continue
+        if snode.kind != "op" or node.op != "call_function" or mk.TRACE not in node.meta:
+            continue
+        root = _in_block(node.meta[mk.TRACE].module_path, roots)
+        srcs = [src for src, _ in inputs.get(v, {}).values()]
+        if root is None and node.meta[mk.TRACE].role is mk.Role.BACKWARD and not node.meta[mk.TRACE].module_path \
+                and srcs and all(src in folded for src in srcs):
+            root = block_of[srcs[0]]  # the sum of a block's gradient addends (autograd's, of no module)
+        if root is None:
+            continue
+        block_of[v] = root
+        out_dims, in_dims = skeleton.batch_dims.get(node, ((), ()))
+        n_in = len(snode.candidates[0].ins) if snode.candidates else len(in_dims)
+        ins = []
+        for i in range(n_in):
+            src = inputs.get(v, {}).get(i)
+            dims = in_dims[i] if i < len(in_dims) else frozenset()
+            if dims:
+                arg_val = _values(skeleton.sources[src[0]][0])[src[1]] if src else None
+                ins.append(token_split(arg_val, dims))
+            elif src is not None and src[0] in folded:
+                ins.append(folded[src[0]].outs[src[1]] or "R")
+            elif src is not None and sg.nodes[src[0]].kind == "param" and sg.nodes[src[0]].fqn in expert_params:
+                ins.append("S0")
+            else:
+                ins.append("R")
+        tokens_in = any(in_dims) or "P" in ins
+        outs = []
+        for k, val in enumerate(_values(node)):
+            dims = out_dims[k] if k < len(out_dims) else frozenset()
+            if not isinstance(val, torch.Tensor):
+                outs.append(None)
+            elif dims:
+                outs.append(token_split(val, dims))
+            elif val.dim() >= 3 and int(val.shape[0]) == roots[root]:
+                outs.append("S0")  # a stacked expert weight's view or gradient: E / tp experts per rank
+            elif tokens_in:
+                outs.append("P")  # a sum over the rank's tokens
+            else:
+                outs.append("R")
+        folded[v] = Strategy(outs=tuple(outs), ins=tuple(ins))
+        nodes[v] = replace(snode, candidates=(folded[v],))
+    if not folded:
+        raise PlanError("etp=1 folds ep over tp, but no experts block was found in the traced graph")
+    return replace(sg, nodes=tuple(nodes))
