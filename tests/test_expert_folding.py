@@ -65,7 +65,8 @@ def test_a_folded_block_exchanges_nothing_over_tp_under_sp(build, block):
         return block + "." in path and ".shared" not in path
 
     def exchanges(fold):
-        sg, sol = make._solve_all(gm, gm2, [2], True, batch=4, cluster=cluster, fold=fold)[2, True]
+        sg, sol = make._solve_all(gm, gm2, [2], True, batch=4, cluster=cluster, experts=sites,
+                                  folds=(bool(fold),))[2, True, bool(fold)]
         problem = build_problem(sg, batch=2, device=cluster.device, link=cluster.link_for_group(2, stride=1))
         folded = {v for v, n in enumerate(sg.nodes) if n.kind == "op" and len(n.candidates) == 1
                   and in_block(n.name)} if fold else set()
@@ -102,7 +103,7 @@ def test_an_etp1_plan_records_its_layout_and_prices_a_tp_share_of_the_rows():
     validates and round-trips; parallelize refuses to run it."""
     pinned = {"tp": 2, "dp": 2, "pp": 1, "sp": True, "microbatches": 1, "zero": 0}
     folded = _plan(_moe, "1x4xcpu", {"ep": 4, "etp": 1, **pinned})
-    plain = _plan(_moe, "1x4xcpu", {"ep": 2, **pinned})
+    plain = _plan(_moe, "1x4xcpu", {"ep": 2, "etp": 2, **pinned})  # each expert split over tp, ep over dp
     x = folded.experts
     assert (x["ep"], x["folded_over"], x["etp"], x["replicas"]) == (4, "tp x dp", 1, 1)
     assert all(layer["experts_per_rank"] == 2 for layer in x["layers"].values())
@@ -158,3 +159,18 @@ def test_etp1_needs_experts_and_is_not_run_by_parallelize():
     with pytest.raises(autopar.PlanError, match=r"autopar\.parallelize does not run it yet"):
         make.make_plan(model, inputs, cluster="1x4xcpu", loss_fn=loss_fn, example_target=target,
                        fixed={"etp": 1, "tp": 2}, runnable=True)
+
+
+def test_the_free_search_weighs_folding_beside_the_default_where_the_plan_need_not_run():
+    """Planning for a cluster (``autopar.plan``) weighs ep folded over tp beside ep over dp: more
+    configurations than a plan for parallelize, which never folds (it does not run the layout)."""
+    fixed = {"tp": 2, "pp": 1, "sp": True}
+    free = _plan(_moe, "1x4xcpu", fixed)
+    model, inputs, loss_fn, target = _moe()
+    runnable = make.make_plan(model, inputs, cluster="1x4xcpu", loss_fn=loss_fn, example_target=target,
+                              fixed=fixed, runnable=True)
+    assert (runnable.experts or {}).get("folded_over", "dp") == "dp"
+    assert all("etp" not in c["config"] for c in runnable.solver["candidates"])
+    assert free.solver["search"]["configurations"] > runnable.solver["search"]["configurations"]
+    pinned = _plan(_moe, "1x4xcpu", {**fixed, "etp": 2})  # etp = tp: the default layout only
+    assert pinned.solver["search"]["configurations"] == runnable.solver["search"]["configurations"]

@@ -77,12 +77,12 @@ def test_full_recompute_keeps_each_ranks_share_of_a_block_output(traced):
     decision), all of it when it is replicated (the tiny example at tp 2 without sp)."""
     gm, gm2 = traced
     solved = _solve_all(gm, gm2, [2], False, batch=8, cluster=H100)
-    sg, sol = solved[2, False]
+    sg, sol = solved[2, False, False]
     assert CutTable(gm).forward_share("layers.0", sg, sol.choice, 8) == 1.0
     model, inputs, loss_fn, target = llama.build(size="8b", batch=8, seq=2048, n_layers=2, device="meta")
     gm, gm2 = trace_pair(model, inputs, cluster=H100, loss_fn=loss_fn, example_target=target)
     cuts = CutTable(gm)
-    for (tp, sp), (sg, sol) in _solve_all(gm, gm2, [8], None, batch=8, cluster=H100).items():
+    for (tp, sp, _), (sg, sol) in _solve_all(gm, gm2, [8], None, batch=8, cluster=H100).items():
         assert cuts.forward_share("layers.0", sg, sol.choice, 8) == 1 / 8, sp
 
 

@@ -304,15 +304,15 @@ def test_each_sp_side_is_pure_and_its_own_mip(gpt_small, monkeypatch):
     solve = make.solve
     monkeypatch.setattr(make, "solve", lambda problem, **kw: calls.append(problem.forbidden) or solve(problem, **kw))
     solved = make._solve_all(gm, gm2, [1, 4], None, batch=16, cluster=cluster)
-    assert sorted(solved) == [(1, False), (4, False), (4, True)]
+    assert sorted(solved) == [(1, False, False), (4, False, False), (4, True, False)]  # (tp, sp, ep folded)
     assert len(calls) == 3 and sum(not f for f in calls) == 1  # tp=1 unrestricted; each tp=4 side restricted
     for sp in (True, False):
-        sg, sol = solved[4, sp]
+        sg, sol = solved[4, sp, False]
         norms = make._norm_nodes(gm, sg)
         assert norms
         sharded = {token_sharded(sg.nodes[v].candidates[sol.choice[v]].outs[0], rank) for v, rank in norms.items()}
         assert sharded == {sp}, (sp, sharded)
-    assert solved[4, True][1].objective_s > solved[4, False][1].objective_s  # the MIP prices time only
+    assert solved[4, True, False][1].objective_s > solved[4, False, False][1].objective_s  # the MIP prices time only
 
 
 def test_unrestricted_mip_when_neither_sp_side_has_a_solution(gpt_small, monkeypatch):
@@ -338,7 +338,7 @@ def test_unrestricted_mip_when_neither_sp_side_has_a_solution(gpt_small, monkeyp
     monkeypatch.setattr(make, "_solve_side", no_pure_side)
     solved = make._solve_all(gm, gm2, [4], None, batch=16, cluster=cluster)
     assert sorted(asked[:2]) == [(4, False), (4, True)] and asked[2:] == [(4, None)]  # (sides in threads)
-    assert list(solved) == [(4, False)]  # GPT's free MIP keeps its norms replicated
+    assert list(solved) == [(4, False, False)]  # GPT's free MIP keeps its norms replicated
     with pytest.raises(autopar.InfeasibleError, match="stand-in"):
         make._solve_all(gm, gm2, [4], True, batch=16, cluster=cluster)
 

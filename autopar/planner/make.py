@@ -254,17 +254,21 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
         raise autopar.PlanError("etp=1 (experts whole, ep folded over tp and dp) is planned and priced, but "
                                 "autopar.parallelize does not run it yet; plan it with autopar.plan or `autopar plan`, "
                                 "or drop etp (each expert then splits over tp)")
-    fold = experts if fixed.etp == 1 else []
+    # ep folded over tp as well (experts whole): pinned (etp=1), or weighed beside the default where
+    # the experts allow ep and the plan need not run (autopar.planner.expert_folding)
+    folds = (True,) if fixed.etp == 1 else (False, True) if fixed.etp is None and eps and not ep_runnable_only \
+        else (False,)
     t0 = time.perf_counter()
-    solved: dict[tuple[int, bool], tuple[StrategyGraph, Solution]] = {}
+    solved: dict[tuple[int, bool, bool], tuple[StrategyGraph, Solution]] = {}
     with progress("solving the sharding MIP"):
-        for (tp, sp), (sg, sol) in _solve_all(gm, gm2, _tp_options(cluster, fixed), fixed.sp, batch=batch,
-                                              cluster=cluster, replicated=replicated, fold=fold).items():
-            solved[tp, sp] = (sg, sol)
+        for (tp, sp, folded), (sg, sol) in _solve_all(gm, gm2, _tp_options(cluster, fixed), fixed.sp, batch=batch,
+                                                      cluster=cluster, replicated=replicated, experts=experts,
+                                                      folds=folds).items():
+            solved[tp, sp, folded] = (sg, sol)
             if sol.limit:  # the plan records this for the chosen tp only; the others rank by it too
-                log.warning("sharding MIP at tp=%d (sp=%s) stopped at its limit of %d branch-and-bound nodes "
-                            "with a %.2f%% gap; its best solution is used", tp, sp, sol.node_limit,
-                            100 * sol.gap)
+                log.warning("sharding MIP at tp=%d (sp=%s%s) stopped at its limit of %d branch-and-bound nodes "
+                            "with a %.2f%% gap; its best solution is used", tp, sp, ", ep folded" if folded else "",
+                            sol.node_limit, 100 * sol.gap)
     if not solved:
         raise autopar.PlanError(f"sp={fixed.sp} needs tensor parallelism over a sequence: pin tp > 1 (tp options "
                                 f"here: {_tp_options(cluster, fixed)}), or leave sp free")
@@ -272,11 +276,11 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     names = expanded_names(layers, info)
     shared = shared_params(gm)
     cut_table = CutTable(gm)
-    cache: dict[tuple[int, int, bool, int, int], list[Unit]] = {}
+    cache: dict[tuple[int, int, bool, int, int, int], list[Unit]] = {}
 
-    def units_for(tp: int, mbs: int, sp: bool = False, ep: int = 1, cp: int = 1) -> list[Unit]:
-        if (tp, mbs, sp, ep, cp) not in cache:
-            sg, sol = solved[tp, sp]
+    def units_for(tp: int, mbs: int, sp: bool = False, ep: int = 1, cp: int = 1, ep_tp: int = 1) -> list[Unit]:
+        if (tp, mbs, sp, ep, cp, ep_tp) not in cache:
+            sg, sol = solved[tp, sp, ep_tp > 1]
             # under cp a rank holds 1/cp of each sequence: it costs what mbs / cp sequences cost
             # (every cost is affine in the batch; autopar.planner.context)
             tokens = mbs / cp
@@ -314,23 +318,24 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
             if ep > 1:
                 units = apply_ep(units, names=names, sites=experts, ep=ep, tp=tp, microbatch_size=mbs,
                                  global_batch=batch, cluster=cluster, imbalance=fixed.moe_imbalance or 1.0,
-                                 local_params=local, ep_tp=tp if fold else 1)
+                                 local_params=local, ep_tp=ep_tp)
             if cp > 1:
                 costs = cp_costs(attention, problem, sg, sol, cp=cp, tp=tp, mbs=mbs, batch=batch, cluster=cluster,
                                  variant=fixed.cp_variant)
                 units = apply_cp(units, costs, names, repeat_savings(attention, sg, sol, cp=cp, tp=tp, mbs=mbs,
                                                                      batch=batch),
                                  cp_working_sets(attention, costs, problem, sg, sol))
-            cache[tp, mbs, sp, ep, cp] = units
-        return cache[tp, mbs, sp, ep, cp]
+            cache[tp, mbs, sp, ep, cp, ep_tp] = units
+        return cache[tp, mbs, sp, ep, cp, ep_tp]
 
     with progress("searching meshes, cuts and schedules"), _collector_paused():
         sp_options: dict[int, tuple[bool, ...]] = defaultdict(tuple)
-        for tp, sp in sorted(solved):
+        for tp, sp in sorted({key[:2] for key in solved}):
             sp_options[tp] += (sp,)
         run = functools.partial(search, units_for=units_for, n_units=sum(x.count for x in layers),
                                 global_batch=batch, cluster=cluster, fixed=fixed, precision=precision,
-                                tp_options=sorted(sp_options), sp_options=dict(sp_options), ep_options=eps)
+                                tp_options=sorted(sp_options), sp_options=dict(sp_options), ep_options=eps,
+                                variants=frozenset(solved))
         ranked, stats = run(keep=RUNNERS_UP + 1, cp_options=(1, *cps))
         other = None
         if cps:  # the best plan on the other side of the cp decision: the reason the summary gives
@@ -340,7 +345,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                 other = None  # nothing fits there
     t2 = time.perf_counter()
     best = ranked[0]
-    sg, sol = solved[best.config.tp, best.config.sp]
+    sg, sol = solved[best.config.tp, best.config.sp, best.config.ep_tp > 1]
     plan = to_plan(gm, best, ranked[1:RUNNERS_UP + 1], sg, sol, cluster, fixed, stats, policy, precision_source,
                     timings={"solve_s": t1 - t0, "search_s": t2 - t1}, async_tp=async_tp)
     if cps:
@@ -372,12 +377,15 @@ def _cores() -> int:
 
 
 def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_sp: bool | None, *, batch: int,
-               cluster: Cluster, replicated: frozenset[str] = frozenset(), fold: list | None = None
-               ) -> dict[tuple[int, bool], tuple[StrategyGraph, Solution]]:
+               cluster: Cluster, replicated: frozenset[str] = frozenset(), experts: list | None = None,
+               folds: tuple[bool, ...] = (False,)) -> dict[tuple[int, bool, bool], tuple[StrategyGraph, Solution]]:
     """The sharding MIPs of every tp degree, each side of the sp decision its own MIP
-    (:func:`_sp_sides`, :func:`_solve_side`): (tp, sp) -> (strategy graph, solution), in the
-    order of ``tps`` (sp False first). ``fold`` (expert sites): each tp > 1 graph with those
-    experts' blocks folded (ep over tp, :func:`autopar.planner.expert_folding.fold_experts`).
+    (:func:`_sp_sides`, :func:`_solve_side`): (tp, sp, folded) -> (strategy graph, solution), in
+    the order of ``tps`` (sp False first). ``folds``: at tp > 1, the graph as traced (False)
+    and/or with the blocks of ``experts`` (expert sites) folded (True: ep over tp as well,
+    :func:`autopar.planner.expert_folding.fold_experts`); a fold the experts do not allow at some
+    tp (E not divisible by it) is left out there, unless it is the only one asked for (then its
+    PlanError stands). At tp = 1 there is nothing to fold: one graph, folded False.
 
     The strategy graphs are built here, in the calling thread, one after another (each tp's
     MIPs start as soon as its graph is built); the MIPs run side by side in threads, up to one
@@ -385,41 +393,49 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_s
     time), so on 2 cores two MIPs take about the time of the longer. Each answer depends on
     its MIP alone (SCIP is deterministic under a node limit and a gap), not on what runs
     beside it or how fast."""
-    graphs: dict[int, StrategyGraph] = {}
+    graphs: dict[tuple[int, bool], StrategyGraph] = {}  # (tp, folded) -> its strategy graph
     skeleton = strategy_skeleton(gm, gm2)  # (what every tp's graph shares: built once)
 
     norms: dict[int, dict[int, int]] = {}
 
-    def one(tp: int, sp: bool | None, pinned: bool = pinned_sp is not None) -> Solution | None:
+    def one(tp: int, folded: bool, sp: bool | None, pinned: bool = pinned_sp is not None) -> Solution | None:
         ref = max(1, batch // max(1, cluster.world_size // tp))  # (the batch of one tp group)
-        return _solve_side(graphs[tp], tp, sp, norms=norms[tp], pinned=pinned, batch=ref, cluster=cluster,
+        return _solve_side(graphs[tp, folded], tp, sp, norms=norms[tp], pinned=pinned, batch=ref, cluster=cluster,
                            replicated=replicated)
 
-    tasks: dict[tuple[int, bool | None], object] = {}
-    workers = min(2 * len(tps), _cores())
+    tasks: dict[tuple[int, bool, bool | None], object] = {}
+    workers = min(2 * len(tps) * len(folds), _cores())
     pool = ThreadPoolExecutor(workers, thread_name_prefix="autopar-mip") if workers > 1 else None
     try:  # the widest tp's MIPs are usually the longest: they start first, while the next graph is built
         for tp in sorted(tps, reverse=True):
-            graphs[tp] = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False, skeleton=skeleton)
-            if fold and tp > 1:
-                graphs[tp] = fold_experts(graphs[tp], skeleton, fold)
-            norms[tp] = _norm_nodes(gm, graphs[tp])
-            for sp in _sp_sides(norms[tp], tp, pinned_sp):
-                tasks[tp, sp] = pool.submit(one, tp, sp) if pool else one(tp, sp)
+            plain = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False, skeleton=skeleton)
+            norms[tp] = _norm_nodes(gm, plain)
+            for folded in dict.fromkeys(folds if tp > 1 else (False,)):
+                if not folded:
+                    graphs[tp, False] = plain
+                else:
+                    try:
+                        graphs[tp, True] = fold_experts(plain, skeleton, experts or [])
+                    except autopar.PlanError:
+                        if folds == (True,):
+                            raise
+                        continue  # (the experts do not split over this tp: no folded variant here)
+                for sp in _sp_sides(norms[tp], tp, pinned_sp):
+                    tasks[tp, folded, sp] = pool.submit(one, tp, folded, sp) if pool else one(tp, folded, sp)
         results = {key: task.result() if pool else task for key, task in tasks.items()}
     finally:
         if pool:
             pool.shutdown(wait=True, cancel_futures=True)
     out = {}
-    for tp in tps:
-        sides = {sp: sol for (t, sp), sol in results.items() if t == tp and sol is not None}
+    for tp, folded in sorted(graphs, key=lambda k: (tps.index(k[0]), k[1])):
+        sides = {sp: sol for (t, f, sp), sol in results.items() if (t, f) == (tp, folded) and sol is not None}
         if None in sides:  # no norms, or tp=1: one MIP, and it has no sequence parallelism
             sides = {False: sides[None]}
         elif not sides and pinned_sp is None:  # neither pure side fits: the free MIP, labelled by its norms
-            free = one(tp, None, pinned=False)
-            sides = {any(token_sharded(graphs[tp].nodes[v].candidates[free.choice[v]].outs[0], rank)
+            free = one(tp, folded, None, pinned=False)
+            sides = {any(token_sharded(graphs[tp, folded].nodes[v].candidates[free.choice[v]].outs[0], rank)
                          for v, rank in norms[tp].items()): free}
-        out.update({(tp, sp): (graphs[tp], sol) for sp, sol in sorted(sides.items())})
+        out.update({(tp, sp, folded): (graphs[tp, folded], sol) for sp, sol in sorted(sides.items())})
     return out
 
 

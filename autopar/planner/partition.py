@@ -179,7 +179,7 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     if memo is None:
         return _cut(_Layers(units, cfg.recompute), cfg, cap=cap, state_per_param=state_per_param,
                     inflight=inflight, buffers=buffers, expert_per_param=expert_per_param)[0]
-    layers_key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp)
+    layers_key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp, cfg.ep_tp)
     layers = memo.get(layers_key)
     if layers is None:
         layers = memo[layers_key] = _Layers(units, cfg.recompute)

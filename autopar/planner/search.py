@@ -242,7 +242,8 @@ def _divisors(n: int) -> list[int]:
 def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixed: Fixed,
            precision: str, tp_options: list[int], sp_options: dict[int, tuple[bool, ...]] | None = None,
            keep: int = KEEP, ep_options: tuple[int, ...] = (),
-           cp_options: tuple[int, ...] = (1,)) -> tuple[list[Candidate], dict]:
+           cp_options: tuple[int, ...] = (1,), variants: frozenset[tuple[int, bool, bool]] | None = None
+           ) -> tuple[list[Candidate], dict]:
     """The ``keep`` best configurations by simulated step time, best first (the first is the
     plan), and search statistics (counts, and seconds by part under keys ending in ``_s``).
 
@@ -252,7 +253,10 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     ``units_for(tp, microbatch_size, sp, ep)``. ``ep_options``: the ep degrees > 1 the model's
     experts allow (none: no experts); each is tried where it divides dp, with every ZeRO stage
     (expert state sharded over the dp/ep replicas: ``state_memory.state_per_param``) and any
-    pp. A pinned ``fixed.ep`` is the only one tried. A pinned
+    pp. A pinned ``fixed.ep`` is the only one tried. ``variants``: the (tp, sp, folded) sharding
+    MIPs solved (default: every (tp, sp) unfolded); where a folded one exists (ep over tp as well:
+    :mod:`autopar.planner.expert_folding`), ep = tp x k (k dividing dp) is tried on it, calling
+    ``units_for(tp, microbatch_size, sp, ep, cp, tp)``. A pinned
     ``fixed.cp`` (context parallelism, folded over dp like ep; not with ep), or else each of
     ``cp_options`` that divides dp, calls ``units_for(tp, microbatch_size, sp, ep, cp)`` for
     cp > 1 and splits the batch over dp / cp groups. Branch and bound: mesh shapes (tp, sp, pp,
@@ -277,7 +281,9 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     def zeros(dp: int):
         return [fixed.zero] if fixed.zero is not None else range(4) if dp > 1 else (0,)
 
-    def units_at(tp: int, mbs: int, sp: bool, ep: int, cp: int = 1) -> list[Unit]:
+    def units_at(tp: int, mbs: int, sp: bool, ep: int, cp: int = 1, ept: int = 1) -> list[Unit]:
+        if ept > 1:
+            return units_for(tp, mbs, sp, ep, cp, ept)
         if cp > 1:
             return units_for(tp, mbs, sp, ep, cp)
         return units_for(tp, mbs, sp) if ep == 1 else units_for(tp, mbs, sp, ep)
@@ -288,38 +294,42 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
         tried = [fixed.cp] if fixed.cp else cp_options
         return [c for c in tried if dp % c == 0 and (c == 1 or ep == 1)]
 
-    def ep_tp(tp: int) -> int:
-        """The tp ranks of an ep group: tp where ep folds over tp too (``fixed.etp == 1``), else 1."""
-        return tp if fixed.etp == 1 else 1
+    def solved(tp: int, sp: bool, ept: int) -> bool:
+        return (tp, sp, ept > 1) in variants if variants is not None else ept == 1
 
-    def eps(tp: int, pp: int, dp: int) -> list[int]:
-        """The ep degrees a (tp, pp, dp) shape is tried with: folded over dp (ep divides dp), or
-        with ``fixed.etp == 1`` over tp and dp (ep = tp x k, k dividing dp)."""
-        folded = ep_tp(tp)
-        tried = [fixed.ep] if fixed.ep else [1, *ep_options] if folded == 1 else sorted({folded, *ep_options})
-        return [e for e in tried if e % folded == 0 and dp % (e // folded) == 0]
+    def eps(tp: int, pp: int, dp: int) -> list[tuple[int, int]]:
+        """The (ep, tp ranks in an ep group) pairs a (tp, pp, dp) shape is tried with: ep folded
+        over dp (ep divides dp; 1: no ep), and where a folded MIP was solved at tp, ep folded over
+        tp and dp as well (ep = tp x k, k dividing dp)."""
+        out = []
+        for ept in dict.fromkeys((1, tp) if tp > 1 else (1,)):
+            if not any(solved(tp, sp, ept) for sp in sp_options.get(tp, (False,))):
+                continue
+            tried = [fixed.ep] if fixed.ep else [1, *ep_options] if ept == 1 else list(ep_options)
+            out += [(e, ept) for e in tried if e % ept == 0 and dp % (e // ept) == 0]
+        return out
 
     dp_prefixes: dict[tuple, list[float]] = {}  # (tp, sp, mbs, zero, dp, m, ep, cp) -> _dp_comm_prefix
 
-    def dp_prefix(tp: int, sp: bool, mbs: int, zero: int, dp: int, m: int, ep: int, cp: int) -> list[float]:
-        key = (tp, sp, mbs, zero, dp, m, ep, cp)
+    def dp_prefix(tp: int, sp: bool, mbs: int, zero: int, dp: int, m: int, ep: int, cp: int, ept: int) -> list[float]:
+        key = (tp, sp, mbs, zero, dp, m, ep, cp, ept)
         if key not in dp_prefixes:
-            replicas, replica_link = replica_group(cluster, dp=dp, tp=tp, ep=ep // ep_tp(tp))
-            dp_prefixes[key] = _dp_comm_prefix(units_at(tp, mbs, sp, ep, cp), zero=zero, dp=dp,
+            replicas, replica_link = replica_group(cluster, dp=dp, tp=tp, ep=ep // ept)
+            dp_prefixes[key] = _dp_comm_prefix(units_at(tp, mbs, sp, ep, cp, ept), zero=zero, dp=dp,
                                                link=cluster.link_for_group(dp, stride=tp), microbatches=m,
                                                precision=precision, replicas=replicas, replica_link=replica_link)
         return dp_prefixes[key]
 
-    shapes = []  # (bound, tp, sp, pp, dp, mbs, m, ep, cp)
-    work: dict[tuple, dict[str, float]] = {}  # (tp, sp, mbs, ep, cp) -> recompute -> compute of one micro-batch
-    params: dict[tuple, float] = {}  # (tp, sp, mbs, ep, cp) -> parameters per tp rank
+    shapes = []  # (bound, tp, sp, pp, dp, mbs, m, ep, cp, ep_tp)
+    work: dict[tuple, dict[str, float]] = {}  # (tp, sp, mbs, ep, cp, ep_tp) -> recompute -> compute of one micro-batch
+    params: dict[tuple, float] = {}  # (tp, sp, mbs, ep, cp, ep_tp) -> parameters per tp rank
     for tp in tp_options:
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
             if (fixed.pp and pp != fixed.pp) or (fixed.dp and dp != fixed.dp) or pp > n_units \
                     or not eps(tp, pp, dp):  # ep folds over the dp ranks
                 continue
-            for cp in sorted({c for ep in eps(tp, pp, dp) for c in cps(dp, ep)}):
+            for cp in sorted({c for ep, _ in eps(tp, pp, dp) for c in cps(dp, ep)}):
                 groups = dp // cp  # cp folds over the dp ranks: dp / cp groups split the batch
                 if global_batch % groups:
                     skipped_batch += 1
@@ -330,22 +340,22 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                     if (fixed.microbatch_size and mbs != fixed.microbatch_size) or \
                             (fixed.microbatches and m != fixed.microbatches):
                         continue
-                    for sp, ep in ((sp, ep) for sp in sp_options.get(tp, (False,)) for ep in eps(tp, pp, dp)
-                                   if cp in cps(dp, ep)):
-                        key = (tp, sp, mbs, ep, cp)
+                    for sp, ep, ept in ((sp, ep, ept) for sp in sp_options.get(tp, (False,))
+                                        for ep, ept in eps(tp, pp, dp) if cp in cps(dp, ep) and solved(tp, sp, ept)):
+                        key = (tp, sp, mbs, ep, cp, ept)
                         if key not in work:
                             t0 = time.perf_counter()
-                            units = units_at(tp, mbs, sp, ep, cp)
+                            units = units_at(tp, mbs, sp, ep, cp, ept)
                             work[key] = {r: _work_s(units, r) for r in dict.fromkeys((*RECOMPUTE, *recomputes))}
                             params[key] = sum(u.n_params for u in units)
                             clock["units_s"] += time.perf_counter() - t0
                         link = cluster.link_for_group(dp, stride=tp)
                         bound = min(_config_bound_s(work[key][r], params[key], zero=z, m=m,
                                                     pp=pp, dp=dp, link=link, precision=precision, cluster=cluster,
-                                                    dp_comm_s=dp_prefix(tp, sp, mbs, z, dp, m, ep, cp)[-1],
+                                                    dp_comm_s=dp_prefix(tp, sp, mbs, z, dp, m, ep, cp, ept)[-1],
                                                     virtual_stages=2 if pp > 1 else 1)
                                     for r in recomputes for z in zeros(dp))
-                        shapes.append((bound, tp, sp, pp, dp, mbs, m, ep, cp))
+                        shapes.append((bound, tp, sp, pp, dp, mbs, m, ep, cp, ept))
     shapes.sort(key=lambda x: (float(f"{x[0]:.6g}"), x[1:]))
     counts["shapes"] = len(shapes)
     top: list[Candidate] = []
@@ -415,7 +425,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                     infeasible.append((cfg, units, per_param, inflight))
                 continue
             counts["feasible"] += 1
-            key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp)
+            key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp, cfg.ep_tp)
             if key not in prefixes:
                 prefixes[key] = _prefix_sums(units, cfg.recompute)
             pending[k] = (units, cuts, cfg, inflight)
@@ -423,30 +433,32 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             heapq.heappush(queue, (max(bound, cut_bound), LINK, k))
         elif level == LINK:
             units, cuts, cfg, inflight = pending[k]
-            link_bound = _cuts_bound_s(prefixes[cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp],
+            link_bound = _cuts_bound_s(prefixes[cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp,
+                                                cfg.ep_tp],
                                        cuts, cfg, cluster=cluster, precision=precision,
                                        dp_prefix=dp_prefix(cfg.tp, cfg.sp, cfg.microbatch_size, cfg.zero, cfg.dp,
-                                                           cfg.microbatches, cfg.ep, cfg.cp))
+                                                           cfg.microbatches, cfg.ep, cfg.cp, cfg.ep_tp))
             heapq.heappush(queue, (max(bound, link_bound), CANDIDATE, k))
         else:
-            _, tp, sp, pp, dp, mbs, m, ep, cp = shapes[k]
-            units = units_at(tp, mbs, sp, ep, cp)
+            _, tp, sp, pp, dp, mbs, m, ep, cp, ept = shapes[k]
+            units = units_at(tp, mbs, sp, ep, cp, ept)
             dp_link = cluster.link_for_group(dp, stride=tp)
             for kind in _schedules(fixed, pp):
                 for v in _virtual_options(kind, fixed, pp, m, n_units):
                     for zero in zeros(dp):
-                        per_param = state_per_param(zero, dp, ep // ep_tp(tp), precision)
+                        per_param = state_per_param(zero, dp, ep // ept, precision)
                         for recompute in recomputes:
                             cfg = Config(tp=tp, pp=pp, dp=dp, microbatch_size=mbs, microbatches=m, zero=zero,
                                          recompute=recompute, schedule=kind, virtual_stages=v, sp=sp, ep=ep,
-                                         ep_tp=ep_tp(tp), cp=cp)
+                                         ep_tp=ept, cp=cp)
                             counts["configurations"] += 1
                             key = len(shapes) + counts["configurations"]
                             pending[key] = (cfg, units, per_param)
                             heapq.heappush(queue, (max(bound, _config_bound_s(
-                                work[tp, sp, mbs, ep, cp][recompute], params[tp, sp, mbs, ep, cp], zero=zero, m=m,
+                                work[tp, sp, mbs, ep, cp, ept][recompute], params[tp, sp, mbs, ep, cp, ept],
+                                zero=zero, m=m,
                                 pp=pp, dp=dp, link=dp_link, precision=precision, cluster=cluster,
-                                dp_comm_s=dp_prefix(tp, sp, mbs, zero, dp, m, ep, cp)[-1], virtual_stages=v)),
+                                dp_comm_s=dp_prefix(tp, sp, mbs, zero, dp, m, ep, cp, ept)[-1], virtual_stages=v)),
                                 CONFIG, key))
     if not top:
         least = min(((_min_memory(u, c, pp_, inf, zero_buffers(c.zero, precision)), c, _largest_op(u))
