@@ -219,7 +219,9 @@ def _experts_table(plan: Plan) -> list[str]:
     if not rows:
         return []
     head = ("MoE block", "instances", "experts", "per rank", "all-to-all forward", "all-to-all backward")
-    return [f"<h2>Experts (ep={_e(plan.experts['ep'])}, {_e(plan.experts['replicas'])} replica(s))</h2><table><tr>"
+    folded = ", folded over tp and dp: etp=1" if plan.experts.get("folded_over") == "tp x dp" else ""
+    return [f"<h2>Experts (ep={_e(plan.experts['ep'])}{folded}, {_e(plan.experts['replicas'])} replica(s))</h2>"
+            "<table><tr>"
             + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>"
             + "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows) + "</table>"
             + '<p class="legend">all-to-all bytes one rank sends per micro-batch and block (counts, dispatch, '

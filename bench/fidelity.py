@@ -48,8 +48,12 @@ after torchtitan's Llama repeats them to every query head (4x the grouped bytes 
 405B's one K/V head per tp rank), gathered again in the backward, the fp32 K/V gradients passed
 around the ring, and the eager fp32 merges and concatenations of every ring step.
 
-Rows left out, and why: the Float8 rowwise rows (another kernel), and the MoE rows. Qwen3-235B
-(Megatron-LM) folds ep over tp and dp, which autopar's ep (folded over dp) cannot express.
+Rows left out, and why: the Float8 rowwise rows (another kernel). Megatron-LM's Qwen3-235B-A22B row
+(its plain all-to-all dispatcher: TP2 EP8 PP32 VPP3 DP4, expert tensor-parallel size 1, so ep spans
+the tp ranks) is the last row, pinned with ``etp=1`` (:mod:`autopar.planner.expert_folding`),
+``zero=1`` (Megatron's distributed optimizer), selective recompute (its norms and the experts'
+activation recomputed), on the catalog's H100 (80 GB, cuDNN attention as Transformer Engine runs
+it), its blocks priced as fused (TE's fused norms, RoPE, SwiGLU and permutes), routing balanced.
 DeepSeek-V3 671B (torchtitan, FSDP64 EP32 PP8) is printed apart (``--moe``): its model is
 transformers' DeepseekV3 (whose gated-SiLU experts autopar traces as its own experts op), a
 stand-in for torchtitan's model. It is planned with ``zero=1``, the program torchtitan's FSDP
@@ -423,7 +427,8 @@ def main():
             e = p["tok_s"] / row.tok_s - 1
             errors.append(abs(e))
             err = f"{e:+.1%}"
-        meas = "OOM" if row.tok_s is None else f"{row.tok_s:g}" + (" (compile)" if row.compiled else "")
+        fused = " (TE fused)" if row.device else " (compile)"  # (the Megatron-LM row: Transformer Engine's kernels)
+        meas = "OOM" if row.tok_s is None else f"{row.tok_s:.6g}" + (fused if row.compiled else "")
         mem = "-" if row.mem_gib is None else f"{row.mem_gib:.1f}"
         fits = "yes" if p["fits_reserve"] else ("yes (no 10% reserve)" if p["fits"] else "no")
         print(f"| {row.label} | {row.nodes * 8} | {meas} | {p['tok_s']:.0f} | {err} | {mem} | {p['mem_gib']:.1f} | "

@@ -119,6 +119,10 @@ def test_an_etp1_plan_records_its_layout_and_prices_a_tp_share_of_the_rows():
     runners = folded.solver["candidates"]
     assert runners and all(r["config"]["ep"] == 4 and r["config"]["etp"] == 1 for r in runners)
     assert "ep=4 etp=1" in summary  # (the runners-up lines)
+    from autopar.report import render_html
+
+    assert "<h2>Experts (ep=4, folded over tp and dp: etp=1, 1 replica(s))</h2>" in render_html(folded)
+    assert "<h2>Experts (ep=2, 1 replica(s))</h2>" in render_html(plain)
     assert Plan.from_json(folded.to_json()).to_json() == folded.to_json()
     with pytest.raises(autopar.PlanError, match=r"experts ep=6 folded over tp and dp must be tp=2 x k with k "
                                                 r"dividing dp=2"):
