@@ -45,12 +45,16 @@ def _plan(build, cluster, fixed, **kwargs):
                         **kwargs)
 
 
-@pytest.mark.parametrize("build, block", [(_moe, ".moe"), (_qwen3_moe, ".mlp"), (lambda: _moe("1"), ".moe")],
-                         ids=["examples-moe", "hf-qwen3-moe", "with-shared-expert"])
-def test_a_folded_block_exchanges_nothing_over_tp_under_sp(build, block):
+@pytest.mark.parametrize("build, block, balance", [
+    (_moe, ".moe", False), (_qwen3_moe, ".mlp", False), (lambda: _moe("1"), ".moe", False),
+    (lambda: moe.build(size="tiny", shared_expert="0", aux_loss="0.01"), ".moe", True)],
+    ids=["examples-moe", "hf-qwen3-moe", "with-shared-expert", "with-balance-loss"])
+def test_a_folded_block_exchanges_nothing_over_tp_under_sp(build, block, balance):
     """With sequence parallelism the folded block's ops run on the tp rank's own tokens, so no
-    tensor entering, inside or leaving the block is resharded over tp; the one exchange is the
-    router weight's gradient, a sum of the tp ranks' token shares, all-reduced on its way back.
+    token tensor entering, inside or leaving the block is resharded over tp; what is exchanged is
+    the router weight's gradient, a sum of the tp ranks' token shares, all-reduced on its way
+    back, and with a balance loss its per-sequence statistics (batch x experts), summed over the
+    tp ranks' shares of each sequence before they are multiplied (as Megatron-LM all-reduces them).
     Unfolded, the same block gathers its tokens over tp. A shared expert stays tensor-parallel
     (Megatron-LM's layout): what it exchanges is outside the folded block."""
     model, inputs, loss_fn, target = build()
@@ -77,15 +81,18 @@ def test_a_folded_block_exchanges_nothing_over_tp_under_sp(build, block):
             t, kind = reshard_s(p, q, sg.nodes[e.src].out_bytes[e.src_out](2), 2,
                                 _edge_link(problem, sg.nodes[e.dst].kind))
             if t and (in_block(sg.nodes[e.dst].name) or e.src in folded):
-                out.append((sg.nodes[e.src].name, sg.nodes[e.dst].name, sg.nodes[e.dst].kind, kind))
+                out.append((sg.nodes[e.src].shape, sg.nodes[e.dst].name, sg.nodes[e.dst].kind, kind))
         return out, sg, folded
 
     folded_out, sg, folded = exchanges(sites)
     assert folded  # (the block's ops are the folded ones)
-    assert [k for *_, kind_dst, k in folded_out if kind_dst != "param"] == []
+    statistics = [(shape, k) for shape, _, kind_dst, k in folded_out if kind_dst != "param"]
+    assert all(s == ((sg.global_batch, sites[0].n_experts), "all_reduce") for s in statistics)
+    assert bool(statistics) == balance
     router = {n.name for n in gm.graph.nodes if mk.TRACE in n.meta and n.meta[mk.TRACE].role is mk.Role.PARAM
               and ("router" in n.meta[mk.TRACE].fqn or ".gate." in n.meta[mk.TRACE].fqn + ".")}
-    assert {(dst, kind) for _, dst, kind_dst, kind in folded_out} == {(r, "all_reduce") for r in router}
+    assert {(dst, kind) for _, dst, kind_dst, kind in folded_out if kind_dst == "param"} == \
+        {(r, "all_reduce") for r in router}
     experts_op = next(v for v, n in enumerate(sg.nodes) if n.name.startswith("moe_experts"))
     (only,) = sg.nodes[experts_op].candidates  # rows and weights split: the rank's tokens, E / tp experts
     assert only.ins[0] == "S0" and only.outs[0] == "S0" and set(only.ins[2:]) == {"S0"}

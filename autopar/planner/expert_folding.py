@@ -15,16 +15,17 @@ whose experts-block ops each have one candidate (:func:`fold_experts`), the layo
 token-local block has on tp:
 
 - a tensor with batch-derived dims (the block's tokens, their k routed copies, anything in
-  token order) is split over tp along them: dim 1 of a (batch, sequence, ...) tensor, where
+  token order) is split over tp along them: dim 1 of a (sequences, positions, ...) tensor, where
   sequence parallelism splits the residual stream (so under sp nothing is exchanged at the
-  block's edges), else its first batch-derived dim;
+  block's edges), else its first batch-derived dim (rows of flattened tokens);
 - a stacked expert parameter (and every 3-d view or gradient of one) is split over tp on
   dim 0, the expert dim: a tp rank holds ``E / tp`` experts whole, and the search's ep cut
   (:func:`autopar.planner.experts.apply_ep`, by the ``ep / tp`` data-parallel part) leaves
   ``E / ep``;
 - a value computed from token-split values without batch dims of its own (token counts per
-  expert, the router's weight gradient, the balance loss's statistics) is partial over tp,
-  a sum of the ranks' addends: the router's weight gradient is all-reduced over tp on its
+  expert, the router's weight gradient, the balance loss's statistics), or by a sum or mean over
+  the dim its input is split on (a per-sequence mean over a sequence split over tp), is partial
+  over tp, a sum of the ranks' addends: the router's weight gradient is all-reduced over tp on its
   way to the parameter, as Megatron-LM does for parameters under sequence parallelism;
 - anything else (the router's weight, constants) is whole.
 
@@ -77,10 +78,28 @@ def _in_block(path: str, roots: dict[str, int]) -> str | None:
     return None
 
 
-def token_split(val, dims: frozenset[int]) -> str:
-    """The tp placement of a token-ordered value with batch-derived dims ``dims``."""
+def token_split(val, dims: frozenset[int], batch: int) -> str:
+    """The tp placement of a token-ordered value with batch-derived dims ``dims``: dim 1 of a
+    (sequences, positions, ...) tensor (dim 0 the global ``batch`` of sequences), where sequence
+    parallelism splits the residual stream; else its first batch-derived dim (the rows of
+    flattened tokens, or of their top-k copies)."""
     first = min(dims)
-    return "S1" if first == 0 and isinstance(val, torch.Tensor) and val.dim() >= 3 else f"S{first}"
+    per_sequence = first == 0 and isinstance(val, torch.Tensor) and val.dim() >= 3 and int(val.shape[0]) == batch
+    return "S1" if per_sequence else f"S{first}"
+
+
+# reductions over listed dims: reducing the dim a token-split input is split on leaves a sum of the
+# tp ranks' addends (the balance loss's per-sequence means over a sequence split over tp)
+_REDUCTIONS = {torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim}
+
+
+def _reduces_split(node: fx.Node, placement: str) -> bool:
+    """Whether ``node`` reduces away the dim its first input is split on (``placement``)."""
+    if node.target not in _REDUCTIONS or not placement.startswith("S") or len(node.args) < 2:
+        return False
+    rank = node.args[0].meta["val"].dim()
+    dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    return int(placement[1:]) in {d % rank for d in dims}
 
 
 def _values(node: fx.Node) -> tuple:
@@ -129,11 +148,14 @@ def fold_experts(sg: StrategyGraph, skeleton: Skeleton, sites: list[ExpertSite])
         for i in range(n_in):
             src = inputs.get(v, {}).get(i)
             dims = in_dims[i] if i < len(in_dims) else frozenset()
-            if dims:
+            if src is not None and src[0] in folded:
+                have = folded[src[0]].outs[src[1]] or "R"
+                # a partial per-sequence statistic read by anything but a sum is summed over tp
+                # first (the balance loss's means; Megatron-LM all-reduces them over its tp group)
+                ins.append("R" if have == "P" and dims and node.target not in _REDUCTIONS else have)
+            elif dims:
                 arg_val = _values(skeleton.sources[src[0]][0])[src[1]] if src else None
-                ins.append(token_split(arg_val, dims))
-            elif src is not None and src[0] in folded:
-                ins.append(folded[src[0]].outs[src[1]] or "R")
+                ins.append(token_split(arg_val, dims, sg.global_batch))
             elif src is not None and sg.nodes[src[0]].kind == "param" and sg.nodes[src[0]].fqn in expert_params:
                 ins.append("S0")
             else:
@@ -144,8 +166,12 @@ def fold_experts(sg: StrategyGraph, skeleton: Skeleton, sites: list[ExpertSite])
             dims = out_dims[k] if k < len(out_dims) else frozenset()
             if not isinstance(val, torch.Tensor):
                 outs.append(None)
+            elif dims and ins and (_reduces_split(node, ins[0]) or ins[0] == "P"):
+                outs.append("P")  # (its batch dims are whole sequences' sums over their tp shares)
+            elif dims and ins and ins[0] == "R" and in_dims and in_dims[0]:
+                outs.append("R")  # (computed from a summed statistic: whole on every tp rank)
             elif dims:
-                outs.append(token_split(val, dims))
+                outs.append(token_split(val, dims, sg.global_batch))
             elif val.dim() >= 3 and int(val.shape[0]) == roots[root]:
                 outs.append("S0")  # a stacked expert weight's view or gradient: E / tp experts per rank
             elif tokens_in:
