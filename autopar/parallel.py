@@ -77,7 +77,6 @@ from autopar.passes.trace import flatten_inputs
 from autopar.plan import Plan
 from autopar.progress import progress
 from autopar.runtime.context import check_cp_runnable
-from autopar.runtime.expert import check_ep_runnable
 from autopar.runtime.cp_ep import CpEpBuild
 from autopar.runtime.device import bind_local_device, local_device
 from autopar.runtime.pipelined import PipelineBuild
@@ -209,12 +208,10 @@ class ParallelModule(PipelineBuild, Startup, CpEpBuild):
             from autopar.planner.search import Fixed
 
             fixed = Fixed.from_dict(self.fixed)
-            check_ep_runnable(fixed.etp == 1)
             check_cp_runnable(fixed.cp, ep=fixed.ep, compile=self.compile, variants=fixed.cp_variant or ())
             check_batch_split(_batch_size(values), fixed)
         else:
             context = self._given_plan.context or {}
-            check_ep_runnable((self._given_plan.experts or {}).get("folded_over") == "tp x dp")
             check_cp_runnable(context.get("cp"), ep=self._given_plan.experts.get("ep"), compile=self.compile,
                               variants=context.get("variants", ()))
         bind_local_device(self.device)  # before the first collective: NCCL binds to the current GPU

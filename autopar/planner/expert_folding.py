@@ -36,8 +36,9 @@ now spans the tp ranks, are :func:`autopar.planner.experts.apply_ep`'s. Shared e
 (a child module named ``shared...``) keep the MIP's free choice: Megatron-LM runs them
 tensor-parallel beside the routed experts.
 
-The layout is planned and priced; :func:`autopar.parallelize` does not run it yet (it
-refuses such a plan in one line), so the search weighs it only where pinned.
+:func:`autopar.parallelize` runs it (:func:`autopar.passes.shard.run_folded`, the groups in
+:mod:`autopar.runtime.expert`; ``tests/dist/test_expert_folding_run.py`` trains it against one
+process); the search weighs it beside the default wherever tp > 1 and the experts allow ep.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ from torch import fx
 from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
 from autopar.passes.strategies import Skeleton, StrategyGraph, Strategy
+from autopar.planner.context import sequence_length
 from autopar.planner.experts import ExpertSite
 
-__all__ = ["block_roots", "fold_experts", "token_split"]
+__all__ = ["block_roots", "block_ops", "fold_experts", "token_split"]
 
 
 def block_roots(sites: list[ExpertSite]) -> dict[str, int]:
@@ -78,14 +80,17 @@ def _in_block(path: str, roots: dict[str, int]) -> str | None:
     return None
 
 
-def token_split(val, dims: frozenset[int], batch: int) -> str:
+def token_split(val, dims: frozenset[int], batch: int, seq: int | None = None) -> str | None:
     """The tp placement of a token-ordered value with batch-derived dims ``dims``: dim 1 of a
-    (sequences, positions, ...) tensor (dim 0 the global ``batch`` of sequences), where sequence
+    (sequences, positions, ...) tensor (dim 0 the global ``batch`` of sequences; dim 1 a multiple
+    of the ``seq`` tokens of a sequence: the positions, or their top-k copies), where sequence
     parallelism splits the residual stream; else its first batch-derived dim (the rows of
-    flattened tokens, or of their top-k copies)."""
+    flattened tokens, or of their top-k copies). None for a per-sequence value that has no
+    positions (a statistic per sequence and expert): not split over tp."""
     first = min(dims)
-    per_sequence = first == 0 and isinstance(val, torch.Tensor) and val.dim() >= 3 and int(val.shape[0]) == batch
-    return "S1" if per_sequence else f"S{first}"
+    if first == 0 and isinstance(val, torch.Tensor) and val.dim() >= 2 and int(val.shape[0]) == batch:
+        return "S1" if not seq or int(val.shape[1]) % seq == 0 else None
+    return f"S{first}"
 
 
 # reductions over listed dims: reducing the dim a token-split input is split on leaves a sum of the
@@ -100,6 +105,43 @@ def _reduces_split(node: fx.Node, placement: str) -> bool:
     rank = node.args[0].meta["val"].dim()
     dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
     return int(placement[1:]) in {d % rank for d in dims}
+
+
+def block_ops(gm: fx.GraphModule, sites: list[ExpertSite]) -> dict[fx.Node, str]:
+    """The ops of ``gm`` that a fold puts on token shards, each with its block's root: forward
+    and backward ops traced in an experts block (shared experts excluded), and the sums of a
+    block's gradient addends that autograd adds outside any module (every tensor input theirs)."""
+    import operator
+
+    roots = block_roots(sites)
+    out: dict[fx.Node, str] = {}
+
+    def producer(a: fx.Node) -> fx.Node:
+        return a.args[0] if a.target is operator.getitem else a
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem or mk.TRACE not in node.meta:
+            continue
+        trace = node.meta[mk.TRACE]
+        root = _in_block(trace.module_path, roots)
+        if root is None and trace.role is mk.Role.BACKWARD and not trace.module_path:
+            srcs = [producer(a) for a in node.all_input_nodes]
+            if srcs and all(src in out for src in srcs):
+                root = out[srcs[0]]
+        if root is not None:
+            out[node] = root
+    return out
+
+
+def _spreads_over_positions(node: fx.Node, val, batch: int, seq: int | None) -> bool:
+    """An ``expand`` of a per-sequence value over the positions ((B, 1, ...) -> (B, T, ...): a
+    statistic's gradient on its way back to the tokens): each tp rank expands it over its own
+    positions, a free slice of the whole."""
+    if node.target is not torch.ops.aten.expand.default or not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return False
+    src = node.args[0].meta.get("val")
+    return int(val.shape[0]) == batch and isinstance(src, torch.Tensor) and src.dim() == val.dim() \
+        and int(src.shape[1]) == 1 and int(val.shape[1]) > 1 and (not seq or int(val.shape[1]) % seq == 0)
 
 
 def _values(node: fx.Node) -> tuple:
@@ -124,7 +166,9 @@ def fold_experts(sg: StrategyGraph, skeleton: Skeleton, sites: list[ExpertSite])
             inputs.setdefault(e.dst, {})[e.dst_in] = (e.src, e.src_out)
     nodes = list(sg.nodes)
     folded: dict[int, Strategy] = {}
-    block_of: dict[int, str] = {}  # folded op -> its block's root
+    gm = skeleton.sources[0][0].graph.owning_module
+    blocks = block_ops(gm, sites)
+    seq = sequence_length(gm)
     for v, (snode, source) in enumerate(zip(sg.nodes, skeleton.sources)):
         if source is None:
             continue
@@ -132,16 +176,9 @@ def fold_experts(sg: StrategyGraph, skeleton: Skeleton, sites: list[ExpertSite])
         if snode.kind == "param" and snode.fqn in expert_params:
             nodes[v] = replace(snode, candidates=(Strategy(outs=("S0",), ins=("S0",)),))
             continue
-        if snode.kind != "op" or node.op != "call_function" or mk.TRACE not in node.meta:
+        if snode.kind != "op" or node not in blocks:
             continue
-        root = _in_block(node.meta[mk.TRACE].module_path, roots)
-        srcs = [src for src, _ in inputs.get(v, {}).values()]
-        if root is None and node.meta[mk.TRACE].role is mk.Role.BACKWARD and not node.meta[mk.TRACE].module_path \
-                and srcs and all(src in folded for src in srcs):
-            root = block_of[srcs[0]]  # the sum of a block's gradient addends (autograd's, of no module)
-        if root is None:
-            continue
-        block_of[v] = root
+        root = blocks[node]
         out_dims, in_dims = skeleton.batch_dims.get(node, ((), ()))
         n_in = len(snode.candidates[0].ins) if snode.candidates else len(in_dims)
         ins = []
@@ -155,23 +192,37 @@ def fold_experts(sg: StrategyGraph, skeleton: Skeleton, sites: list[ExpertSite])
                 ins.append("R" if have == "P" and dims and node.target not in _REDUCTIONS else have)
             elif dims:
                 arg_val = _values(skeleton.sources[src[0]][0])[src[1]] if src else None
-                ins.append(token_split(arg_val, dims, sg.global_batch))
+                ins.append(token_split(arg_val, dims, sg.global_batch, seq) or "R")
             elif src is not None and sg.nodes[src[0]].kind == "param" and sg.nodes[src[0]].fqn in expert_params:
                 ins.append("S0")
             else:
                 ins.append("R")
-        tokens_in = any(in_dims) or "P" in ins
+        # a whole token-shaped value read beside token-split ones of its shape (a gradient expanded
+        # from a per-sequence statistic) is read as this rank's slice of it (free: R -> S)
+        shapes = [_values(skeleton.sources[src[0]][0])[src[1]] if (src := inputs.get(v, {}).get(i)) else None
+                  for i in range(n_in)]
+        # (per-sequence tensors only: a flattened rows tensor's slice would not be the rank's tokens)
+        split = {tuple(a.shape) for a, p in zip(shapes, ins) if p.startswith("S") and isinstance(a, torch.Tensor)}
+        ins = [(token_split(a, in_dims[i], sg.global_batch, seq) or p) if p == "R" and i < len(in_dims) and in_dims[i]
+               and isinstance(a, torch.Tensor) and tuple(a.shape) in split and a.dim() >= 2
+               and int(a.shape[0]) == sg.global_batch else p
+               for i, (a, p) in enumerate(zip(shapes, ins))]
+        tokens_in = any(p.startswith("S") or p == "P" for p in ins)  # (read from the rank's tokens)
         outs = []
         for k, val in enumerate(_values(node)):
             dims = out_dims[k] if k < len(out_dims) else frozenset()
             if not isinstance(val, torch.Tensor):
                 outs.append(None)
-            elif dims and ins and (_reduces_split(node, ins[0]) or ins[0] == "P"):
+            elif dims and ins and _reduces_split(node, ins[0]):
                 outs.append("P")  # (its batch dims are whole sequences' sums over their tp shares)
-            elif dims and ins and ins[0] == "R" and in_dims and in_dims[0]:
-                outs.append("R")  # (computed from a summed statistic: whole on every tp rank)
+            elif dims and token_split(val, dims, sg.global_batch, seq) and (
+                    not ins or any(p.startswith("S") for p in ins)
+                    or _spreads_over_positions(node, val, sg.global_batch, seq)):
+                outs.append(token_split(val, dims, sg.global_batch, seq))  # (a factory numbers the rank's tokens)
             elif dims:
-                outs.append(token_split(val, dims, sg.global_batch))
+                # a per-sequence value: read from the rank's tokens (a sum of their addends), or from
+                # whole values only (a summed statistic, its gradient)
+                outs.append("P" if tokens_in else "R")
             elif val.dim() >= 3 and int(val.shape[0]) == roots[root]:
                 outs.append("S0")  # a stacked expert weight's view or gradient: E / tp experts per rank
             elif tokens_in:

@@ -53,8 +53,8 @@ class Fixed:
     """Expert tensor parallelism, Megatron-LM's ``--expert-tensor-parallel-size``: tp (or None,
     the default) splits each expert's hidden width over the tp ranks and folds ep over dp alone;
     1 keeps the experts whole and folds ep over tp as well (``ep = tp x k``, the ep group the tp
-    ranks and k data-parallel ranks: :mod:`autopar.planner.expert_folding`). Planned and priced;
-    :func:`autopar.parallelize` runs only the default."""
+    ranks and k data-parallel ranks: :mod:`autopar.planner.expert_folding`); None: the search
+    weighs both."""
     moe_imbalance: float | None = None
     """An assumption, not a decision: under ep, the busiest rank of an ep group receives this
     many times its balanced share of token rows (>= 1; None or 1: balanced routing). It prices

@@ -243,21 +243,17 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     cps = () if fixed.cp or fixed.ep else cp_options(gm, cluster.world_size)
     attention = find_attention(gm) if (fixed.cp and fixed.cp > 1) or cps else []
     if ep_runnable_only and not runnable_sites(experts):  # grouped-matmul experts: planned, not run, under ep
-        if fixed.ep and fixed.ep > 1:
+        if (fixed.ep and fixed.ep > 1) or fixed.etp == 1:
             grouped = next(s for s in experts if s.op != "autopar::moe_experts")
             raise autopar.PlanError(
-                f"ep={fixed.ep}: the experts of {grouped.module} run as a grouped matmul ({grouped.op}), which "
+                f"{f'ep={fixed.ep}' if fixed.ep and fixed.ep > 1 else 'etp=1'}: the experts of {grouped.module} run "
+                f"as a grouped matmul ({grouped.op}), which "
                 f"autopar.parallelize does not run under expert parallelism yet; plan it with autopar.plan or "
                 f"`autopar plan`, or drop ep")
         eps = ()
-    if ep_runnable_only and fixed.etp == 1:
-        raise autopar.PlanError("etp=1 (experts whole, ep folded over tp and dp) is planned and priced, but "
-                                "autopar.parallelize does not run it yet; plan it with autopar.plan or `autopar plan`, "
-                                "or drop etp (each expert then splits over tp)")
     # ep folded over tp as well (experts whole): pinned (etp=1), or weighed beside the default where
-    # the experts allow ep and the plan need not run (autopar.planner.expert_folding)
-    folds = (True,) if fixed.etp == 1 else (False, True) if fixed.etp is None and eps and not ep_runnable_only \
-        else (False,)
+    # the experts allow ep (autopar.planner.expert_folding)
+    folds = (True,) if fixed.etp == 1 else (False, True) if fixed.etp is None and eps else (False,)
     t0 = time.perf_counter()
     solved: dict[tuple[int, bool, bool], tuple[StrategyGraph, Solution]] = {}
     with progress("solving the sharding MIP"):

@@ -60,16 +60,21 @@ class CpEpBuild:
         the trace, so the traced program holds them); ShardedParams' expert arguments."""
         if self.ep == 1:
             return {}
-        from autopar.runtime.expert import cut_experts, ep_groups, expert_param_names
+        from autopar.runtime.expert import cut_experts, ep_groups, expert_param_names, folded_ep_group
 
         mesh = self.pp_mesh if self.plan.mesh["pp"] > 1 else self.mesh  # (every slice's groups, on every rank)
-        ep_group, replica_group = ep_groups(mesh.mesh, self.ep, dist.get_rank())
+        # ep folded over tp as well (etp=1): the dp part of ep cuts the experts here, the plan's
+        # expert-dim split over tp (S0) cuts them the rest of the way when the parameters are placed
+        folded = self.plan.experts.get("folded_over") == "tp x dp"
+        k = self.ep // self.plan.mesh["tp"] if folded else self.ep
+        ep_group, replica_group = ep_groups(mesh.mesh, k, dist.get_rank())
+        op_group = folded_ep_group(mesh.mesh, k, dist.get_rank()) if folded else ep_group
         names = expert_param_names(self.plan)
-        part = self.mesh.get_local_rank(0) % self.ep
+        part = self.mesh.get_local_rank(0) % k
         # (started from meta: the whole meta experts, put back while the model is initialised)
-        self._whole_experts = cut_experts(self.model, names, ep=self.ep, part=part, device=self.torch_device)
-        self._expert_rows = {f: (part * self._whole_experts[f].shape[0] // self.ep,
-                                 (part + 1) * self._whole_experts[f].shape[0] // self.ep) for f in self._whole_experts}
-        log.info("rank %d: experts cut to part %d of %d (ep group %s)", dist.get_rank(), part, self.ep,
-                 dist.get_process_group_ranks(ep_group))
-        return {"experts": names, "ep_group": ep_group, "replica_group": replica_group}
+        self._whole_experts = cut_experts(self.model, names, ep=k, part=part, device=self.torch_device)
+        self._expert_rows = {f: (part * self._whole_experts[f].shape[0] // k,
+                                 (part + 1) * self._whole_experts[f].shape[0] // k) for f in self._whole_experts}
+        log.info("rank %d: experts cut to part %d of %d (ep group %s)", dist.get_rank(), part, k,
+                 dist.get_process_group_ranks(op_group))
+        return {"experts": names, "ep_group": ep_group, "replica_group": replica_group, "op_group": op_group}

@@ -68,6 +68,12 @@ def placements_for_graph(gm: fx.GraphModule, plan: Plan) -> tuple[dict[str, OpPl
             members.setdefault(node.meta[mk.LAYER], []).append(node)
     ops: dict[str, OpPlacements] = {}
     params: dict[str, str] = {}
+    folded: set[str] = set()
+    if (plan.experts or {}).get("folded_over") == "tp x dp":  # (etp=1: the experts blocks on token shards)
+        from autopar.planner.expert_folding import block_ops
+        from autopar.planner.experts import find_experts
+
+        folded = {n.name for n in block_ops(gm, find_experts(gm))}
     for layer in gm.meta[mk.LAYERS]:
         source = _stand_in(layer.path, plan.layers)
         if source is None:
@@ -87,7 +93,7 @@ def placements_for_graph(gm: fx.GraphModule, plan: Plan) -> tuple[dict[str, OpPl
             if op is None:
                 raise PlanError(f"the plan's layer {source} has no op #{i} for {node.format_node()}; "
                                 f"it was made for another model: re-plan for this one")
-            ops[node.name] = OpPlacements(ins=tuple(op["in"]), outs=tuple(op["out"]))
+            ops[node.name] = OpPlacements(ins=tuple(op["in"]), outs=tuple(op["out"]), folded=node.name in folded)
         src_params = {k[len(source) + 1:] if k.startswith(source + ".") else k: v
                       for k, v in plan.layers[source]["params"].items()}
         for fqn in layer.param_fqns:

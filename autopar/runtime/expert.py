@@ -24,6 +24,13 @@ as ``examples/moe.py``'s ``MoE`` calls it, and as Hugging Face's gated-SiLU expe
 and ``down_proj``). Other grouped-matmul experts are planned under ep
 (:mod:`autopar.planner.experts`) but not run under it: runnable plans leave them out of ep.
 
+Folded over tp as well (the plan's ``etp=1``, :mod:`autopar.planner.expert_folding`): the ep
+group is the tp ranks of ``ep / tp`` consecutive dp ranks (:func:`folded_ep_group`), each tp rank
+routes its own tokens (the block's ops run on its shard: :func:`autopar.passes.shard.run_folded`),
+the dp part of ep cuts the experts here as above (``ep / tp`` parts, replicas ``ep / tp`` dp ranks
+apart in the tp column) and the plan's expert-dim split over tp (S0) cuts them the rest of the
+way when the parameters are placed.
+
 In the build (beside tp and pp, at any ZeRO stage, from real weights or ``meta``; beside tp
 the experts are replicated over tp and each tp rank exchanges tokens with its ep peers in its
 tp column, beside pp within its pipeline rank's slice): :func:`ep_groups` creates the groups,
@@ -43,21 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ep_groups", "expert_param_names", "cut_experts", "whole_experts_in", "point_experts_at", "EpLayout",
-           "check_ep_runnable"]
-
-
-def check_ep_runnable(folded_over_tp: bool) -> None:
-    """What ``parallelize`` runs under ep: ep folded over dp, each expert split over tp. A plan (or
-    a pinned ``etp=1``) that folds ep over tp as well, experts whole (Megatron-LM's expert tensor
-    parallel size 1, :mod:`autopar.planner.expert_folding`), is planned and priced only: a clear
-    error before any collective."""
-    if folded_over_tp:
-        from autopar.errors import PlanError
-
-        raise PlanError("this plan folds expert parallelism over tp and dp (etp=1, experts whole), which "
-                        "autopar.parallelize does not run yet; re-plan without etp (each expert then splits over "
-                        "tp) or read the plan with `autopar plan`")
+__all__ = ["ep_groups", "folded_ep_group", "expert_param_names", "cut_experts", "whole_experts_in",
+           "point_experts_at", "EpLayout"]
 
 
 def ep_groups(mesh_ranks: torch.Tensor, ep: int, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -80,6 +74,24 @@ def ep_groups(mesh_ranks: torch.Tensor, ep: int, rank: int) -> tuple[dist.Proces
                     if rank in ranks:
                         mine[kind] = group
     return mine["ep"], mine["replicas"]
+
+
+def folded_ep_group(mesh_ranks: torch.Tensor, k: int, rank: int) -> dist.ProcessGroup:
+    """The experts ops' group of ``rank`` when ep is folded over tp as well (the plan's ``etp=1``,
+    :mod:`autopar.planner.expert_folding`): the tp ranks of ``k`` consecutive dp ranks, ordered dp
+    rank then tp rank, so group rank ``j * tp + t`` holds chunk ``t`` (of tp, its tp shard) of dp
+    part ``j``'s experts: the experts' order, as the op's dispatch reads it. Every rank creates
+    every group, in the same order."""
+    slices = mesh_ranks if mesh_ranks.dim() == 3 else mesh_ranks.unsqueeze(0)
+    _, dp, _ = slices.shape
+    mine = None
+    for mesh in slices:
+        for g in range(dp // k):
+            ranks = [int(r) for r in mesh[g * k:(g + 1) * k].reshape(-1)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+    return mine
 
 
 def expert_param_names(plan) -> list[str]:

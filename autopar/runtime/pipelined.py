@@ -57,7 +57,7 @@ class PipelineBuild:
         if experts:
             from autopar.runtime.expert import point_experts_at
 
-            point_experts_at(self.gm, experts["ep_group"].group_name)
+            point_experts_at(self.gm, experts.pop("op_group").group_name)
         _check_scalar_loss(self.gm)
         self.ops, tp_params = placements_for_graph(self.gm, plan)
         stages = tag_stages(self.gm, stage_of_layers([st["layers"] for st in plan.stages]))
