@@ -36,7 +36,7 @@ now spans the tp ranks, are :func:`autopar.planner.experts.apply_ep`'s. Shared e
 (a child module named ``shared...``) keep the MIP's free choice: Megatron-LM runs them
 tensor-parallel beside the routed experts.
 
-:func:`autopar.parallelize` runs it (:func:`autopar.passes.shard.run_folded`, the groups in
+:func:`autopar.parallelize` runs it (:func:`autopar.passes.folded.run_folded`, the groups in
 :mod:`autopar.runtime.expert`; ``tests/dist/test_expert_folding_run.py`` trains it against one
 process); the search weighs it beside the default wherever tp > 1 and the experts allow ep.
 """

@@ -26,7 +26,7 @@ and ``down_proj``). Other grouped-matmul experts are planned under ep
 
 Folded over tp as well (the plan's ``etp=1``, :mod:`autopar.planner.expert_folding`): the ep
 group is the tp ranks of ``ep / tp`` consecutive dp ranks (:func:`folded_ep_group`), each tp rank
-routes its own tokens (the block's ops run on its shard: :func:`autopar.passes.shard.run_folded`),
+routes its own tokens (the block's ops run on its shard: :func:`autopar.passes.folded.run_folded`),
 the dp part of ep cuts the experts here as above (``ep / tp`` parts, replicas ``ep / tp`` dp ranks
 apart in the tp column) and the plan's expert-dim split over tp (S0) cuts them the rest of the
 way when the parameters are placed.
