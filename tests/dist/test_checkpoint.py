@@ -8,7 +8,8 @@ plans). AdamW's state must come along: restarted moments would move every parame
 about lr on the 4th step, thousands of times the tolerance. Pairs: DP4 -> TP2xDP2,
 ZeRO-3 DP4 -> PP2xDP2 (ZeRO-1), TP2xDP2 -> ZeRO-1 DP4 and, for the MoE example, ep=2 over
 dp=4 at ZeRO-3 -> ep=4 (each rank loads other experts' rows than it saved) and ep=4 -> ep=2 at
-ZeRO-2 (expert state in chunks over the replicas) in one 4-rank world, and
+ZeRO-2 (expert state in chunks over the replicas), and ep=4 folded over tp=2 x dp=2 (etp=1, ZeRO-1)
+-> ep=2 over dp=4, in one 4-rank world, and
 PP4 -> one process (a 1-rank world). The 1-rank world also checks keep=, async_save (the checkpoint
 holds the step it was taken at while training goes on) and export to one torch.save file
 and back. Bad checkpoints are checked in this process: one CheckpointError line each.
@@ -66,6 +67,7 @@ def _resume(rank, world, root, pairs):
             if rank == 0:
                 torch.save(saved, f"{root}/{name}-saved.pt")
             r["mesh_a"], r["ep_a"] = pm.plan.mesh, pm.ep
+            r["folded_a"] = (pm.plan.experts or {}).get("folded_over")
         else:
             for _ in range(BEFORE):
                 reference.step(run_ref)
@@ -119,6 +121,10 @@ FOUR = [
     # and back: whole parts saved, loaded as ZeRO-2 chunks (the optimizer's) of 2 parts
     ("moe_ep4_to_ep2", ("1x4xcpu", {"dp": 4, "ep": 4, "zero": 0, "microbatches": 1}),
      ("1x4xcpu", {"dp": 4, "ep": 2, "zero": 2, "microbatches": 1})),
+    # ep folded over tp (each rank 2 whole experts: its dp part's tp share) -> ep=2 over dp=4
+    ("moe_fold_to_ep2", (tp_friendly_cluster("1x4xcpu"), {"dp": 2, "tp": 2, "ep": 4, "etp": 1, "sp": True,
+                                                          "zero": 1, "microbatches": 1}),
+     ("1x4xcpu", {"dp": 4, "ep": 2, "microbatches": 1})),
 ]
 
 
@@ -153,6 +159,8 @@ def test_plans_are_the_pinned_ones(worlds):
     assert r["pp4_to_one"]["mesh_a"]["pp"] == 4
     assert (r["moe_ep2_to_ep4"]["ep_a"], r["moe_ep2_to_ep4"]["ep_b"]) == (2, 4)
     assert (r["moe_ep4_to_ep2"]["ep_a"], r["moe_ep4_to_ep2"]["ep_b"], r["moe_ep4_to_ep2"]["zero_b"]) == (4, 2, 2)
+    fold = r["moe_fold_to_ep2"]
+    assert (fold["ep_a"], fold["mesh_a"]["tp"], fold["folded_a"], fold["ep_b"]) == (4, 2, "tp x dp", 2)
 
 
 def test_keep_async_and_export_round_trip(worlds):

@@ -41,6 +41,8 @@ CONFIGS = [
     # the MoE example under ep=2: each rank keeps its half of each stacked expert tensor, cut out
     # of the whole tensor its module initialises (the rows one process has there)
     ("moe-ep2", "1x2xcpu", {"dp": 2, "ep": 2, "zero": 1, "microbatches": 1}),
+    # and folded over tp (etp=1): each tp rank keeps its tp share of every expert, whole experts
+    ("moe-fold", tp_only_cluster("1x2xcpu"), {"tp": 2, "ep": 2, "etp": 1, "sp": True, "microbatches": 1}),
 ]
 SHARDED = ("zero3", "pp2", "llama-zero3")
 """Plans under which a rank holds less than the whole model."""
