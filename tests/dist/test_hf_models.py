@@ -38,8 +38,9 @@ pytest.importorskip("transformers")
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 STEPS = 3
 MODELS = ["gpt2", "llama", "mistral", "qwen2", "mixtral", "bert", "t5", "vit"]
-# tp pinned on both, so the planner solves one sharding MIP per config
-CONFIGS = [("dp", "1x2xcpu", {"dp": 2, "tp": 1}), ("tp", tp_friendly_cluster("1x2xcpu"), {"tp": 2})]
+# tp pinned on both, so the planner solves one sharding MIP per config (etp = tp: Mixtral's experts
+# in the default layout, each split over tp; folded over tp they are tests/dist/test_expert_folding_run.py's)
+CONFIGS = [("dp", "1x2xcpu", {"dp": 2, "tp": 1}), ("tp", tp_friendly_cluster("1x2xcpu"), {"tp": 2, "etp": 2})]
 # Mixtral in two pipeline stages: its routers' backward ops that differentiate no forward op
 # of the graph join the block that reads them (autopar/passes/layers.py), not the loss's stage
 PIPELINED = [("mixtral", ("pp", "1x2xcpu", {"pp": 2, "dp": 1, "tp": 1, "microbatches": 2}))]
