@@ -244,13 +244,11 @@ class Plan:
         if ep is not None:
             if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
                 problems.append(f"experts ep={ep!r} must be an integer >= 1")
-            elif self.experts.get("folded_over") == "tp x dp" and isinstance(self.mesh.get("dp"), int) \
-                    and isinstance(self.mesh.get("tp"), int) and (ep % self.mesh["tp"]
-                                                                  or self.mesh["dp"] % (ep // self.mesh["tp"])):
+            elif self.ep_over_tp and isinstance(self.mesh.get("dp"), int) and isinstance(self.mesh.get("tp"), int) \
+                    and (ep % self.mesh["tp"] or self.mesh["dp"] % (ep // self.mesh["tp"])):
                 problems.append(f"experts ep={ep} folded over tp and dp must be tp={self.mesh['tp']} x k with k "
                                 f"dividing dp={self.mesh['dp']}")
-            elif self.experts.get("folded_over") != "tp x dp" and isinstance(self.mesh.get("dp"), int) \
-                    and self.mesh["dp"] % ep:
+            elif not self.ep_over_tp and isinstance(self.mesh.get("dp"), int) and self.mesh["dp"] % ep:
                 problems.append(f"experts ep={ep} does not divide dp={self.mesh['dp']} (ep folds over the dp ranks)")
             else:
                 for name, layer in self.experts.get("layers", {}).items():
@@ -261,6 +259,12 @@ class Plan:
             problems.append("a layer appears in more than one stage")
         if problems:
             raise PlanError("invalid plan: " + "; ".join(problems))
+
+    @property
+    def ep_over_tp(self) -> bool:
+        """Whether the plan's expert parallelism is folded over tp as well as dp (``etp=1``: each tp
+        rank routes its own tokens to experts kept whole; :mod:`autopar.planner.expert_folding`)."""
+        return (self.experts or {}).get("folded_over") == "tp x dp"
 
     def check_model(self, graph_hash: str) -> None:
         """A plan drives only the model it was made for."""

@@ -241,7 +241,7 @@ def expert_words(plan: Plan) -> list[str]:
     n = layers[0]["n_experts"] if layers else 0
     a2a = x.get("all_to_all", {})
     replicas = f"{x['replicas']} replica(s) of each expert part"
-    if x.get("folded_over") == "tp x dp":
+    if plan.ep_over_tp:
         where = (f"ep={x['ep']} folded over tp={plan.mesh.get('tp')} and dp={plan.mesh.get('dp')} (etp=1: each tp "
                  f"rank routes its share of the tokens to experts kept whole; {replicas})")
     else:

@@ -219,7 +219,7 @@ def _experts_table(plan: Plan) -> list[str]:
     if not rows:
         return []
     head = ("MoE block", "instances", "experts", "per rank", "all-to-all forward", "all-to-all backward")
-    folded = ", folded over tp and dp: etp=1" if plan.experts.get("folded_over") == "tp x dp" else ""
+    folded = ", folded over tp and dp: etp=1" if plan.ep_over_tp else ""
     return [f"<h2>Experts (ep={_e(plan.experts['ep'])}{folded}, {_e(plan.experts['replicas'])} replica(s))</h2>"
             "<table><tr>"
             + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>"

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.passes.dtensor_rules import dtensor_dispatches
 from autopar.passes.token_local import run_token_local, split_on_dp
@@ -64,11 +64,13 @@ def run_folded(node: fx.Node, args, kwargs, rule: OpPlacements, mesh: DeviceMesh
     placements declared on tp; on dp it runs as it would without tp: DTensor on the dp sub-mesh,
     the routing ops token-local (:func:`run_token_local`). Sizes the op is given are its tp shard's
     (:func:`_tp_local_sizes`)."""
-    from autopar.passes.shard import placement  # (shard runs this module's ops: imported when run)
+    from autopar.passes.shard import _run_local, placement  # (shard runs this module's ops: imported when run)
 
     args = _tp_local_sizes(node, args, rule.outs, mesh.size(tp_dim))
     if routing and split_on_dp(node, (args, kwargs), dp_dim):
         return run_token_local(node, args, kwargs, tuple(placement(o) for o in rule.outs), mesh, tp_dim, dp_dim)
+    if not dtensor_dispatches(node.target) and any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs))):
+        return _run_local(node, args, kwargs, rule, mesh, tp_dim, dp_dim)  # (local shards, batch-parallel on dp)
     sub = mesh[mesh.mesh_dim_names[dp_dim]]
 
     def down(v):
@@ -76,7 +78,7 @@ def run_folded(node: fx.Node, args, kwargs, rule: OpPlacements, mesh: DeviceMesh
             if isinstance(v, DTensor) else v
 
     args, kwargs = tree_map(down, (args, kwargs))
-    if sub.size() == 1 or not dtensor_dispatches(node.target):  # (one dp rank: its values are all of dp's)
+    if sub.size() == 1:  # (one dp rank: its values are all of dp's)
         local = tree_map(lambda v: v.to_local() if isinstance(v, DTensor) else v, (args, kwargs))
         result = node.target(*local[0], **local[1])
     else:

@@ -43,6 +43,7 @@ process); the search weighs it beside the default wherever tp > 1 and the expert
 
 from __future__ import annotations
 
+import operator
 from dataclasses import replace
 
 import torch
@@ -111,8 +112,6 @@ def block_ops(gm: fx.GraphModule, sites: list[ExpertSite]) -> dict[fx.Node, str]
     """The ops of ``gm`` that a fold puts on token shards, each with its block's root: forward
     and backward ops traced in an experts block (shared experts excluded), and the sums of a
     block's gradient addends that autograd adds outside any module (every tensor input theirs)."""
-    import operator
-
     roots = block_roots(sites)
     out: dict[fx.Node, str] = {}
 

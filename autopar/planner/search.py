@@ -309,7 +309,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             out += [(e, ept) for e in tried if e % ept == 0 and dp % (e // ept) == 0]
         return out
 
-    dp_prefixes: dict[tuple, list[float]] = {}  # (tp, sp, mbs, zero, dp, m, ep, cp) -> _dp_comm_prefix
+    dp_prefixes: dict[tuple, list[float]] = {}  # (tp, sp, mbs, zero, dp, m, ep, cp, ep_tp) -> _dp_comm_prefix
 
     def dp_prefix(tp: int, sp: bool, mbs: int, zero: int, dp: int, m: int, ep: int, cp: int, ept: int) -> list[float]:
         key = (tp, sp, mbs, zero, dp, m, ep, cp, ept)

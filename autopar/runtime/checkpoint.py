@@ -181,7 +181,7 @@ def _expert_parts(pm) -> dict[str, tuple[int, torch.Size]]:
     ep, params = getattr(pm, "ep", 1), getattr(pm, "params", None)
     if ep <= 1 or params is None or not pm._compiled:
         return {}
-    if (pm.plan.experts or {}).get("folded_over") == "tp x dp":  # (etp=1: cut to ep / tp dp parts, the
+    if pm.plan.ep_over_tp:  # (etp=1: cut to ep / tp dp parts, the
         ep //= pm.plan.mesh["tp"]                                  # tp split is the parameter's placement)
         if ep == 1:
             return {}

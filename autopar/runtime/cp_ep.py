@@ -65,7 +65,7 @@ class CpEpBuild:
         mesh = self.pp_mesh if self.plan.mesh["pp"] > 1 else self.mesh  # (every slice's groups, on every rank)
         # ep folded over tp as well (etp=1): the dp part of ep cuts the experts here, the plan's
         # expert-dim split over tp (S0) cuts them the rest of the way when the parameters are placed
-        folded = self.plan.experts.get("folded_over") == "tp x dp"
+        folded = self.plan.ep_over_tp
         k = self.ep // self.plan.mesh["tp"] if folded else self.ep
         ep_group, replica_group = ep_groups(mesh.mesh, k, dist.get_rank())
         op_group = folded_ep_group(mesh.mesh, k, dist.get_rank()) if folded else ep_group

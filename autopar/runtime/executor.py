@@ -69,7 +69,7 @@ def placements_for_graph(gm: fx.GraphModule, plan: Plan) -> tuple[dict[str, OpPl
     ops: dict[str, OpPlacements] = {}
     params: dict[str, str] = {}
     folded: set[str] = set()
-    if (plan.experts or {}).get("folded_over") == "tp x dp":  # (etp=1: the experts blocks on token shards)
+    if plan.ep_over_tp:  # (etp=1: the experts blocks on token shards)
         from autopar.planner.expert_folding import block_ops
         from autopar.planner.experts import find_experts
 
