@@ -27,6 +27,7 @@ from pathlib import Path
 
 from autopar import progress
 from autopar.errors import AutoparError, OutputPathError
+from autopar.planner.fixed import FIXED_KEYS
 
 PRECISION_CHOICES = ("fp32", "bf16-mixed", "bf16-mixed-bf16-reduce", "bf16")
 """``autopar.precision.PRECISIONS`` and its alias, spelled out so ``autopar diff`` need not import torch
@@ -203,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="choose mesh, sharding, pipeline cuts and schedule; print and save the plan")
     model_args(p)
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
-                   help="pin a decision: tp, pp, dp, zero, schedule, microbatch_size, microbatches, recompute")
+                   help=f"pin a decision, repeatable: {', '.join(FIXED_KEYS)} (cuts: the layers where pipeline "
+                        f"stages 1, 2, ... begin, comma-separated, e.g. cuts=layers.16,layers.32,layers.48)")
     p.add_argument("--precision", choices=PRECISION_CHOICES, default=None,
                    help="training precision: fp32 (no casts), bf16-mixed (fp32 masters, bf16 compute, fp32 "
                         "gradient reduction; 'bf16' for short) or bf16-mixed-bf16-reduce; default bf16-mixed on "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from autopar.errors import PlanError
 
-__all__ = ["Fixed", "FIXED_KEYS", "SCHEDULES", "RECOMPUTE", "PINNED_RECOMPUTE"]
+__all__ = ["Fixed", "FIXED_KEYS", "check_cuts", "SCHEDULES", "RECOMPUTE", "PINNED_RECOMPUTE"]
 
 CP_VARIANTS = ("ring", "allgather")  # (autopar.context.VARIANTS, without importing the runtime op)
 PINNED_CP_VARIANTS = (*CP_VARIANTS, "torch")
@@ -26,7 +26,7 @@ PINNED_RECOMPUTE = (*RECOMPUTE, "sac")
 selective checkpointing: "selective" plus every second matmul of a layer), priced for runs made
 that way (``bench/fidelity.py``) and never chosen by the search."""
 FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
-              "virtual_stages", "ep", "etp", "moe_imbalance", "cp", "cp_variant")
+              "virtual_stages", "ep", "etp", "moe_imbalance", "cp", "cp_variant", "cuts")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -68,6 +68,12 @@ class Fixed:
     behind the block computation) or "allgather" (all K/V gathered first); None: per attention
     op, whichever the cost model says leaves less exposed. "torch" (:data:`PINNED_CP_VARIANTS`)
     prices torch's own program, for runs made with it; autopar's runtime refuses such a plan."""
+    cuts: tuple[str, ...] | None = None
+    """The pipeline layout: the layer each stage after the first begins with, in order (the
+    names the plan's stages list: module paths such as ``"model.layers.8"``, or ``"<loss>"``),
+    so ``len(cuts) + 1`` stages, pp x virtual_stages of them (Megatron-LM's
+    ``--pipeline-model-parallel-layout``, torchtitan's ``module_fqns_per_model_part``); None: the
+    partitioner balances the stages. On the command line, comma-separated."""
 
     @classmethod
     def from_dict(cls, fixed: dict | None) -> Fixed:
@@ -96,6 +102,20 @@ class Fixed:
                                     f"rows over its balanced share (1 = balanced routing, 1.2 = 20% more)")
                 values[key] = factor
                 continue
+            if key == "cuts":
+                names = [n.strip() for n in value.split(",")] if isinstance(value, str) else value
+                if not isinstance(names, (list, tuple)) or not names or \
+                        not all(isinstance(n, str) and n.strip() for n in names):
+                    problems.append(f"cuts={value!r} must name the first layer of each stage after the first "
+                                    f"(a non-empty list of layer names, comma-separated on the command line)")
+                    continue
+                names = tuple(n.strip() for n in names)
+                twice = sorted({n for n in names if names.count(n) > 1})
+                if twice:
+                    problems.append(f"cuts name {', '.join(twice)} more than once: each stage begins at a different "
+                                    f"layer")
+                values[key] = names
+                continue
             if key in ("schedule", "recompute", "cp_variant"):
                 allowed = {"schedule": SCHEDULES, "recompute": PINNED_RECOMPUTE, "cp_variant": PINNED_CP_VARIANTS}[key]
                 if value not in allowed:
@@ -116,4 +136,40 @@ class Fixed:
         return cls(**values)
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in FIXED_KEYS if getattr(self, k) is not None}
+        return {k: list(v) if k == "cuts" else v for k in FIXED_KEYS if (v := getattr(self, k)) is not None}
+
+    @property
+    def n_stages(self) -> int | None:
+        """The stage count pinned cuts give (None: cuts not pinned)."""
+        return None if self.cuts is None else len(self.cuts) + 1
+
+
+def check_cuts(fixed: Fixed, layers: list[str]) -> tuple[int, ...] | None:
+    """Pinned cuts as indices into ``layers`` (every layer instance, in program order), where
+    each stage after the first begins; None if not pinned. Raises :class:`PlanError` for a
+    name that is no layer, cuts out of order, or a stage count no pinned pp and
+    virtual_stages give."""
+    if fixed.cuts is None:
+        return None
+    index = {name: i for i, name in enumerate(layers)}
+    unknown = [n for n in fixed.cuts if n not in index]
+    if unknown:
+        shown = ", ".join(layers[:4]) + (f", ..., {', '.join(layers[-3:])}" if len(layers) > 7 else
+                                         ", ".join([""] + layers[4:]))
+        raise PlanError(f"fixed cuts name {', '.join(map(repr, unknown[:5]))}{' ...' if len(unknown) > 5 else ''}, "
+                        f"not a layer of the model; its {len(layers)} layers in order: {shown}")
+    starts = tuple(index[n] for n in fixed.cuts)
+    bad = [(a, b) for a, b in zip(fixed.cuts, fixed.cuts[1:]) if index[a] >= index[b]]
+    if starts[0] == 0 or bad:
+        what = (f"{fixed.cuts[0]!r} is the first layer (stage 0 begins there; name where stages 1, 2, ... begin)"
+                if starts[0] == 0 else f"{bad[0][1]!r} comes before {bad[0][0]!r} in the model")
+        raise PlanError(f"fixed cuts are not in the model's layer order: {what}")
+    n = len(starts) + 1
+    v = fixed.virtual_stages or (1 if fixed.schedule not in (None, "interleaved") else None)
+    if fixed.pp is not None and (n % fixed.pp or (v is not None and fixed.pp * v != n)):
+        per = f"pp={fixed.pp} x virtual_stages={v}" if v is not None else f"pp={fixed.pp}"
+        k = fixed.pp * (v or 1) - 1
+        raise PlanError(f"fixed cuts give {n} stages ({len(starts)} cuts), which {per} "
+                        f"{'does not divide' if v is None else f'= {fixed.pp * v} does not match'}; "
+                        f"name {k} cut{'s' if k != 1 else ''}, or pin pp and virtual_stages to match")
+    return starts

@@ -43,6 +43,7 @@ from autopar.planner.expert_folding import fold_experts
 from autopar.planner.ilp import Solution, build_problem, solve
 from autopar.planner.record import expanded_names, first_value, shared_params, to_plan, token_sharded
 from autopar.planner.search import Fixed, Unit, search
+from autopar.planner.fixed import check_cuts
 from autopar.progress import progress
 
 log = logging.getLogger(__name__)
@@ -235,6 +236,8 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     if precision is None:
         precision = plan_precision({"precision": "fp32" if _param_dtype(gm) == "fp32" else "bf16-mixed"})
     policy, precision = precision, precision.name
+    names = expanded_names(layers, info)
+    check_cuts(fixed, [n for layer in layers for n in names[layer.path]])  # before the MIP solves
     experts = find_experts(gm)
     check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp, etp=fixed.etp)
     eps = ep_options(experts)
@@ -269,7 +272,6 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
         raise autopar.PlanError(f"sp={fixed.sp} needs tensor parallelism over a sequence: pin tp > 1 (tp options "
                                 f"here: {_tp_options(cluster, fixed)}), or leave sp free")
     t1 = time.perf_counter()
-    names = expanded_names(layers, info)
     shared = shared_params(gm)
     cut_table = CutTable(gm)
     cache: dict[tuple[int, int, bool, int, int, int], list[Unit]] = {}

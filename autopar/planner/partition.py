@@ -165,8 +165,10 @@ def _range_max(table: list[list[float]], i: int, j: int) -> float:
 def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
                inflight: tuple[int, ...], memo: dict | None = None,
                buffers: tuple[float, float] = (0.0, 0.0),
-               expert_per_param: float = 0.0) -> list[tuple[int, int]] | None:
+               expert_per_param: float = 0.0, starts: tuple[int, ...] | None = None) -> list[tuple[int, int]] | None:
     """Contiguous cuts minimising the slowest stage under the memory cap (None if none fits).
+    ``starts`` (the user's pinned layout: the unit each stage after the first begins with) gives
+    the cuts instead, None if a stage of it exceeds the cap.
 
     With ``memo`` (one dict per search; units are keyed by tp, sp, micro-batch size and ep) the
     cuts that ignore memory are made once per (units, recompute, stages) and reused by every
@@ -176,13 +178,21 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     search from the same start). Only configurations it does not fit are cut again under
     their cap, starting the bisection at the uncapped one's bound (a cap only lowers what
     fits, so no capped cut has a faster slowest stage)."""
-    if memo is None:
+    if memo is None and starts is None:
         return _cut(_Layers(units, cfg.recompute), cfg, cap=cap, state_per_param=state_per_param,
                     inflight=inflight, buffers=buffers, expert_per_param=expert_per_param)[0]
     layers_key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp, cfg.ep_tp)
-    layers = memo.get(layers_key)
+    layers = memo.get(layers_key) if memo is not None else None
     if layers is None:
-        layers = memo[layers_key] = _Layers(units, cfg.recompute)
+        layers = _Layers(units, cfg.recompute)
+        if memo is not None:
+            memo[layers_key] = layers
+    if starts is not None:
+        points = [0, *starts, len(units)]
+        fits = layers.rule(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
+                           expert_per_param=expert_per_param)
+        cuts = list(zip(points, points[1:]))
+        return cuts if all(fits(i, j, s) for s, (i, j) in enumerate(cuts)) else None
     key = layers_key + (cfg.pp, cfg.virtual_stages)
     if key not in memo:
         memo[key] = _cut(layers, cfg, cap=math.inf, state_per_param=0.0, inflight=(0,) * cfg.n_stages)

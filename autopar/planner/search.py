@@ -294,6 +294,13 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
         tried = [fixed.cp] if fixed.cp else cp_options
         return [c for c in tried if dp % c == 0 and (c == 1 or ep == 1)]
 
+    def pinned_starts(units: list[Unit]) -> tuple[int, ...] | None:
+        """The pinned cuts' stage starts (unit indices; the planner checked the names)."""
+        if not fixed.cuts:
+            return None
+        index = {u.path: i for i, u in enumerate(units)}
+        return tuple(index[name] for name in fixed.cuts)
+
     def solved(tp: int, sp: bool, ept: int) -> bool:
         return (tp, sp, ept > 1) in variants if variants is not None else ept == 1
 
@@ -327,7 +334,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
             if (fixed.pp and pp != fixed.pp) or (fixed.dp and dp != fixed.dp) or pp > n_units \
-                    or not eps(tp, pp, dp):  # ep folds over the dp ranks
+                    or (fixed.cuts and fixed.n_stages % pp) or not eps(tp, pp, dp):  # ep folds over the dp ranks
                 continue
             for cp in sorted({c for ep, _ in eps(tp, pp, dp) for c in cps(dp, ep)}):
                 groups = dp // cp  # cp folds over the dp ranks: dp / cp groups split the batch
@@ -418,7 +425,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             # a rank holds v stages: each gets 1/v of the memory (a conservative split)
             cuts = _partition(units, cfg, cap=cap / cfg.virtual_stages, state_per_param=per_param[0],
                               inflight=inflight, memo=cut_memo,
-                              buffers=zero_buffers(cfg.zero, precision), expert_per_param=per_param[1])
+                              buffers=zero_buffers(cfg.zero, precision), expert_per_param=per_param[1],
+                              starts=pinned_starts(units))
             clock["partition_s"] += time.perf_counter() - t0
             if cuts is None:
                 if not top:
@@ -445,6 +453,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             dp_link = cluster.link_for_group(dp, stride=tp)
             for kind in _schedules(fixed, pp):
                 for v in _virtual_options(kind, fixed, pp, m, n_units):
+                    if fixed.cuts and pp * v != fixed.n_stages:
+                        continue  # not the pinned layout's stage count
                     for zero in zeros(dp):
                         per_param = state_per_param(zero, dp, ep // ept, precision)
                         for recompute in recomputes:
@@ -461,7 +471,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                                 dp_comm_s=dp_prefix(tp, sp, mbs, zero, dp, m, ep, cp, ept)[-1], virtual_stages=v)),
                                 CONFIG, key))
     if not top:
-        least = min(((_min_memory(u, c, pp_, inf, zero_buffers(c.zero, precision)), c, _largest_op(u))
+        least = min(((_min_memory(u, c, pp_, inf, zero_buffers(c.zero, precision), pinned_starts(u)), c,
+                      _largest_op(u))
                      for c, u, pp_, inf in infeasible),
                     key=lambda x: x[0], default=(math.inf, None, None))
         raise _infeasible(least, cluster, fixed, skipped_batch, global_batch, world)
@@ -479,16 +490,18 @@ def _rank_key(time_of):
 
 
 def _min_memory(units: list[Unit], cfg: Config, per_param: tuple[float, float], inflight: tuple[int, ...],
-                buffers: tuple[float, float] = (0.0, 0.0)) -> float:
-    """Peak stage memory of an even split (for the 'smallest device that would fit' message),
-    counted as :meth:`_Layers.fits` counts it: state, activations in flight, the full-recompute
-    working set, the largest op's working set (a stage cannot hold less than its biggest
-    unit's, however the cuts fall) and ZeRO's buffers for the largest group."""
+                buffers: tuple[float, float] = (0.0, 0.0), starts: tuple[int, ...] | None = None) -> float:
+    """Peak stage memory of an even split (of the pinned layout's stages where ``starts`` gives
+    them; for the 'smallest device that would fit' message), counted as :meth:`_Layers.fits`
+    counts it: state, activations in flight, the full-recompute working set, the largest op's
+    working set (a stage cannot hold less than its biggest unit's, however the cuts fall) and
+    ZeRO's buffers for the largest group."""
     n, pp = len(units), cfg.pp
     size = math.ceil(n / pp) if pp <= n else 1
+    points = [0, *starts, n] if starts is not None else None
     worst = 0.0
-    for s in range(min(pp, n)):
-        chunk = units[s * size:(s + 1) * size]
+    for s in range(len(points) - 1 if points else min(pp, n)):
+        chunk = units[points[s]:points[s + 1]] if points else units[s * size:(s + 1) * size]
         if not chunk:
             break
         acts = sum(_unit_times(u, cfg.recompute)[3] for u in chunk)
@@ -595,4 +608,5 @@ def _infeasible(least, cluster: Cluster, fixed: Fixed, skipped_batch: int, batch
         f"device (tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} zero={cfg.zero} recompute={cfg.recompute} "
         f"microbatch_size={cfg.microbatch_size} {cfg.schedule}) but a {cluster.device.name} offers "
         f"{have / 1e9:.1f} GB after a {MEMORY_RESERVE:.0%} reserve; use more devices, a device with more "
-        f"memory, or a smaller batch or sequence{biggest}")
+        f"memory, or a smaller batch or sequence{biggest}"
+        f"{'; or move the pinned cuts (or leave them to the partitioner)' if fixed.cuts else ''}")

@@ -1,4 +1,5 @@
-"""Pipeline parallelism on gloo: every schedule, 2 and 4 stages, 4 and 8 micro-batches.
+"""Pipeline parallelism on gloo: every schedule, 2 and 4 stages, 4 and 8 micro-batches, and
+layouts pinned by ``fixed={"cuts": ...}``.
 
 Each spawned world trains the GPT example (4 blocks, tied embedding and output
 head, so the first and last stage share a parameter) for 3 AdamW steps under
@@ -72,6 +73,7 @@ def _train(rank, world, configs):
             report[f"{name}_{kind}"] = {
                 "raw": raw, "losses": losses, "grad_err": grad_err, "param_err": param_err,
                 "mesh": plan.mesh, "schedule": plan.schedule, "n_stages": len(plan.stages),
+                "stages": [list(st["layers"]) for st in plan.stages],
                 "tp_pieces": [m["dtype"] for c in plan.communication.get("p2p", {}).get("pp", {}).get("cuts", [])
                               for m in c["forward"] + c["backward"] if m.get("tp_gather_bytes")],
                 "ran": list(pm.runner.log),
@@ -102,7 +104,15 @@ def _configs(pp: int, world: int) -> list:
     return out
 
 
-TWO = _configs(2, 2)
+TWO = _configs(2, 2) + [
+    # pinned layouts (fixed cuts), unlike the partitioner's: 1 block and 3 on the stages; the
+    # embeddings alone on interleaved stage 0, the head and loss alone on stage 3
+    ("pinned", "gpt", GPT4, "1x2xcpu", {"pp": 2, "dp": 1, "tp": 1, "microbatches": 4, "cuts": "transformer.h.1"},
+     ("1f1b",)),
+    ("pinned_v2", "gpt", GPT4, "1x2xcpu", {"pp": 2, "dp": 1, "tp": 1, "microbatches": 4,
+                                           "cuts": ["transformer.h.0", "transformer.h.3", "lm_head"]},
+     ("interleaved",)),
+]
 FOUR = _configs(4, 4) + [
     ("pp2xdp2", "gpt", GPT4, "1x4xcpu", {"pp": 2, "dp": 2, "tp": 1, "zero": 3, "microbatches": 4},
      ("zb-h1", "1f1b")),
@@ -138,6 +148,15 @@ def test_two_ranks_match_single_process(two_ranks, name):
         _check(two_ranks, rank, name)
         assert r[name]["mesh"]["pp"] == 2
         assert r[name]["n_stages"] == (4 if name.endswith("interleaved") else 2)
+
+
+def test_pinned_layouts_run_as_pinned(two_ranks):
+    blocks = [f"transformer.h.{i}" for i in range(4)]
+    embed = ["transformer.wte", "transformer.wpe", "transformer.drop"]
+    assert two_ranks[0]["pinned_1f1b"]["stages"] == [embed + blocks[:1], blocks[1:] + ["transformer.ln_f", "lm_head",
+                                                                                       "<loss>"]]
+    assert two_ranks[0]["pinned_v2_interleaved"]["stages"] == [embed, blocks[:3], blocks[3:] + ["transformer.ln_f"],
+                                                               ["lm_head", "<loss>"]]
 
 
 @pytest.mark.parametrize("name", _names(FOUR))
