@@ -53,7 +53,11 @@ Rows left out, and why: the Float8 rowwise rows (another kernel). Megatron-LM's 
 the tp ranks) is the last row, pinned with ``etp=1`` (:mod:`autopar.planner.expert_folding`),
 ``zero=1`` (Megatron's distributed optimizer), selective recompute (its norms and the experts'
 activation recomputed), on the catalog's H100 (80 GB, cuDNN attention as Transformer Engine runs
-it), its blocks priced as fused (TE's fused norms, RoPE, SwiGLU and permutes), routing balanced.
+it), its blocks priced as fused (TE's fused norms, RoPE, SwiGLU and permutes) and its loss too
+(``--cross-entropy-loss-fusion``), Megatron's pipeline layout pinned (``cuts``:
+:func:`megatron_cuts`, the embedding and the loss counted as a layer each), and the routing
+imbalance of its dropless router measured on the model zoo's long-context pair
+(:data:`QWEN3_235B_DROPLESS_IMBALANCE`).
 DeepSeek-V3 671B (torchtitan, FSDP64 EP32 PP8) is printed apart (``--moe``): its model is
 transformers' DeepseekV3 (whose gated-SiLU experts autopar traces as its own experts op), a
 stand-in for torchtitan's model. It is planned with ``zero=1``, the program torchtitan's FSDP
@@ -116,6 +120,9 @@ class Row:
     device: str = ""
     """The catalog device the run's GPUs are ("": torchtitan's Grand Teton H100, FlashAttention-2:
     :func:`torchtitan_device`)."""
+    fused_loss: bool = False
+    """The loss (cross-entropy of the head's logits) priced as one fused kernel, as Megatron-LM's
+    ``--cross-entropy-loss-fusion`` runs it (torchtitan compiles the blocks only)."""
 
 
 def _qwen3(dp: int, tp: int, lb: int, tok_s: float | None, mem_gib: float | None, compiled: bool = False) -> Row:
@@ -126,6 +133,35 @@ def _qwen3(dp: int, tp: int, lb: int, tok_s: float | None, mem_gib: float | None
     return Row(label=label, model="qwen3:32b", nodes=dp * tp // 8, seq=4096, local_batch=lb,
                fixed={"dp": dp, "tp": tp, "pp": 1, "zero": 3, "recompute": "full", **({"sp": True} if tp > 1 else {})},
                tok_s=tok_s, mem_gib=mem_gib, compiled=compiled, source=_QW)
+
+
+def megatron_cuts(n_layers: int, n_stages: int) -> list[str]:
+    """Megatron-LM's pipeline layout under ``--account-for-embedding-in-pipeline-split`` and
+    ``--account-for-loss-in-pipeline-split`` (the model zoo's Qwen3 config), as pinned cuts of a
+    Hugging Face decoder: the embedding and the loss count as one layer each, so every stage
+    holds (n_layers + 2) / n_stages of them; stage 0 begins with the embedding, the last ends
+    with the final norm, head and loss. The names where stages 1.. begin."""
+    per, rest = divmod(n_layers + 2, n_stages)
+    assert not rest, (n_layers, n_stages)
+    # virtual layer i: 0 the embedding, 1..n_layers the decoder layers, n_layers + 1 the loss side
+    return [f"model.layers.{i - 1}" if i <= n_layers else "model.norm" for i in range(per, n_layers + 2, per)]
+
+
+QWEN3_235B_DROPLESS_IMBALANCE = 1.58
+"""How much more than its balanced share of token rows the busiest rank of an ep group of 8
+receives, Qwen3-235B-A22B under Megatron-LM's dropless top-8 routing (aux loss 1e-3, from
+scratch on real data: the model zoo's runs), measured apart from the row it is used in: the
+model zoo's long-context table ran the same model on 256 H100s at sequence 16384 (TP4 PP8 VPP4
+EP8 etp 1, GBS 256) with forced load balance, 295 TFLOPS/GPU, and dropless, 237. By Megatron's
+own FLOP count (``num_floating_point_operations``: 204.8 GFLOP per token there) those are steps of
+11.37 s and 14.16 s; autopar prices that run balanced, then finds the imbalance whose added time
+is the measured 2.78 s (:func:`fit_dropless_imbalance`, ``--fit-imbalance``). Priced with
+``recompute="full"`` because the run recomputes each MoE layer (``--recompute-modules layernorm
+moe``), whose forward the imbalance slows twice; the attention recomputed with it moves the
+balanced time only, not the difference. Not priced: that run's DeepEP dispatcher, whose bytes
+(one copy per destination rank, not per expert) are about a third fewer than the all-to-all's,
+which would raise the fit by roughly 0.05 (a smaller share of the difference is
+all-to-all time)."""
 
 
 # Published rows, read at their sources (see bench/calibration.yaml for what was verified).
@@ -215,8 +251,9 @@ ROWS = [
     Row(label="Qwen3-235B-A22B TP2 EP8 (etp=1) PP32 VPP3 DP4 mbs1 sel. recompute (Megatron-LM, all-to-all)",
         model="qwen3moe:235b", nodes=32, seq=4096, local_batch=512,
         fixed={"dp": 4, "tp": 2, "pp": 32, "ep": 8, "etp": 1, "sp": True, "zero": 1, "recompute": "selective",
-               "schedule": "interleaved", "virtual_stages": 3, "microbatch_size": 1, "microbatches": 512},
-        tok_s=2048 * 4096 / 24.2 / 256, mem_gib=None, compiled=True, device="H100",
+               "schedule": "interleaved", "virtual_stages": 3, "microbatch_size": 1, "microbatches": 512,
+               "moe_imbalance": QWEN3_235B_DROPLESS_IMBALANCE, "cuts": megatron_cuts(94, 96)},
+        tok_s=2048 * 4096 / 24.2 / 256, mem_gib=None, compiled=True, device="H100", fused_loss=True,
         source="yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md (A2A row, main 1e057005)"),
 ]
 
@@ -356,6 +393,46 @@ def _in_a_block(layer: str) -> bool:
     return len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit()
 
 
+def _fused_loss_too(layer: str) -> bool:
+    """The blocks and the loss: Megatron-LM's fused kernels (TE's in the blocks, its fused
+    cross-entropy over the vocabulary-parallel logits)."""
+    return _in_a_block(layer) or layer == "<loss>"
+
+
+def fit_dropless_imbalance() -> float:
+    """:data:`QWEN3_235B_DROPLESS_IMBALANCE` from its source pair (printed as it goes): the model
+    zoo's Qwen3-235B run at sequence 16384 on 32 x 8 H100 (TP4 PP8 VPP4 EP8, etp 1, DP8, GBS 256,
+    MBS 1; Megatron's layout), balanced and at the imbalance that adds the measured 2.78 s, by
+    bisection (about 30 s)."""
+    seq, gbs = 16384, 256
+    # Megatron's count per token: 3 x 2 x (experts + attention projections + causal core) + head
+    per_token = 6 * (4096 * 1536 * 8 * 3 * 94 + (4096 * (8192 + 2 * 512) + 8192 * seq + 8192 * 4096) * 94
+                     + 4096 * 151936)
+    forced, dropless = (gbs * seq * per_token / (256 * tf * 1e12) for tf in (295, 237))
+    print(f"measured (long-context table, seq {seq}): forced balance {forced:.2f} s, dropless {dropless:.2f} s, "
+          f"difference {dropless - forced:.2f} s")
+    device = lookup_device("H100")
+    cluster = Cluster(nodes=32, devices_per_node=8, device=device.with_overrides(hbm_bytes=64 * device.hbm_bytes))
+    model, inputs, _, _ = qwen3_235b_a22b(gbs, seq)
+
+    def step(imbalance: float, recompute: str = "full") -> float:
+        fixed = {"dp": 8, "tp": 4, "pp": 8, "ep": 8, "etp": 1, "sp": True, "zero": 1, "recompute": recompute,
+                 "schedule": "interleaved", "virtual_stages": 4, "microbatch_size": 1, "microbatches": 32,
+                 "moe_imbalance": imbalance, "cuts": megatron_cuts(94, 32)}
+        return make_plan(model, inputs, cluster=cluster, fixed=fixed,
+                         compiled_layers=_fused_loss_too).predicted["step_time_s"]
+
+    balanced = step(1.0)
+    lo, hi = 1.0, 3.0
+    while hi - lo > 0.005:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step(mid) - balanced < dropless - forced else (lo, mid)
+    print(f"predicted balanced: {step(1.0, 'selective'):.2f} s with selective recompute, {balanced:.2f} s with full "
+          f"(the run recomputed the norms and MoE layers, between the two; measured {forced:.2f} s); "
+          f"the imbalance adding {dropless - forced:.2f} s: {(lo + hi) / 2:.2f}")
+    return (lo + hi) / 2
+
+
 def torchtitan_float8(path: str) -> bool:
     """The linears torchtitan converts to Float8 (``torchtitan/float8.py`` at 9dec370:
     ``module_filter_fn=lambda mod, fqn: fqn != "output"``): all but the output head."""
@@ -397,7 +474,7 @@ def predict(row: Row) -> dict:
     fixed = {"microbatch_size": row.local_batch, "microbatches": 1, **row.fixed}  # (pp rows name their own)
     start = time.perf_counter()
     plan = make_plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed,
-                     compiled_layers=_in_a_block if row.compiled else None,
+                     compiled_layers=_fused_loss_too if row.fused_loss else _in_a_block if row.compiled else None,
                      float8_linears=torchtitan_float8 if row.float8 else None, async_tp=row.async_tp,
                      replicated=torchtitan_qk_replicated if row.model == "qwen3:32b" and row.fixed.get("tp", 1) > 1
                      else None)
@@ -411,9 +488,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="run rows whose label contains this (case-insensitive)")
     parser.add_argument("--moe", action="store_true", help="plan the DeepSeek-V3 stand-in instead of the rows")
+    parser.add_argument("--fit-imbalance", action="store_true",
+                        help="re-derive QWEN3_235B_DROPLESS_IMBALANCE from its source pair instead of the rows")
     args = parser.parse_args()
     if args.moe:
         moe_stand_in(1)
+        return
+    if args.fit_imbalance:
+        fit_dropless_imbalance()
         return
     rows = [r for r in ROWS if args.only.lower() in r.label.lower()]
     print("| row | GPUs | measured tok/s/GPU | predicted | error | measured GiB | predicted GiB | fits 95 GiB | MFU pred |")
