@@ -78,6 +78,7 @@ from autopar.plan import Plan
 from autopar.progress import progress
 from autopar.runtime.context import check_cp_runnable
 from autopar.runtime.cp_ep import CpEpBuild
+from autopar.runtime.expert import check_dispatch_runnable
 from autopar.runtime.device import bind_local_device, local_device
 from autopar.runtime.pipelined import PipelineBuild
 from autopar.runtime.startup import Startup, _batch_size, _split_batch
@@ -209,11 +210,13 @@ class ParallelModule(PipelineBuild, Startup, CpEpBuild):
 
             fixed = Fixed.from_dict(self.fixed)
             check_cp_runnable(fixed.cp, ep=fixed.ep, compile=self.compile, variants=fixed.cp_variant or ())
+            check_dispatch_runnable(fixed.ep_dispatch)
             check_batch_split(_batch_size(values), fixed)
         else:
             context = self._given_plan.context or {}
             check_cp_runnable(context.get("cp"), ep=self._given_plan.experts.get("ep"), compile=self.compile,
                               variants=context.get("variants", ()))
+            check_dispatch_runnable(self._given_plan.experts.get("dispatch"))
         bind_local_device(self.device)  # before the first collective: NCCL binds to the current GPU
         init_process_group(self.device, self.timeout_s)
         self._watch = peer_watch(self.timeout_s)

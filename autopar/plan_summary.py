@@ -249,7 +249,12 @@ def expert_words(plan: Plan) -> list[str]:
     blocks = sum(layer["instances"] for layer in layers)
     return [f"experts: {where}; {n // x['ep'] if n else 0} of {n} experts per rank in each of {blocks} MoE "
             f"layer(s), rank r holding part r mod ep; dispatch/combine all-to-all {fmt_bytes(a2a.get('bytes', 0))} "
-            f"per step ({a2a.get('link', '?')}), {x.get('routing', '')}"]
+            f"per step ({a2a.get('link', '?')}{_DISPATCH_WORDS.get(x.get('dispatch'), '')}), "
+            f"{x.get('routing', '')}"]
+
+
+_DISPATCH_WORDS = {"megatron": "; priced as Megatron-LM's all-to-all dispatcher, which autopar does not run",
+                   "deepep": "; priced as DeepEP's normal kernels, which autopar does not run"}
 
 
 def context_words(plan: Plan) -> list[str]:

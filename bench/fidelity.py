@@ -54,7 +54,9 @@ the tp ranks) is the last row, pinned with ``etp=1`` (:mod:`autopar.planner.expe
 ``zero=1`` (Megatron's distributed optimizer), selective recompute (its norms and the experts'
 activation recomputed), on the catalog's H100 (80 GB, cuDNN attention as Transformer Engine runs
 it), its blocks priced as fused (TE's fused norms, RoPE, SwiGLU and permutes) and its loss too
-(``--cross-entropy-loss-fusion``), Megatron's pipeline layout pinned (``cuts``:
+(``--cross-entropy-loss-fusion``), its tokens moved as Megatron's all-to-all dispatcher moves them
+(``ep_dispatch="megatron"``: the dispatched rows kept for the backward), Megatron's pipeline
+layout pinned (``cuts``:
 :func:`megatron_cuts`, the embedding and the loss counted as a layer each), and the routing
 imbalance of its dropless router measured on the model zoo's long-context pair
 (:data:`QWEN3_235B_DROPLESS_IMBALANCE`).
@@ -147,21 +149,19 @@ def megatron_cuts(n_layers: int, n_stages: int) -> list[str]:
     return [f"model.layers.{i - 1}" if i <= n_layers else "model.norm" for i in range(per, n_layers + 2, per)]
 
 
-QWEN3_235B_DROPLESS_IMBALANCE = 1.58
+QWEN3_235B_DROPLESS_IMBALANCE = 1.73
 """How much more than its balanced share of token rows the busiest rank of an ep group of 8
 receives, Qwen3-235B-A22B under Megatron-LM's dropless top-8 routing (aux loss 1e-3, from
 scratch on real data: the model zoo's runs), measured apart from the row it is used in: the
 model zoo's long-context table ran the same model on 256 H100s at sequence 16384 (TP4 PP8 VPP4
-EP8 etp 1, GBS 256) with forced load balance, 295 TFLOPS/GPU, and dropless, 237. By Megatron's
-own FLOP count (``num_floating_point_operations``: 204.8 GFLOP per token there) those are steps of
-11.37 s and 14.16 s; autopar prices that run balanced, then finds the imbalance whose added time
-is the measured 2.78 s (:func:`fit_dropless_imbalance`, ``--fit-imbalance``). Priced with
-``recompute="full"`` because the run recomputes each MoE layer (``--recompute-modules layernorm
-moe``), whose forward the imbalance slows twice; the attention recomputed with it moves the
-balanced time only, not the difference. Not priced: that run's DeepEP dispatcher, whose bytes
-(one copy per destination rank, not per expert) are about a third fewer than the all-to-all's,
-which would raise the fit by roughly 0.05 (a smaller share of the difference is
-all-to-all time)."""
+EP8 etp 1, GBS 256, DeepEP) with forced load balance, 295 TFLOPS/GPU, and dropless, 237. By
+Megatron's own FLOP count (``num_floating_point_operations``: 204.8 GFLOP per token there) those
+are steps of 11.37 s and 14.16 s; autopar prices that run balanced, its tokens moved as DeepEP
+moves them (``ep_dispatch="deepep"``), then finds the imbalance whose added time is the measured
+2.78 s (:func:`fit_dropless_imbalance`, ``--fit-imbalance``). Priced with ``recompute="full"``
+because the run recomputes each MoE layer (``--recompute-modules layernorm moe``), whose forward
+the imbalance slows twice; the attention recomputed with it moves the balanced time only, not the
+difference."""
 
 
 # Published rows, read at their sources (see bench/calibration.yaml for what was verified).
@@ -252,7 +252,8 @@ ROWS = [
         model="qwen3moe:235b", nodes=32, seq=4096, local_batch=512,
         fixed={"dp": 4, "tp": 2, "pp": 32, "ep": 8, "etp": 1, "sp": True, "zero": 1, "recompute": "selective",
                "schedule": "interleaved", "virtual_stages": 3, "microbatch_size": 1, "microbatches": 512,
-               "moe_imbalance": QWEN3_235B_DROPLESS_IMBALANCE, "cuts": megatron_cuts(94, 96)},
+               "moe_imbalance": QWEN3_235B_DROPLESS_IMBALANCE, "cuts": megatron_cuts(94, 96),
+               "ep_dispatch": "megatron"},
         tok_s=2048 * 4096 / 24.2 / 256, mem_gib=None, compiled=True, device="H100", fused_loss=True,
         source="yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md (A2A row, main 1e057005)"),
 ]
@@ -402,8 +403,8 @@ def _fused_loss_too(layer: str) -> bool:
 def fit_dropless_imbalance() -> float:
     """:data:`QWEN3_235B_DROPLESS_IMBALANCE` from its source pair (printed as it goes): the model
     zoo's Qwen3-235B run at sequence 16384 on 32 x 8 H100 (TP4 PP8 VPP4 EP8, etp 1, DP8, GBS 256,
-    MBS 1; Megatron's layout), balanced and at the imbalance that adds the measured 2.78 s, by
-    bisection (about 30 s)."""
+    MBS 1; Megatron's layout; DeepEP), balanced and at the imbalance that adds the measured 2.78 s,
+    by bisection (about 30 s)."""
     seq, gbs = 16384, 256
     # Megatron's count per token: 3 x 2 x (experts + attention projections + causal core) + head
     per_token = 6 * (4096 * 1536 * 8 * 3 * 94 + (4096 * (8192 + 2 * 512) + 8192 * seq + 8192 * 4096) * 94
@@ -418,7 +419,7 @@ def fit_dropless_imbalance() -> float:
     def step(imbalance: float, recompute: str = "full") -> float:
         fixed = {"dp": 8, "tp": 4, "pp": 8, "ep": 8, "etp": 1, "sp": True, "zero": 1, "recompute": recompute,
                  "schedule": "interleaved", "virtual_stages": 4, "microbatch_size": 1, "microbatches": 32,
-                 "moe_imbalance": imbalance, "cuts": megatron_cuts(94, 32)}
+                 "moe_imbalance": imbalance, "cuts": megatron_cuts(94, 32), "ep_dispatch": "deepep"}
         return make_plan(model, inputs, cluster=cluster, fixed=fixed,
                          compiled_layers=_fused_loss_too).predicted["step_time_s"]
 

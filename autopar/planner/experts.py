@@ -42,13 +42,14 @@ from dataclasses import dataclass, replace
 from torch import fx
 
 from autopar.cluster import Cluster
-from autopar.cost.comm import expert_all_to_all_bytes, expert_all_to_all_s
+from autopar.cost.comm import deepep_bytes, deepep_s, expert_all_to_all_bytes, expert_all_to_all_s
 from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
 from autopar.passes.annotate import DTYPE_NAMES
 from autopar.passes.token_local import op_name
 
-__all__ = ["ExpertSite", "find_experts", "runnable_sites", "check_ep", "ep_options", "apply_ep", "experts_record"]
+__all__ = ["ExpertSite", "find_experts", "runnable_sites", "check_ep", "check_dispatch", "ep_options", "apply_ep",
+           "experts_record"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +74,9 @@ class ExpertSite:
     """The experts' hidden size f (autopar's experts op; 0 for grouped-matmul sites)."""
     dtype: str = "fp32"
     """The rows' dtype, which picks the device's peak."""
+    top_k: int = 0
+    """Experts per token: ``rows`` over the tokens of the model's (batch, sequence) token ids (0:
+    not told apart, e.g. a model without such an input)."""
     op: str = "autopar::moe_experts"
     """The experts' op: ``autopar::moe_experts`` (what :func:`autopar.parallelize` runs under
     ep), or a grouped matmul (Hugging Face experts autopar does not trace as its op, e.g. with
@@ -146,7 +150,48 @@ def find_experts(gm: fx.GraphModule) -> list[ExpertSite]:
             elem_bytes=val.dtype.itemsize, params=tuple(p.meta[mk.TRACE].fqn for p in params),
             n_params=sum(p.meta["val"].numel() for p in params), expert_width=int(weights[0].meta["val"].shape[2]),
             dtype=DTYPE_NAMES.get(val.dtype, "fp32")))
-    return sites + _grouped_sites(gm)
+    tokens = _tokens(gm)
+    return [replace(x, top_k=x.rows // tokens) if tokens and x.rows % tokens == 0 else x
+            for x in sites + _grouped_sites(gm)]
+
+
+def _tokens(gm: fx.GraphModule) -> int:
+    """Tokens of the traced batch: the elements of the first integer (batch, sequence) model input
+    (the token ids; 0 if there is none)."""
+    for n in gm.graph.find_nodes(op="placeholder"):
+        v = n.meta.get("val")
+        if mk.TRACE in n.meta and n.meta[mk.TRACE].role is mk.Role.INPUT and hasattr(v, "dim") and v.dim() == 2 \
+                and not v.dtype.is_floating_point:
+            return int(v.numel())
+    return 0
+
+
+def check_dispatch(dispatch: str | None, sites: list[ExpertSite]) -> None:
+    """One :class:`PlanError` where a pinned ``ep_dispatch`` cannot be priced."""
+    if dispatch == "deepep":
+        unknown = [x.module for x in sites if not x.top_k]
+        if not sites or unknown:
+            raise PlanError(f"ep_dispatch='deepep' prices each token once per rank holding one of its experts, "
+                            f"which needs the experts per token; "
+                            f"{'the model has no expert layers' if not sites else 'not told for ' + unknown[0]} "
+                            f"(a (batch, sequence) token-id input tells it); leave ep_dispatch unpinned")
+
+
+def _dispatch_s(site: ExpertSite, rows: float, ep: int, link, cluster: Cluster, dispatch: str,
+                ranks_per_node: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's token exchange under ``dispatch``."""
+    if dispatch == "deepep":
+        return deepep_s(rows=rows, top_k=site.top_k, width=site.width, elem_bytes=site.elem_bytes,
+                        n_experts=site.n_experts, ep=ep, ranks_per_node=ranks_per_node, device=cluster.device)
+    return expert_all_to_all_s(rows=rows, width=site.width, elem_bytes=site.elem_bytes, n_experts=site.n_experts,
+                               ep=ep, link=link, program=dispatch)
+
+
+def _ranks_per_node(ep: int, tp: int, ep_tp: int, cluster: Cluster) -> int:
+    """Ranks of an ep group in one node: consecutive when folded over tp, else tp apart."""
+    if cluster.nodes == 1:
+        return ep
+    return max(1, min(ep, cluster.devices_per_node // (1 if ep_tp > 1 else tp)))
 
 
 def runnable_sites(sites: list[ExpertSite]) -> bool:
@@ -208,7 +253,7 @@ def _by_layer(sites: list[ExpertSite]) -> dict[str, list[ExpertSite]]:
 
 def apply_ep(units: list, *, names: dict[str, list[str]], sites: list[ExpertSite], ep: int, tp: int,
              microbatch_size: int, global_batch: int, cluster: Cluster, imbalance: float = 1.0,
-             local_params: dict[str, float] | None = None, ep_tp: int = 1) -> list:
+             local_params: dict[str, float] | None = None, ep_tp: int = 1, dispatch: str = "autopar") -> list:
     """``units`` (``search.Unit``, at ``microbatch_size`` per dp rank) with expert parameters
     (``local_params``: elements per tp rank, by FQN; default whole) divided by ``ep``, the all-to-all time added to forward and backward, and the experts' GEMMs
     priced at their size under ep (:func:`_experts_gemms_s`), all for the busiest rank of an ep
@@ -217,18 +262,19 @@ def apply_ep(units: list, *, names: dict[str, list[str]], sites: list[ExpertSite
     ``ep_tp`` = tp: ep folded over tp as well (:mod:`autopar.planner.expert_folding`, whose
     strategy graph the units were priced on): a rank routes 1/tp of its tp group's tokens over
     an ep group of consecutive ranks, and its tp share of the experts (E/tp, whole) is cut by
-    the ``ep / tp`` data-parallel part only."""
+    the ``ep / tp`` data-parallel part only. ``dispatch`` (:data:`autopar.planner.fixed.EP_DISPATCHES`)
+    picks the program that moves the rows."""
     if ep <= 1 or not sites:
         return units
     link = cluster.link_for_group(ep, stride=1 if ep_tp > 1 else tp)
+    per_node = _ranks_per_node(ep, tp, ep_tp, cluster)
     cut = ep // ep_tp  # what is left to cut of the units' expert parameters (the MIP split them over tp)
     extra: dict[str, tuple[float, ...]] = {}  # unit path -> (fwd_s, bwd_s, comm_s, params removed, experts kept)
     for layer, here in _by_layer(sites).items():
         f = b = comm = removed = kept = 0.0
         for s in here:
             rows = s.rows * microbatch_size / global_batch / ep_tp  # (a tp rank's share when folded)
-            fs, bs = expert_all_to_all_s(rows=rows * imbalance, width=s.width, elem_bytes=s.elem_bytes,
-                                         n_experts=s.n_experts, ep=ep, link=link)
+            fs, bs = _dispatch_s(s, rows * imbalance, ep, link, cluster, dispatch, per_node)
             gf, gb = _experts_gemms_s(s, rows, ep, cluster, imbalance)
             held = sum(local_params.get(p, 0.0) for p in s.params) if local_params is not None else s.n_params
             f, b, comm, removed = f + fs + gf, b + bs + gb, comm + fs + bs, removed + held * (1 - 1 / cut)
@@ -273,16 +319,23 @@ def _experts_gemms_s(site: ExpertSite, rows: float, ep: int, cluster: Cluster,
 
 def experts_record(sites: list[ExpertSite], *, ep: int, dp: int, tp: int, microbatch_size: int, microbatches: int,
                    global_batch: int, counts: dict[str, int], cluster: Cluster, imbalance: float = 1.0,
-                   ep_tp: int = 1) -> dict:
+                   ep_tp: int = 1, dispatch: str = "autopar") -> dict:
     """The plan's ``experts`` entry: where the experts live and what their all-to-alls cost
-    (``ep_tp`` as in :func:`apply_ep`)."""
+    (``ep_tp`` and ``dispatch`` as in :func:`apply_ep`; under "deepep" the messages are its
+    dispatches and combines, their bytes what a rank sends on NVLink and RDMA together)."""
     link = cluster.link_for_group(ep, stride=1 if ep_tp > 1 else tp)
+    per_node = _ranks_per_node(ep, tp, ep_tp, cluster)
     layers, fwd_bytes, bwd_bytes, time_s, messages = {}, 0.0, 0.0, 0.0, 0
     for s in sites:
         rows = s.rows * microbatch_size / global_batch / ep_tp
-        f, b = expert_all_to_all_bytes(rows=rows, width=s.width, elem_bytes=s.elem_bytes, n_experts=s.n_experts)
-        fs, bs = expert_all_to_all_s(rows=rows * imbalance, width=s.width, elem_bytes=s.elem_bytes,
-                                     n_experts=s.n_experts, ep=ep, link=link)
+        if dispatch == "deepep":
+            one = sum(deepep_bytes(rows=rows, top_k=s.top_k, width=s.width, elem_bytes=s.elem_bytes,
+                                   n_experts=s.n_experts, ep=ep, ranks_per_node=per_node))
+            f, b = (one, one), (one, one)
+        else:
+            f, b = expert_all_to_all_bytes(rows=rows, width=s.width, elem_bytes=s.elem_bytes,
+                                           n_experts=s.n_experts, program=dispatch)
+        fs, bs = _dispatch_s(s, rows * imbalance, ep, link, cluster, dispatch, per_node)
         n = counts.get(s.layer, 1) * microbatches
         layers[s.module] = {"layer": s.layer, "op": s.op, "instances": counts.get(s.layer, 1), "n_experts": s.n_experts,
                             "experts_per_rank": s.n_experts // ep, "params": list(s.params),
@@ -308,4 +361,5 @@ def experts_record(sites: list[ExpertSite], *, ep: int, dp: int, tp: int, microb
         "routing": "dropless top-k; " + ("balanced load assumed" if imbalance == 1 else
                                          f"the busiest rank receives {imbalance:g}x its balanced rows (assumed)"),
         "imbalance": imbalance,
+        **({"dispatch": dispatch} if dispatch != "autopar" else {}),
     }

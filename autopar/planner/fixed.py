@@ -12,13 +12,17 @@ from dataclasses import dataclass
 
 from autopar.errors import PlanError
 
-__all__ = ["Fixed", "FIXED_KEYS", "check_cuts", "SCHEDULES", "RECOMPUTE", "PINNED_RECOMPUTE"]
+__all__ = ["Fixed", "FIXED_KEYS", "EP_DISPATCHES", "check_cuts", "SCHEDULES", "RECOMPUTE", "PINNED_RECOMPUTE"]
 
 CP_VARIANTS = ("ring", "allgather")  # (autopar.context.VARIANTS, without importing the runtime op)
 PINNED_CP_VARIANTS = (*CP_VARIANTS, "torch")
 """cp variants a plan may pin: autopar's two, and "torch" (torch's own ``context_parallel`` with its
 all-gather rotation, as torchtitan runs it: :func:`autopar.cost.comm.torch_context_attention_cost`),
 priced for runs made that way (``bench/fidelity.py``); autopar's runtime does not run it."""
+EP_DISPATCHES = ("autopar", "megatron", "deepep")
+"""Programs that carry ep's tokens to their experts and back, as :func:`autopar.cost.comm.expert_dispatch_s`
+prices them: autopar's (what ``parallelize`` runs), and, pinned only for comparison with runs made
+with them, Megatron-LM's all-to-all dispatcher and DeepEP's normal kernels."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 RECOMPUTE = ("none", "selective", "full")
 PINNED_RECOMPUTE = (*RECOMPUTE, "sac")
@@ -26,7 +30,7 @@ PINNED_RECOMPUTE = (*RECOMPUTE, "sac")
 selective checkpointing: "selective" plus every second matmul of a layer), priced for runs made
 that way (``bench/fidelity.py``) and never chosen by the search."""
 FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
-              "virtual_stages", "ep", "etp", "moe_imbalance", "cp", "cp_variant", "cuts")
+              "virtual_stages", "ep", "etp", "moe_imbalance", "cp", "cp_variant", "cuts", "ep_dispatch")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -68,6 +72,10 @@ class Fixed:
     behind the block computation) or "allgather" (all K/V gathered first); None: per attention
     op, whichever the cost model says leaves less exposed. "torch" (:data:`PINNED_CP_VARIANTS`)
     prices torch's own program, for runs made with it; autopar's runtime refuses such a plan."""
+    ep_dispatch: str | None = None
+    """How ep's token rows travel to their experts and back (:data:`EP_DISPATCHES`; None: "autopar",
+    what ``parallelize`` runs). "megatron" and "deepep" price other programs, for runs made with them
+    (``bench/fidelity.py``); autopar's runtime refuses such a plan."""
     cuts: tuple[str, ...] | None = None
     """The pipeline layout: the layer each stage after the first begins with, in order (the
     names the plan's stages list: module paths such as ``"model.layers.8"``, or ``"<loss>"``),
@@ -116,8 +124,9 @@ class Fixed:
                                     f"layer")
                 values[key] = names
                 continue
-            if key in ("schedule", "recompute", "cp_variant"):
-                allowed = {"schedule": SCHEDULES, "recompute": PINNED_RECOMPUTE, "cp_variant": PINNED_CP_VARIANTS}[key]
+            if key in ("schedule", "recompute", "cp_variant", "ep_dispatch"):
+                allowed = {"schedule": SCHEDULES, "recompute": PINNED_RECOMPUTE, "cp_variant": PINNED_CP_VARIANTS,
+                           "ep_dispatch": EP_DISPATCHES}[key]
                 if value not in allowed:
                     problems.append(f"{key}={value!r} is not one of {', '.join(allowed)}")
                 values[key] = value

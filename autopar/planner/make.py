@@ -36,7 +36,7 @@ from autopar.precision import Precision, plan_precision, resolve_precision
 from autopar.planner.cuts import CutTable
 from autopar.planner.context import apply_cp, check_cp, cp_costs, cp_decision, cp_options, \
     cp_working_sets, find_attention, repeat_savings, sequence_length
-from autopar.planner.experts import apply_ep, check_ep, ep_options, find_experts, runnable_sites
+from autopar.planner.experts import apply_ep, check_dispatch, check_ep, ep_options, find_experts, runnable_sites
 from autopar.planner.frontend import trace_pair
 from autopar.planner.evaluation import evaluate
 from autopar.planner.expert_folding import fold_experts
@@ -240,6 +240,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     check_cuts(fixed, [n for layer in layers for n in names[layer.path]])  # before the MIP solves
     experts = find_experts(gm)
     check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp, etp=fixed.etp)
+    check_dispatch(fixed.ep_dispatch, experts)
     eps = ep_options(experts)
     check_cp(fixed.cp, gm, cluster=cluster, dp=fixed.dp, ep=fixed.ep)
     # cp is weighed where sequences are long (unless pinned)
@@ -316,7 +317,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
             if ep > 1:
                 units = apply_ep(units, names=names, sites=experts, ep=ep, tp=tp, microbatch_size=mbs,
                                  global_batch=batch, cluster=cluster, imbalance=fixed.moe_imbalance or 1.0,
-                                 local_params=local, ep_tp=ep_tp)
+                                 local_params=local, ep_tp=ep_tp, dispatch=fixed.ep_dispatch or "autopar")
             if cp > 1:
                 costs = cp_costs(attention, problem, sg, sol, cp=cp, tp=tp, mbs=mbs, batch=batch, cluster=cluster,
                                  variant=fixed.cp_variant)

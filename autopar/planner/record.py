@@ -397,7 +397,8 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
         experts = experts_record(expert_sites, ep=cfg.ep, ep_tp=cfg.ep_tp, dp=cfg.dp, tp=cfg.tp,
                                  microbatch_size=cfg.microbatch_size, microbatches=cfg.microbatches,
                                  global_batch=info.global_batch, counts={x.path: x.count for x in layers},
-                                 cluster=cluster, imbalance=fixed.moe_imbalance or 1.0)
+                                 cluster=cluster, imbalance=fixed.moe_imbalance or 1.0,
+                                 dispatch=fixed.ep_dispatch or "autopar")
         a2a = experts["all_to_all"]
         communication["all_to_all"]["ep"] = {"count": a2a["count"], "bytes": a2a["bytes"], "time_s": a2a["time_s"]}
     context = {}

@@ -50,8 +50,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ep_groups", "folded_ep_group", "expert_param_names", "cut_experts", "whole_experts_in",
-           "point_experts_at", "EpLayout"]
+from autopar.errors import PlanError
+
+__all__ = ["check_dispatch_runnable", "ep_groups", "folded_ep_group", "expert_param_names", "cut_experts",
+           "whole_experts_in", "point_experts_at", "EpLayout"]
+
+
+def check_dispatch_runnable(dispatch: str | None) -> None:
+    """``parallelize`` moves ep's tokens with its own all-to-alls: a plan priced with another
+    program's (``ep_dispatch``) is refused before any collective."""
+    if dispatch not in (None, "autopar"):
+        raise PlanError(f"ep_dispatch={dispatch!r} prices another program's token exchange (for comparing with "
+                        f"runs made with it) and autopar does not run it; leave ep_dispatch unpinned or pin 'autopar'")
 
 
 def ep_groups(mesh_ranks: torch.Tensor, ep: int, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
