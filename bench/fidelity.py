@@ -340,12 +340,18 @@ def moe_stand_in(zero: int = 1) -> None:
     ``pipeline_parallel_layers_per_stage``, so torchtitan's ``pipeline_parallel.py`` (at d021aa9ca)
     gives a multi-stage schedule two per rank. Its attention is priced as causal SDPA over the
     whole 4096 tokens; the run's config at d021aa9ca uses FlexAttention with a block-causal
-    (per-document) mask, which computes less, so this part of the price errs pessimistic."""
+    (per-document) mask, which computes less, so this part of the price errs pessimistic. Its
+    all-to-all is priced as torchtitan's ``expert_parallel.py`` at d021aa9ca runs it: the counts
+    exchanged, then the rows dispatched and combined with autograd's all-to-all, whose backward
+    reverses them (the exchanges of ``ep_dispatch="megatron"``). The run's DeepEP figure (579) is
+    not priced here: its forced round-robin routing puts a token's 8 experts on one rank, where
+    ``ep_dispatch="deepep"`` prices uniform routing (a token meets about 7 of the 32 ranks)."""
     device = torchtitan_device("H100")
     cluster = Cluster(nodes=64, devices_per_node=8, device=device.with_overrides(hbm_bytes=64 * device.hbm_bytes))
     model, inputs, _, _ = deepseek_v3_671b(64 * 16, 4096)
     fixed = {"dp": 64, "ep": 32, "tp": 1, "pp": 8, "zero": zero, "recompute": "full", "schedule": "interleaved",
-             "virtual_stages": 2, "microbatch_size": 1, "microbatches": 16, "moe_imbalance": 1.0}
+             "virtual_stages": 2, "microbatch_size": 1, "microbatches": 16, "moe_imbalance": 1.0,
+             "ep_dispatch": "megatron"}
     start = time.perf_counter()
     plan = make_plan(model, inputs, cluster=cluster, fixed=fixed, compiled_layers=_in_a_block)
     tok_s = plan.predicted["tokens_per_s"] / 512
