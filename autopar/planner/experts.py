@@ -15,7 +15,9 @@ What a plan with ``ep`` > 1 changes, per unit (layer instance) holding experts:
 - forward and backward time: the dispatch/combine all-to-alls of
   :func:`autopar.cost.comm.expert_all_to_all_s` on the ep group's link, not overlapped
   with compute, under balanced routing (every rank sends and receives its own
-  tokens x top-k rows; imbalance is not modelled yet);
+  tokens x top-k rows) or the assumed ``moe_imbalance`` (the busiest rank's rows); a pinned
+  ``ep_dispatch`` prices another program's exchange instead (Megatron-LM's all-to-all
+  dispatcher, DeepEP's normal kernels: :func:`autopar.cost.comm.deepep_s`), for comparison;
 - expert FLOPs per rank are unchanged under balanced routing (each rank runs its
   tokens' share of rows, spread over its experts), but they run as ep times taller GEMMs
   (E/ep experts per rank, each with ep times the rows), which the GEMM efficiency curve

@@ -107,8 +107,11 @@ class PeerWatch:
         forced unwinding through the binding's frames can abort the process ("terminate called without
         an active exception"). A rank of ``examples/train.py`` under torchrun aborted so once after
         its last step, in CI; that this was the cause is likely, not shown (18 runs here did not
-        repeat it). It waits one detection window at most, so a store that no longer answers cannot
-        hold the exit."""
+        repeat it). It recurred once after this wait was added (fourteenth session, CI of 1de7aea,
+        ``tests/dist/test_meta_start.py::test_train_example_starts_from_meta``: rank 1 aborted after
+        printing its last line; the next CI run passed), so another thread in a C++ call at exit
+        (gloo's, the store's) remains a candidate. It waits one detection window at most, so a store
+        that no longer answers cannot hold the exit."""
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=self.window_s)
