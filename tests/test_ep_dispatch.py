@@ -11,7 +11,7 @@ import pytest
 
 import autopar
 from autopar.cluster import parse_cluster
-from autopar.cost.comm import _hit_fraction, deepep_bytes, deepep_s, expert_all_to_all_bytes
+from autopar.cost.expert_comm import _hit_fraction, deepep_bytes, deepep_s, expert_all_to_all_bytes
 from autopar.runtime.expert import check_dispatch_runnable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

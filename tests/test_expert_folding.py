@@ -9,7 +9,7 @@ import torch
 
 import autopar
 from autopar.cluster import parse_cluster
-from autopar.cost.comm import expert_all_to_all_bytes
+from autopar.cost.expert_comm import expert_all_to_all_bytes
 from autopar.passes import meta_keys as mk
 from autopar.plan import Plan
 from autopar.planner import make

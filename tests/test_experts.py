@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import autopar
-from autopar.cost.comm import Link, all_to_all_s, expert_all_to_all_bytes, expert_all_to_all_s
+from autopar.cost.comm import Link, all_to_all_s
+from autopar.cost.expert_comm import expert_all_to_all_bytes, expert_all_to_all_s
 from autopar.experts import moe_experts
 from autopar.plan import Plan
 from autopar.runtime.expert import EpLayout

@@ -419,7 +419,8 @@ def test_infeasible_message_counts_the_largest_op_and_names_it():
     # include it (it once reported 9 GB for a 405B plan at 128k tokens whose loss op alone
     # needed 101 GB), and the message says which op it is.
     from autopar.cluster import parse_cluster
-    from autopar.planner.search import Config, Fixed, Unit, _infeasible, _largest_op, _min_memory
+    from autopar.planner.infeasible import _infeasible, _largest_op, _min_memory
+    from autopar.planner.search import Config, Fixed, Unit
 
     def unit(path, transient):
         return Unit(path=path, f_s=1e-3, b_s=2e-3, w_s=1e-3, comm_s=0.0, cheap_f_s=0.0, act_bytes=1e9,

@@ -13,11 +13,11 @@ What a plan with ``ep`` > 1 changes, per unit (layer instance) holding experts:
   expert parameters count ``1/ep`` of their tp-local size; so do the weight gradients the
   experts op's backward returns, in its working set (``Unit.expert_transient``);
 - forward and backward time: the dispatch/combine all-to-alls of
-  :func:`autopar.cost.comm.expert_all_to_all_s` on the ep group's link, not overlapped
+  :func:`autopar.cost.expert_comm.expert_all_to_all_s` on the ep group's link, not overlapped
   with compute, under balanced routing (every rank sends and receives its own
   tokens x top-k rows) or the assumed ``moe_imbalance`` (the busiest rank's rows); a pinned
   ``ep_dispatch`` prices another program's exchange instead (Megatron-LM's all-to-all
-  dispatcher, DeepEP's normal kernels: :func:`autopar.cost.comm.deepep_s`), for comparison;
+  dispatcher, DeepEP's normal kernels: :func:`autopar.cost.expert_comm.deepep_s`), for comparison;
 - expert FLOPs per rank are unchanged under balanced routing (each rank runs its
   tokens' share of rows, spread over its experts), but they run as ep times taller GEMMs
   (E/ep experts per rank, each with ep times the rows), which the GEMM efficiency curve
@@ -44,11 +44,12 @@ from dataclasses import dataclass, replace
 from torch import fx
 
 from autopar.cluster import Cluster
-from autopar.cost.comm import deepep_bytes, deepep_s, expert_all_to_all_bytes, expert_all_to_all_s
+from autopar.cost.expert_comm import deepep_bytes, deepep_s, expert_all_to_all_bytes, expert_all_to_all_s
 from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
 from autopar.passes.annotate import DTYPE_NAMES
 from autopar.passes.token_local import op_name
+from autopar.planner.context import sequence_length
 
 __all__ = ["ExpertSite", "find_experts", "runnable_sites", "check_ep", "check_dispatch", "ep_options", "apply_ep",
            "experts_record"]
@@ -158,14 +159,10 @@ def find_experts(gm: fx.GraphModule) -> list[ExpertSite]:
 
 
 def _tokens(gm: fx.GraphModule) -> int:
-    """Tokens of the traced batch: the elements of the first integer (batch, sequence) model input
-    (the token ids; 0 if there is none)."""
-    for n in gm.graph.find_nodes(op="placeholder"):
-        v = n.meta.get("val")
-        if mk.TRACE in n.meta and n.meta[mk.TRACE].role is mk.Role.INPUT and hasattr(v, "dim") and v.dim() == 2 \
-                and not v.dtype.is_floating_point:
-            return int(v.numel())
-    return 0
+    """Tokens of the traced batch: its sequences times their length (the token ids' (batch,
+    sequence) input, :func:`autopar.planner.context.sequence_length`; 0 without one)."""
+    info, seq = gm.meta.get(mk.GRAPH), sequence_length(gm)
+    return info.global_batch * seq if info is not None and seq else 0
 
 
 def check_dispatch(dispatch: str | None, sites: list[ExpertSite]) -> None:

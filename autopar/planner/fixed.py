@@ -20,8 +20,8 @@ PINNED_CP_VARIANTS = (*CP_VARIANTS, "torch")
 all-gather rotation, as torchtitan runs it: :func:`autopar.cost.comm.torch_context_attention_cost`),
 priced for runs made that way (``bench/fidelity.py``); autopar's runtime does not run it."""
 EP_DISPATCHES = ("autopar", "megatron", "deepep")
-"""Programs that carry ep's tokens to their experts and back, as :mod:`autopar.cost.comm` prices them
-(``expert_all_to_all_s``, ``deepep_s``): autopar's (what ``parallelize`` runs), and, pinned only for
+"""Programs that carry ep's tokens to their experts and back, as :mod:`autopar.cost.expert_comm`
+prices them: autopar's (what ``parallelize`` runs), and, pinned only for
 comparison with runs made with them, Megatron-LM's all-to-all dispatcher (torchtitan's all-to-all
 runs the same exchanges) and DeepEP's normal kernels (under uniform routing)."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")

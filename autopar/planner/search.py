@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from autopar.cluster import Cluster
 from autopar.cost.simulate import SimResult, StepResult
 from autopar.cost.step import GroupCost, StageCost, StepSpec, estimate_exposed_s, group_dp_s
-from autopar.errors import InfeasibleError, PlanError
 from autopar.planner.fixed import FIXED_KEYS, PINNED_RECOMPUTE, RECOMPUTE, SCHEDULES, Fixed  # noqa: F401 (re-exported)
+from autopar.planner.infeasible import MEMORY_RESERVE, _infeasible, _largest_op, _min_memory
 from autopar.planner.partition import _inflight, _partition
 from autopar.planner.state_memory import _state, state_per_param, zero_buffer_bytes, zero_buffers  # noqa: F401
 from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _config_bound_s,  # noqa: F401
@@ -59,11 +59,6 @@ log = logging.getLogger(__name__)
 __all__ = ["Fixed", "Config", "Unit", "StagePlan", "Candidate", "search", "simulate_stages", "step_spec", "cut_times",
            "lower_bound_s", "pipeline_bound_s", "grad_sync_s",
            "MEMORY_RESERVE"]
-
-MEMORY_RESERVE = 0.10
-"""Fraction of HBM kept free for the CUDA context, NCCL buffers and allocator
-fragmentation (PyTorch's caching allocator typically leaves 5-10% unusable;
-Megatron and torchtitan memory estimates leave similar headroom)."""
 
 SIMULATE_TOP = 24
 """How many configurations, best estimate first, get a full schedule simulation."""
@@ -489,35 +484,6 @@ def _rank_key(time_of):
     return key
 
 
-def _min_memory(units: list[Unit], cfg: Config, per_param: tuple[float, float], inflight: tuple[int, ...],
-                buffers: tuple[float, float] = (0.0, 0.0), starts: tuple[int, ...] | None = None) -> float:
-    """Peak stage memory of an even split (of the pinned layout's stages where ``starts`` gives
-    them; for the 'smallest device that would fit' message), counted as :meth:`_Layers.fits`
-    counts it: state, activations in flight, the full-recompute working set, the largest op's
-    working set (a stage cannot hold less than its biggest unit's, however the cuts fall) and
-    ZeRO's buffers for the largest group."""
-    n, pp = len(units), cfg.pp
-    size = math.ceil(n / pp) if pp <= n else 1
-    points = [0, *starts, n] if starts is not None else None
-    worst = 0.0
-    for s in range(len(points) - 1 if points else min(pp, n)):
-        chunk = units[points[s]:points[s + 1]] if points else units[s * size:(s + 1) * size]
-        if not chunk:
-            break
-        acts = sum(_unit_times(u, cfg.recompute)[3] for u in chunk)
-        work = max(u.act_bytes for u in chunk) if cfg.recompute == "full" else 0.0
-        state = per_param[0] * sum(u.n_params for u in chunk) + per_param[1] * sum(u.expert_params for u in chunk)
-        worst = max(worst, state + inflight[s] * acts + work
-                    + max(u.transient_bytes for u in chunk) + zero_buffer_bytes(chunk, buffers))
-    return worst
-
-
-def _largest_op(units: list[Unit]) -> tuple[str, float]:
-    """The unit with the largest single-op working set, and that working set."""
-    u = max(units, key=lambda u: u.transient_bytes)
-    return u.path, u.transient_bytes
-
-
 def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision: str,
               inflight: tuple[int, ...]) -> Candidate:
     stages = []
@@ -585,28 +551,3 @@ def _sends(u: Unit, *, last: bool) -> dict:
     fwd = u.send_forward if u.send_forward is not None else (("", u.boundary_bytes, u.boundary_bytes, 0.0),)
     back = u.send_backward if u.send_backward is not None else (("", u.boundary_bytes, u.boundary_bytes, 0.0),)
     return {"send_messages": tuple(fwd), "back_messages": tuple(back)}
-
-
-def _infeasible(least, cluster: Cluster, fixed: Fixed, skipped_batch: int, batch: int, world: int) -> Exception:
-    need, cfg, largest = least
-    if cfg is None:
-        if skipped_batch:
-            return PlanError(
-                f"the global batch {batch} cannot be split evenly over any data-parallel degree the "
-                f"{world}-device cluster allows{' with ' + str(fixed.to_dict()) if fixed.to_dict() else ''}; "
-                f"use a batch divisible by the data-parallel degree, or pin dp/pp/tp with fixed=")
-        return PlanError(f"no mesh of {world} devices fits the pinned decisions {fixed.to_dict()}; "
-                         f"tp must divide the {cluster.devices_per_node} devices per node and pp must not "
-                         f"exceed the number of layers")
-    have = cluster.device.hbm_bytes * (1 - MEMORY_RESERVE)
-    path, op_bytes = largest
-    biggest = (f"; the largest single op (in {path}) alone needs {op_bytes / 1e9:.1f} GB, which neither cuts "
-               f"nor more devices of this kind change: shorten the sequence, shrink the micro-batch, shard that op "
-               f"(tp) or split the sequence (cp)" if op_bytes > 0.5 * have else "")
-    return InfeasibleError(
-        f"the model fits no configuration on {cluster.spec}: the smallest need is {need / 1e9:.1f} GB per "
-        f"device (tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} zero={cfg.zero} recompute={cfg.recompute} "
-        f"microbatch_size={cfg.microbatch_size} {cfg.schedule}) but a {cluster.device.name} offers "
-        f"{have / 1e9:.1f} GB after a {MEMORY_RESERVE:.0%} reserve; use more devices, a device with more "
-        f"memory, or a smaller batch or sequence{biggest}"
-        f"{'; or move the pinned cuts (or leave them to the partitioner)' if fixed.cuts else ''}")
