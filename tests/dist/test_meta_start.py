@@ -4,8 +4,10 @@ rank ever allocates more than its own pieces plus one module.
 For each plan (pure DP, ZeRO-3, TP, pp=2 on the GPT example; ZeRO-3 on the Llama example,
 whose initialisation is per module: ``Transformer._init_weights`` and RMSNorm's
 ``reset_parameters``; ep=2 at ZeRO-1 on the MoE example, with an ``init_fn``, where each rank
-cuts its half of each stacked expert tensor out of the whole one its module initialises) on 2
-gloo ranks: the CPU-started run gets the
+cuts its half of each stacked expert tensor out of the whole one its module initialises; ep=2
+folded over tp=2) on 2 gloo ranks, and ep=4 folded over tp=2 x dp=2 on 4 (each dp pair's half of
+the experts, then each tp rank's share of it: a wrong half fails the comparison): the CPU-started
+run gets the
 model :func:`autopar.materialize` built whole from seed 5; the meta-started run gets the
 same model on ``meta`` and ``init_seed=5``, so both start from the same weights and run the
 same program; losses, gradients and parameters after 2 AdamW steps must be equal (to fp32
@@ -44,6 +46,13 @@ CONFIGS = [
     # and folded over tp (etp=1): each tp rank keeps its tp share of every expert, whole experts
     ("moe-fold", tp_only_cluster("1x2xcpu"), {"tp": 2, "ep": 2, "etp": 1, "sp": True, "microbatches": 1}),
 ]
+CONFIGS_4 = [
+    # folded over tp and dp (ep=4 over tp=2 x dp=2, etp=1): a rank's model keeps the experts of its dp
+    # pair's half, and it stores its tp share of those, each cut from the whole tensor its module initialises
+    ("moe-fold-ep4", tp_only_cluster("1x4xcpu"), {"dp": 2, "tp": 2, "ep": 4, "etp": 1, "sp": True,
+                                                   "microbatches": 1}),
+]
+"""Configurations run on 4 ranks (the others on 2)."""
 SHARDED = ("zero3", "pp2", "llama-zero3")
 """Plans under which a rank holds less than the whole model."""
 
@@ -152,8 +161,22 @@ def results():
     return spawn_world(_run, 2, CONFIGS)
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CONFIGS])
-def test_meta_start_equals_cpu_start(results, name):
+@pytest.fixture(scope="module")
+def results_4():
+    return spawn_world(_run, 4, CONFIGS_4)
+
+
+def _results(request, name):
+    """Every rank's report of the world that ran ``name``."""
+    return request.getfixturevalue("results_4" if name in {c[0] for c in CONFIGS_4} else "results")
+
+
+NAMES = [c[0] for c in CONFIGS + CONFIGS_4]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_meta_start_equals_cpu_start(request, name):
+    results = _results(request, name)
     for rank, r in enumerate(results):
         cpu, meta = r[name]["cpu"], r[name]["meta"]
         torch.testing.assert_close(meta["losses"], cpu["losses"], rtol=1e-6, atol=0,
@@ -165,10 +188,10 @@ def test_meta_start_equals_cpu_start(results, name):
                                            msg=lambda m, k=k: f"{name} rank {rank}: {kind} of {k} differ: {m}")
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CONFIGS])
-def test_meta_start_allocates_only_own_pieces(results, name):
+@pytest.mark.parametrize("name", NAMES)
+def test_meta_start_allocates_only_own_pieces(request, name):
     slack = 64 * 1024  # index tensors, the loss seed, gloo's small buffers
-    for rank, r in enumerate(results):
+    for rank, r in enumerate(_results(request, name)):
         meta, case = r[name]["meta"], r[name]
         bound = meta["own"] + case["buffers"] + case["largest"] + slack
         assert meta["peak"] <= bound, (
