@@ -33,9 +33,29 @@ if TYPE_CHECKING:
     from autopar.plan import Plan
 
 __all__ = ["assert_plan_matches", "update_golden_requested", "spawn_world", "RankOutcome", "free_port", "fast_cluster",
-           "tp_friendly_cluster", "slow_network_cluster", "tp_only_cluster", "forget_planner_memos"]
+           "tp_friendly_cluster", "slow_network_cluster", "tp_only_cluster", "forget_planner_memos", "torch_version",
+           "GOLDEN_TORCH", "DROPOUT_P0_TRACED"]
 
 UPDATE_ENV = "AUTOPAR_UPDATE_GOLDEN"
+
+
+def torch_version() -> tuple[int, int]:
+    """The installed torch's (major, minor), read from its package metadata (no torch import)."""
+    from importlib.metadata import version
+
+    major, minor = version("torch").split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+GOLDEN_TORCH = (2, 13)
+"""The torch release tests/golden/*.json were planned with (the one CI installs). Another release
+traces and shards differently (DTensor's rules, what export keeps), and a plan may move with it:
+there the golden tests check each plan's validity, not its equality to the file."""
+
+DROPOUT_P0_TRACED = torch_version() < (2, 14)
+"""Whether torch's trace keeps a dropout of p=0 (torch 2.13: a clone; 2.14 leaves no op), and so
+whether a model's p=0 ``nn.Dropout`` module is a layer of its plan (the GPT example's
+``transformer.drop``)."""
 
 
 def update_golden_requested() -> bool:

@@ -3,6 +3,8 @@ models on 1, 2 and 16 nodes of 8 H100s, checked against tests/golden/*.json.
 
 A planner change that moves any decision (mesh, schedule, ZeRO, recompute, stage
 cuts, a placement) or a prediction by more than 1% fails here with the diff.
+The files are torch 2.13's (``autopar.testing.GOLDEN_TORCH``, what CI installs); under another
+release, whose trace and DTensor rules differ, each plan is checked for validity only.
 If the change is intended, rewrite the files and review them with git diff:
 
     python -m pytest tests/test_golden_plans.py --autopar-update-golden
@@ -25,7 +27,7 @@ from autopar.cluster import parse_cluster
 from autopar.fmt import fmt_bytes
 from autopar.passes import meta_keys as mk
 from autopar.plan import Plan
-from autopar.testing import assert_plan_matches
+from autopar.testing import GOLDEN_TORCH, assert_plan_matches, torch_version
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))  # as a module on the path: tracing imports the model's module
@@ -86,6 +88,9 @@ def test_plan_matches_golden(name, spec):
     plan = plan_for(name, spec)
     assert plan.mesh["pp"] * plan.mesh["dp"] * plan.mesh["tp"] == parse_cluster(spec).world_size
     _check_valid(plan, traced(name)[0], parse_cluster(spec))
+    if torch_version() != GOLDEN_TORCH:  # (valid, checked above; equal only on the release the files come from)
+        pytest.skip(f"the golden plans are torch {'.'.join(map(str, GOLDEN_TORCH))}'s; torch "
+                    f"{'.'.join(map(str, torch_version()))} traces and shards otherwise, so its plans may differ")
     assert_plan_matches(plan, f"golden/{name}-{spec}.json", rtol=RTOL)
 
 

@@ -7,7 +7,8 @@ on a device mesh of these axis sizes, which strategies are valid? A strategy
 (`Candidate`) is one placement per mesh axis for every output tensor and the
 placements it requires of every tensor input.
 
-Where the answers come from, in order (checked on torch 2.13):
+Where the answers come from, in order (checked on torch 2.13 and 2.14; the counts are 2.13's,
+2.14 moved most classic rules to the single-dim registry: 1220 and 19):
 
 1. DTensor's single-dim registry, ``ShardingPropagator.op_single_dim_strategy_funcs``
    (~1013 ops: pointwise, mm, layer_norm, embedding, ...). Each entry is a
@@ -311,7 +312,9 @@ def _compute(op, args, kwargs, outs, mesh_shape, fallback):
     try:
         if op in prop.op_single_dim_strategy_funcs:
             info = prop.op_single_dim_strategy_funcs[op]
-            rules = info.func(op, _to_meta(args), {k: _to_meta(v) for k, v in kwargs})
+            # (the positional arguments as a tuple, as OpSchema.args_meta holds them: torch 2.14's slice
+            # rule appends its defaults to them with +)
+            rules = info.func(op, tuple(_to_meta(a) for a in args), {k: _to_meta(v) for k, v in kwargs})
             return _with_loss_parallel(_expand(rules, ins, outs, mesh_shape, "dtensor"), op, args, ins, outs,
                                        mesh_shape), None
         if op in prop.op_strategy_funcs:

@@ -49,6 +49,7 @@ no per-tensor latency).
 
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,8 @@ from autopar.passes.token_local import run_token_local, split_on_dp, token_local
 
 __all__ = ["OpPlacements", "placement", "run_joint", "interpret", "grad_partial", "grad_addends",
            "shard_joint_graph", "random_ops"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -287,6 +290,23 @@ def _token_mean_nll(args, mesh: DeviceMesh, dp_dim: int):
     return loss, DTensor.from_local(counted, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
+def _dtensor_or_local(node: fx.Node, args, kwargs, rule: OpPlacements, mesh: DeviceMesh, tp_dim: int, dp_dim: int):
+    """The op on DTensors; where DTensor's own rule fails on these placements, on local shards
+    (:func:`_run_local`), which the plan's rule makes equal.
+
+    torch 2.14's rule for ``convolution_backward`` without the input gradient (the first layer's,
+    ``output_mask`` [False, True, True]) fails on a 2-D mesh: it combines the missing output
+    with a shard of it over the mesh axes ("strategy position 0 mixes None with placements
+    across mesh dims"), so Hugging Face's ViT could not build there. A local run is what
+    DTensor would have run, with the batch made whole on dp where the outputs do not keep it."""
+    try:
+        return tree_map(lambda v: _wrap_replicated(v, mesh), node.target(*args, **kwargs))
+    except Exception as e:  # DTensor's rule, not the op: the local run raises the op's own errors again
+        log.warning("DTensor cannot run %s on these placements (%s); running it on local shards", node.target,
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return _run_local(node, args, kwargs, rule, mesh, tp_dim, dp_dim)
+
+
 def _run_local(node: fx.Node, args, kwargs, rule: OpPlacements, mesh: DeviceMesh, tp_dim: int, dp_dim: int):
     """An op DTensor cannot dispatch: run it on local shards under autopar's own rule.
 
@@ -432,6 +452,8 @@ def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, me
                                         mesh, tp_dim, dp_dim)
         elif has_dtensor and rule is not None and not dtensor_dispatches(node.target):
             env[node] = _run_local(node, args, kwargs, rule, mesh, tp_dim, dp_dim)
+        elif has_dtensor and rule is not None:
+            env[node] = _dtensor_or_local(node, args, kwargs, rule, mesh, tp_dim, dp_dim)
         else:
             env[node] = tree_map(lambda v: _wrap_replicated(v, mesh), node.target(*args, **kwargs))
     except Exception as e:  # name the node: the op, its placements, where it came from

@@ -29,8 +29,8 @@ def _observed(chain: list[BaseException]) -> tuple[str, str] | None:
         if not name.startswith("Observed"):
             continue
         m = re.match(r"raised exception (\w+)\((.*)\)\s*$", str(c), re.S)
-        if m:
-            return m.group(1), _literal_message(m.group(2))
+        if m:  # (torch 2.14 reports KeyError('out') so too: shown as Python shows it, KeyError: 'out')
+            return m.group(1), _literal_message(m.group(2), quoted=m.group(1) == "KeyError")
         if name != "ObservedException":
             const = re.fullmatch(r"ConstantVariable\(\w+: (.*)\)", str(c).strip(), re.S)
             return name[len("Observed"):], const.group(1) if const else str(c)
@@ -105,7 +105,10 @@ def trace_error(e: BaseException, model_name: str) -> Exception:
         if isinstance(c, LossError):
             return c
     text = "\n".join(str(c) for c in chain)
-    observed = _observed(chain) or _observed_in_text(text)
+    # torch 2.14's Dynamo re-raises an op that failed on fake tensors inside the traced frame, so
+    # the chain holds an Observed<Name> as if the user's code had raised it: an op's failure still
+    fake_op = any(type(c).__name__ == "FakeTensorObservedException" for c in chain)
+    observed = None if fake_op else _observed(chain) or _observed_in_text(text)
     if observed and observed[0] == LossError.__name__:
         return LossError(observed[1])
     first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
@@ -127,8 +130,12 @@ def trace_error(e: BaseException, model_name: str) -> Exception:
     # Dynamo's headline ("RuntimeError when making fake tensor call") hides the cause: the plain
     # exception at the root of the chain ("a and b must have same reduction dim, [8, 5] X [4, 4]").
     root = next((c for c in reversed(chain) if type(c).__module__ == "builtins" and str(c).strip()), None)
+    if root is None:  # torch 2.14: inputs that do not bind to forward are Dynamo's own TypeError subclass
+        root = next((c for c in reversed(chain) if isinstance(c, TypeError) and str(c).strip()
+                     and not type(c).__name__.startswith("Observed")), None)
     if root is not None:
-        first = f"{type(root).__name__}: {str(root).strip().splitlines()[0]}"
+        shown = next(k.__name__ for k in type(root).__mro__ if k.__module__ == "builtins")
+        first = f"{shown}: {str(root).strip().splitlines()[0]}"
     source = linecache.getline(frames[-1][0], int(frames[-1][1])) if frames else ""
     op = re.search(r"(aten\.\w+(?:\.\w+)?)", text) or re.search(r"<CustomOpDef\(([\w:.]+)\)>", text)
     what = f" (op {op.group(1)})" if op else ""
@@ -158,10 +165,13 @@ def _observed_in_text(text: str) -> tuple[str, str] | None:
     return (m.group(1), _literal_message(m.group(2))) if m else None
 
 
-def _literal_message(args_repr: str) -> str:
-    """The first argument of an exception's repr ("'msg'" -> "msg"), or the text itself."""
+def _literal_message(args_repr: str, *, quoted: bool = False) -> str:
+    """The first argument of an exception's repr ("'msg'" -> "msg"; ``quoted``: as ``str(KeyError)``
+    shows it, "'msg'"), or the text itself."""
     try:
         args = ast.literal_eval(f"({args_repr},)")
     except (ValueError, SyntaxError):
         return args_repr
-    return str(args[0]) if args else ""
+    if not args:
+        return ""
+    return repr(args[0]) if quoted else str(args[0])
