@@ -67,10 +67,10 @@ def _sharded(c: Candidate) -> bool:
 def test_private_registries_are_found():
     info = registry_info()
     msg = f"torch {torch.__version__} moved DTensor's sharding registries: {info}"
-    # torch 2.13: 158 classic and 1013 single-dim rules; 2.14 moved most classic ones (views,
-    # reductions, ...) to single-dim: 19 and 1220. Both registries, and about 1200 ops in all.
-    assert info["op_strategy_funcs"] > 0 and info["single_dim"] > 100, msg
-    assert info["op_strategy_funcs"] + info["single_dim"] > 1000, msg
+    # Rules move from the classic registry to the single-dim one release by release: torch 2.11 has
+    # 584 and 4, 2.13 158 and 1013, 2.14 19 and 1220. Both registries, and most ops in one of them.
+    assert info["op_strategy_funcs"] > 0 and info["single_dim"] > 0, msg
+    assert info["op_strategy_funcs"] + info["single_dim"] > 500, msg
     assert has_rule(aten.mm.default) and has_rule(aten.view.default) and has_rule(aten.add.Tensor)
     assert has_rule(aten._scaled_dot_product_flash_attention_for_cpu.default)  # autopar's own
     assert not has_rule(torch.ops.autopar_test.twice.default)

@@ -29,8 +29,15 @@ def _observed(chain: list[BaseException]) -> tuple[str, str] | None:
         if not name.startswith("Observed"):
             continue
         m = re.match(r"raised exception (\w+)\((.*)\)\s*$", str(c), re.S)
+        if m and m.group(1).endswith("Variable"):
+            # torch 2.11 names Dynamo's wrapper ("ExceptionVariable(<class 'ValueError'>)"); the graph
+            # break's debug context names the exception (:func:`_observed_in_text`)
+            continue
         if m:  # (torch 2.14 reports KeyError('out') so too: shown as Python shows it, KeyError: 'out')
             return m.group(1), _literal_message(m.group(2), quoted=m.group(1) == "KeyError")
+        key = re.search(r'Debug representation of the key is "(.*)"\s*$', str(c), re.S)
+        if key:  # torch 2.11: "Dict key lookup failed for ConstantVariable(str: 'out'). Debug representation ..."
+            return name[len("Observed"):], key.group(1)
         if name != "ObservedException":
             const = re.fullmatch(r"ConstantVariable\(\w+: (.*)\)", str(c).strip(), re.S)
             return name[len("Observed"):], const.group(1) if const else str(c)
@@ -161,17 +168,24 @@ def trace_error(e: BaseException, model_name: str) -> Exception:
 def _observed_in_text(text: str) -> tuple[str, str] | None:
     """An exception the traced code raised, as Dynamo's graph-break text names it
     ("Developer debug context: raised exception ImportError('...')")."""
-    m = re.search(r"raised exception (\w+)\((.*?)\)\s*$", text, re.M)
-    return (m.group(1), _literal_message(m.group(2))) if m else None
+    for m in re.finditer(r"raised exception (\w+)\((.*?)\)\s*$", text, re.M):
+        if not m.group(1).endswith("Variable"):  # (Dynamo's wrapper, not the exception: torch 2.11)
+            return m.group(1), _literal_message(m.group(2), quoted=m.group(1) == "KeyError")
+    return None
 
 
 def _literal_message(args_repr: str, *, quoted: bool = False) -> str:
     """The first argument of an exception's repr ("'msg'" -> "msg"; ``quoted``: as ``str(KeyError)``
     shows it, "'msg'"), or the text itself."""
+    # torch 2.11 writes the arguments as Dynamo's constants, in a list or a tuple:
+    # ValueError([ConstantVariable(str: 'msg')])
+    args_repr = re.sub(r"""ConstantVariable\(\w+: ('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")\)""", r"\1", args_repr)
     try:
         args = ast.literal_eval(f"({args_repr},)")
     except (ValueError, SyntaxError):
         return args_repr
+    while len(args) == 1 and isinstance(args[0], (list, tuple)):
+        args = args[0]
     if not args:
         return ""
     return repr(args[0]) if quoted else str(args[0])
