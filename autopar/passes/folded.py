@@ -18,6 +18,7 @@ import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.passes.dtensor_rules import dtensor_dispatches
@@ -71,7 +72,8 @@ def run_folded(node: fx.Node, args, kwargs, rule: OpPlacements, mesh: DeviceMesh
         return run_token_local(node, args, kwargs, tuple(placement(o) for o in rule.outs), mesh, tp_dim, dp_dim)
     if not dtensor_dispatches(node.target) and any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs))):
         return _run_local(node, args, kwargs, rule, mesh, tp_dim, dp_dim)  # (local shards, batch-parallel on dp)
-    sub = mesh[mesh.mesh_dim_names[dp_dim]]
+    with disable_proxy_modes_tracing():  # (torch 2.11 builds a sub-mesh by indexing a tensor: not into the program)
+        sub = mesh[mesh.mesh_dim_names[dp_dim]]
 
     def down(v):
         return DTensor.from_local(v.to_local(), sub, [v.placements[dp_dim]], run_check=False) \

@@ -291,16 +291,14 @@ def _token_mean_nll(args, mesh: DeviceMesh, dp_dim: int):
 
 
 def _dtensor_or_local(node: fx.Node, args, kwargs, rule: OpPlacements, mesh: DeviceMesh, tp_dim: int, dp_dim: int):
-    """The op on DTensors; where DTensor's own rule fails on these placements, on local shards
-    (:func:`_run_local`), which the plan's rule makes equal.
-
-    torch 2.14's rule for ``convolution_backward`` without the input gradient (the first layer's,
-    ``output_mask`` [False, True, True]) fails on a 2-D mesh: it combines the missing output
-    with a shard of it over the mesh axes ("strategy position 0 mixes None with placements
-    across mesh dims"), so Hugging Face's ViT could not build there. A local run is what
-    DTensor would have run, with the batch made whole on dp where the outputs do not keep it."""
+    """The op on DTensors, or on local shards (:func:`_run_local`) where DTensor's own rule fails here
+    or returns a DTensor of the wrong rank: torch 2.14's ``convolution_backward`` without the input
+    gradient on a 2-D mesh (ViT's first layer), 2.11's ``constant_pad_nd`` (the label shift)."""
     try:
-        return tree_map(lambda v: _wrap_replicated(v, mesh), node.target(*args, **kwargs))
+        out = tree_map(lambda v: _wrap_replicated(v, mesh), node.target(*args, **kwargs))
+        if any(isinstance(v, DTensor) and len(v.placements) != mesh.ndim for v in tree_leaves(out)):
+            raise RuntimeError(f"an output's placements do not match the {mesh.ndim}-D mesh")
+        return out
     except Exception as e:  # DTensor's rule, not the op: the local run raises the op's own errors again
         log.warning("DTensor cannot run %s on these placements (%s); running it on local shards", node.target,
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -308,8 +306,7 @@ def _dtensor_or_local(node: fx.Node, args, kwargs, rule: OpPlacements, mesh: Dev
 
 
 def _run_local(node: fx.Node, args, kwargs, rule: OpPlacements, mesh: DeviceMesh, tp_dim: int, dp_dim: int):
-    """An op DTensor cannot dispatch: run it on local shards under autopar's own rule.
-
+    """An op DTensor cannot dispatch (or not here): run it on local shards under the plan's rule.
     On dp it is batch-parallel when its first tensor input is split on a batch dim and
     every tensor output carries that dim (attention): inputs with that batch are split
     like the first, the others are whole. Otherwise (e.g. a grouped-matmul backward whose
@@ -450,10 +447,9 @@ def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, me
         elif token_local and split_on_dp(node, (args, kwargs), dp_dim):  # experts' routing: own tokens
             env[node] = run_token_local(node, args, kwargs, tuple(placement(o) for o in (rule.outs if rule else ())),
                                         mesh, tp_dim, dp_dim)
-        elif has_dtensor and rule is not None and not dtensor_dispatches(node.target):
-            env[node] = _run_local(node, args, kwargs, rule, mesh, tp_dim, dp_dim)
-        elif has_dtensor and rule is not None:
-            env[node] = _dtensor_or_local(node, args, kwargs, rule, mesh, tp_dim, dp_dim)
+        elif has_dtensor and rule is not None:  # (on local shards where DTensor has no rule for the op)
+            run = _dtensor_or_local if dtensor_dispatches(node.target) else _run_local
+            env[node] = run(node, args, kwargs, rule, mesh, tp_dim, dp_dim)
         else:
             env[node] = tree_map(lambda v: _wrap_replicated(v, mesh), node.target(*args, **kwargs))
     except Exception as e:  # name the node: the op, its placements, where it came from

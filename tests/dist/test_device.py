@@ -31,6 +31,7 @@ EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 AUTOPAR_DIR = str(Path(autopar.__file__).resolve().parent)
 TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 DTENSOR_DIR = os.path.join(TORCH_DIR, "distributed", "tensor")
+OPTIM_DIR = os.path.join(TORCH_DIR, "optim")
 RUNTIME_FILES = ("parallel.py", "runtime", os.path.join("passes", "shard.py"), os.path.join("passes", "pipeline.py"))
 """The code that runs on a rank's device (planning and tracing work on fake CPU tensors by design)."""
 
@@ -58,6 +59,8 @@ class StrayAllocations(TorchFunctionMode):
         frame = sys._getframe(2)
         if frame.f_code.co_filename.startswith(DTENSOR_DIR):
             return None  # DTensor's own index math (compute_local_shape_and_global_offset's aranges)
+        if frame.f_code.co_filename.startswith(OPTIM_DIR):
+            return None  # the optimizer's own state (torch 2.11's AdamW: its step count, a CPU scalar by design)
         while frame is not None and frame.f_code.co_filename.startswith(TORCH_DIR):
             frame = frame.f_back  # through torch's own Python wrappers to the code that asked
         if frame is None or not frame.f_code.co_filename.startswith(AUTOPAR_DIR):
