@@ -113,7 +113,7 @@ def trace_error(e: BaseException, model_name: str) -> Exception:
             return c
     text = "\n".join(str(c) for c in chain)
     # torch 2.14's Dynamo re-raises an op that failed on fake tensors inside the traced frame, so
-    # the chain holds an Observed<Name> as if the user's code had raised it: an op's failure still
+    # the chain holds an Observed<Name> as if the user's code had raised it; it is the op's failure
     fake_op = any(type(c).__name__ == "FakeTensorObservedException" for c in chain)
     observed = None if fake_op else _observed(chain) or _observed_in_text(text)
     if observed and observed[0] == LossError.__name__:
