@@ -71,8 +71,7 @@ def test_collapsed_block_stands_for_all_and_totals_agree():
     by_path = layers(collapsed)
     assert [x.path for x in full.meta[mk.LAYERS]] == GPT_LAYERS[:H2] + ["transformer.h.2", "transformer.h.3"] + GPT_LAYERS[H2:]
     assert [x.path for x in collapsed.meta[mk.LAYERS]] == GPT_LAYERS
-    assert [x.count for x in collapsed.meta[mk.LAYERS]] == [3 if x.path == "transformer.h.1" else 1 for x in
-                                                            collapsed.meta[mk.LAYERS]]
+    assert [x.count for x in collapsed.meta[mk.LAYERS]] == [3 if p == "transformer.h.1" else 1 for p in GPT_LAYERS]
     assert by_path["transformer.h.1"].signature == layers(full)["transformer.h.3"].signature
 
     def total(gm, field):

@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.testing import spawn_world, tp_only_cluster
+from autopar.testing import spawn_world, torch_version, tp_only_cluster
 from parallel_compare import Reference, assert_matches, train_judged
 
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
@@ -170,10 +170,10 @@ def test_moe_trains_like_one_process_with_each_rank_holding_its_experts(world):
             if tp > 1:  # Megatron attention: q, k, v by heads, the output projection by its input
                 attention = {"moe": [f"layers.1.attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")],
                              "mixtral": [f"model.layers.1.self_attn.{w}_proj.weight" for w in "qkvo"]}[model_name]
-                # (or the output projection whole after a gather: on torch 2.14 the planner picks that for the MoE
-                # example's second block, 0.2% slower by its own model, within the sharding MIP's 1% gap)
-                got = [r["placements"][f] for f in attention]
-                assert got[:3] == ["S0", "S0", "S0"] and got[3] in ("S1", "R"), (where, r["placements"])
+                # (on torch 2.14 the planner keeps the MoE example's second output projection whole after a
+                # gather instead, 0.2% slower by its own model, within the sharding MIP's 1% gap)
+                wo = "S1" if model_name == "mixtral" or torch_version() < (2, 14) else "R"
+                assert [r["placements"][f] for f in attention] == ["S0", "S0", "S0", wo], (where, r["placements"])
             # only this rank's experts: E/ep of each stacked weight, in the model and in the storage
             # (and of those, the part of each expert's hidden width the plan gives this tp rank)
             assert len(r["held"]) == len(EXPERT_PARAMS[model_name]) * 2, r["held"]
