@@ -261,3 +261,28 @@ def test_joint_graph_has_rules_for_every_op_and_caches_them():
     for node in nodes:
         op_candidates(node, (2, 2))
     assert dtensor_rules._compute.cache_info().misses == misses
+
+
+def test_scatter_keeps_rows_split_off_its_dim():
+    """scatter writes along its dim only: on every release (DTensor's own rule has it from 2.13 on,
+    autopar adds it before) self, index and src may be split alike on a dim where all three have the
+    same size, never on the scatter dim or where index and self differ. A top-k's gradient:
+    ``zeros(8, 4).scatter(-1, index (8, 2), src (8, 2))``."""
+    def topk_grad(index, src):
+        return torch.zeros(8, 4).scatter(-1, index, src)
+
+    def permute_rows(index, src):  # all three (8, 2): the scatter dim has the same size too
+        return torch.zeros(8, 2).scatter(1, index, src)
+
+    for fn in (topk_grad, permute_rows):
+        gm = _trace(fn, torch.zeros(8, 2, dtype=torch.long), torch.randn(8, 2))
+        pairs = _pairs(op_candidates(_node(gm, aten.scatter.src), (2,)))
+        assert (((S0,),), ((S0,), (S0,), (S0,))) in pairs
+        assert not any(S1 in ps for out, ins in pairs for ps in (*out, *ins)), fn  # the scatter dim
+
+    def fewer_rows(index):  # index covers 6 of the 8 rows: dim 0 is no row dim, only the replicated scatter
+        return torch.zeros(8, 4).scatter(1, index, 1.0)
+
+    gm = _trace(fewer_rows, torch.zeros(6, 2, dtype=torch.long))
+    cands = op_candidates(_node(gm, aten.scatter.value), (2,))
+    assert not any(_sharded(c) for c in cands)

@@ -39,7 +39,9 @@ on 2.11, 19 and 1220 on 2.14):
    width (Megatron's MLP split, per expert), its rows a partial sum.
    The cross-entropy's four ops (log-softmax, NLL and their backwards) also get the
    strategy that keeps the classes split (:mod:`autopar.passes.loss_parallel`), beside
-   DTensor's own, which only split the batch.
+   DTensor's own, which only split the batch; ``scatter`` (.src, .value) gets the one that
+   keeps rows split off its scatter dim (:mod:`autopar.passes.scatter_rows`), which DTensor
+   has from 2.13 on only.
 4. The fallback (``fallback=True``, autopar's own, source ``"fallback"``): the
    all-Replicate candidate, plus for ops tagged ``torch.Tag.pointwise`` Shard(d)
    on every output dim, with each input sharded on its broadcast-aligned dim
@@ -96,6 +98,7 @@ from torch.distributed.tensor.placement_types import (
 
 import autopar.experts  # noqa: F401  (registers torch.ops.autopar.moe_experts, which has a rule here)
 from autopar.passes.loss_parallel import LOSS_OPS, loss_rules
+from autopar.passes.scatter_rows import SCATTER_OPS, scatter_rule
 
 logger = logging.getLogger(__name__)
 
@@ -316,10 +319,10 @@ def _compute(op, args, kwargs, outs, mesh_shape, fallback):
             # (the positional arguments as a tuple, as OpSchema.args_meta holds them: torch 2.14's slice
             # rule appends its defaults to them with +)
             rules = info.func(op, tuple(_to_meta(a) for a in args), {k: _to_meta(v) for k, v in kwargs})
-            return _with_loss_parallel(_expand(rules, ins, outs, mesh_shape, "dtensor"), op, args, ins, outs,
+            return _with_extra(_expand(rules, ins, outs, mesh_shape, "dtensor"), op, args, ins, outs,
                                        mesh_shape), None
         if op in prop.op_strategy_funcs:
-            return _with_loss_parallel(_classic(prop, op, args, kwargs, ins, outs, mesh_shape), op, args, ins, outs,
+            return _with_extra(_classic(prop, op, args, kwargs, ins, outs, mesh_shape), op, args, ins, outs,
                                        mesh_shape), None
     except Exception as e:  # a DTensor rule that cannot handle these arguments
         error = f"{type(e).__name__}: {e}"
@@ -333,16 +336,15 @@ def _compute(op, args, kwargs, outs, mesh_shape, fallback):
     return None, error
 
 
-def _with_loss_parallel(found: tuple[Candidate, ...], op, args, ins, outs, mesh_shape) -> tuple[Candidate, ...]:
-    """DTensor's candidates of a cross-entropy op plus the one that keeps its classes split
-    (:mod:`autopar.passes.loss_parallel`: DTensor keeps that rule in a context manager of its
-    own, outside its registry)."""
-    if op not in LOSS_OPS:
+def _with_extra(found: tuple[Candidate, ...], op, args, ins, outs, mesh_shape) -> tuple[Candidate, ...]:
+    """DTensor's candidates plus autopar's for the ops it adds a strategy to (``_EXTRA_RULES``)."""
+    if op not in _EXTRA_RULES:
         return found
-    rules = loss_rules(op, args, ins, outs)
+    rules, source = _EXTRA_RULES[op]
+    rows = rules(op, args, ins, outs)
     seen = {(c.outputs, c.inputs) for c in found}
-    extra = tuple(c for c in _expand(rules, ins, outs, mesh_shape, "loss_parallel")
-                  if (c.outputs, c.inputs) not in seen) if rules else ()
+    extra = tuple(c for c in _expand(rows, ins, outs, mesh_shape, source)
+                  if (c.outputs, c.inputs) not in seen) if rows else ()
     return found + extra
 
 
@@ -556,6 +558,15 @@ _OWN_RULES = {
     torch.ops.autopar.moe_experts.default: _experts_rule,
     torch.ops.autopar.moe_experts_backward.default: _experts_rule,
 }
+
+
+# ops whose DTensor rule lacks a strategy autopar runs (on some releases, or on all): their candidates
+# are DTensor's plus these. The cross-entropy's ops keep their classes split
+# (:mod:`autopar.passes.loss_parallel`: DTensor keeps that rule in a context manager of its own, outside
+# its registry); a scatter keeps its rows split where DTensor before 2.13 would gather them
+# (:mod:`autopar.passes.scatter_rows`).
+_EXTRA_RULES = {**{op: (loss_rules, "loss_parallel") for op in LOSS_OPS},
+                **{op: (scatter_rule, "autopar") for op in SCATTER_OPS}}
 
 
 def _fallback_rules(op, ins, outs):

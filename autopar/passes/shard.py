@@ -50,6 +50,7 @@ no per-tensor latency).
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,7 @@ from autopar.passes import meta_keys as mk
 from autopar.passes.dtensor_rules import dtensor_dispatches
 from autopar.passes.loss_parallel import class_split, run_loss_parallel
 from autopar.passes.folded import run_folded
+from autopar.passes.scatter_rows import SCATTER_OPS, run_scatter_rows
 from autopar.passes.token_local import run_token_local, split_on_dp, token_local_nodes
 
 __all__ = ["OpPlacements", "placement", "run_joint", "interpret", "grad_partial", "grad_addends",
@@ -153,15 +155,14 @@ _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 
 
 def note_tp_placement(value: Any, tp_dim: int) -> None:
-    """While ``make_fx`` traces, write each DTensor's tp placement onto the program node that
-    makes its local tensor (``meta[TP_PLACEMENT]``; "?" where DTensors of two placements
-    share a node, e.g. ``from_local`` reinterpreting one tensor).
+    """While ``make_fx`` traces, write each DTensor's tp placement onto the program node that makes its
+    local tensor (``meta[TP_PLACEMENT]``; "?" where DTensors of two placements share a node, e.g.
+    ``from_local`` reinterpreting one tensor).
 
-    The pipeline reads it to send a value replicated on tp as 1/tp pieces, all-gathered on
-    the receiving stage (:mod:`autopar.runtime.pipeline`). The per-rank program keeps no
-    DTensors, so this is the only moment the placement and the node meet; a tensor the
-    tracer does not track (a constant) gets no mark and is sent whole. ``get_proxy_slot``
-    is the tracer's own lookup of a tensor's node (torch has no public one)."""
+    The pipeline reads it to send a value replicated on tp as 1/tp pieces, all-gathered on the receiving
+    stage (:mod:`autopar.runtime.pipeline`). The per-rank program keeps no DTensors, so this is the only
+    moment the placement and the node meet; a tensor the tracer does not track (a constant) gets no mark
+    and is sent whole. ``get_proxy_slot`` is the tracer's own lookup of a tensor's node (none is public)."""
     mode = get_proxy_mode()
     if mode is None:
         return
@@ -178,19 +179,16 @@ def note_tp_placement(value: Any, tp_dim: int) -> None:
 
 
 def _contiguous(v: Any) -> Any:
-    """A DTensor whose local shard and global strides are both contiguous. (A shard with a
-    batch of 1 counts as contiguous locally whatever its strides, while the global strides
-    DTensor derives from them may not be: view would then refuse the global shape.)"""
+    """A DTensor whose local shard and global strides are both contiguous. (A shard with a batch of 1
+    counts as contiguous locally whatever its strides, while the global strides DTensor derives from
+    them may not be: view would then refuse the global shape.)"""
     if not isinstance(v, DTensor):
         return v
-    stride, acc = [], 1
-    for d in reversed(v.shape):
-        stride.insert(0, acc)
-        acc *= d
-    if v.to_local().is_contiguous() and tuple(v.stride()) == tuple(stride):
+    stride = tuple(math.prod(v.shape[d + 1:]) for d in range(v.dim()))
+    if v.to_local().is_contiguous() and tuple(v.stride()) == stride:
         return v
     return DTensor.from_local(v.to_local().contiguous(), v.device_mesh, v.placements, run_check=False,
-                              shape=v.shape, stride=tuple(stride))
+                              shape=v.shape, stride=stride)
 
 
 _RANDOM_LIKE = {torch.ops.aten.native_dropout.default, torch.ops.aten.bernoulli.p,
@@ -447,6 +445,8 @@ def _run_node(node: fx.Node, env: dict[fx.Node, Any], info: mk.GraphTrace, *, me
         elif token_local and split_on_dp(node, (args, kwargs), dp_dim):  # experts' routing: own tokens
             env[node] = run_token_local(node, args, kwargs, tuple(placement(o) for o in (rule.outs if rule else ())),
                                         mesh, tp_dim, dp_dim)
+        elif node.target in SCATTER_OPS and (rows := run_scatter_rows(node.target, args, kwargs)) is not None:
+            env[node] = rows  # each rank's rows, on releases whose DTensor rule would gather them too
         elif has_dtensor and rule is not None:  # (on local shards where DTensor has no rule for the op)
             run = _dtensor_or_local if dtensor_dispatches(node.target) else _run_local
             env[node] = run(node, args, kwargs, rule, mesh, tp_dim, dp_dim)
