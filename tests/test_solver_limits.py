@@ -101,12 +101,14 @@ def test_mips_solved_side_by_side_give_the_plan_solved_one_at_a_time(monkeypatch
     assert plans[1] == plans[4]
 
 
-LIMITED_BUILD = dict(size="tiny", batch=16, seq=128)  # llama tiny
+LIMITED_BUILD = dict(size="small", batch=16, seq=128)  # llama small
 
 
 @pytest.fixture(scope="module")
 def llama_tp4():
-    """llama tiny's MIP on a tp axis of 4 (SCIP closes it at the root node)."""
+    """llama small's MIP on a tp axis of 4. SCIP closes it at the root node; without root cuts it
+    branches on every torch release checked (10 nodes on 2.12 and 2.13, 23 on 2.11, 32 on 2.14;
+    llama tiny's closes at the root even then on 2.11, whose DTensor rules give fewer candidates)."""
     cluster = parse_cluster("1x4xH100")
     model, inputs, loss_fn, target = llama.build(**LIMITED_BUILD)
     gm, gm2 = trace_pair(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target)
