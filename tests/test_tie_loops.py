@@ -122,3 +122,45 @@ def test_the_plan_says_how_many_ops_were_tied():
                         loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()))
     assert plan.solver["tied"] > 10 * STEPS
     assert f"; {plan.solver['tied']} ops of unrolled loops took their iteration's strategy)" in render_summary(plan)
+
+
+class GatedMLP(nn.Module):
+    """Three linear layers called on one source line (Llama's MLP), in a loop over two alike blocks."""
+
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+@pytest.mark.parametrize("carets", [True, False])
+def test_calls_on_one_line_are_not_a_loop(carets, monkeypatch):
+    """w1, w2 and w3 make alike matmuls (d x d) on one line: three calls, which must not tie (tied,
+    the MLP cannot split w1/w3 by column and w2 by row). Their stacks tell them apart by the
+    column markers torch 2.13 adds (``^^^``); torch 2.11's have none (``carets=False`` strips them),
+    and there the calls' modules do. The two blocks' like matmuls still tie: a loop over a list."""
+    from autopar.passes import meta_keys as mk
+
+    model = nn.Sequential(nn.Embedding(128, 64), GatedMLP(), GatedMLP(), nn.Linear(64, 128))
+    ids = torch.randint(0, 128, (8, STEPS))
+    cluster = parse_cluster("1x4xH100")
+    gm, gm2 = trace_pair(model, ids, cluster=cluster, example_target=ids,
+                         loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()))
+    if not carets:
+        for node in gm.graph.nodes:
+            if node.meta.get("stack_trace"):
+                node.meta["stack_trace"] = "\n".join(line for line in node.meta["stack_trace"].splitlines()
+                                                     if line.strip(" ^~"))
+    sg = build_strategy_graph(gm, axis_size=4, gm_double=gm2, shard_batch=False)
+    module = {n.name: n.meta[mk.TRACE].module_path for n in gm.graph.nodes}
+    forward_mms = [n for n in sg.nodes if n.kind == "op" and n.phase == "F" and n.name.startswith(("mm", "addmm"))
+                   and module[n.name].split(".")[-1] in ("w1", "w2", "w3")]
+    assert len(forward_mms) == 6, [n.name for n in forward_mms]
+    ties_by_module = {}
+    for n in forward_mms:
+        ties_by_module.setdefault(module[n.name].split(".", 1)[1], set()).add(n.tie)
+    assert sorted(ties_by_module) == ["w1", "w2", "w3"]
+    assert all(len(t) == 1 for t in ties_by_module.values()), ties_by_module  # block 1's and block 2's tie
+    assert len(set().union(*ties_by_module.values())) == 3, ties_by_module  # w1, w2, w3 apart

@@ -306,7 +306,10 @@ def _tie_keys(gm: fx.GraphModule) -> dict[fx.Node, str]:
     ``bmm``s, a matmul's two backward ``mm``s). The layer enters by its signature, so the like
     ops of alike layers that were traced apart (a hybrid stack of 24 layers, whose repeats are
     not collapsed: :func:`autopar.passes.trace._find_repeats` wants all blocks alike) tie too.
-    An op without a recorded stack ties with nothing."""
+    So does the module that made the op (:func:`_module_in_layer`): the stacks of torch before
+    2.13 name a line but not the place on it, and ``self.w2(silu(self.w1(x)) * self.w3(x))``'s
+    three matmuls are three calls, not a loop's passes (tied, Llama's MLP could not be Megatron's
+    on 2.11). An op without a recorded stack ties with nothing."""
     seen: dict[tuple, int] = defaultdict(int)
     signature = {layer.path: layer.signature for layer in gm.meta[mk.LAYERS]}
     names: dict[tuple, str] = {}  # a short name per distinct key, numbered as met (hashing the stacks took 0.5 s)
@@ -319,8 +322,17 @@ def _tie_keys(gm: fx.GraphModule) -> dict[fx.Node, str]:
         place = seen[call, node.target]
         seen[call, node.target] += 1
         layer = node.meta[mk.LAYER]
-        keys[node] = names.setdefault((node.target, place, signature.get(layer, layer), stack), f"t{len(names)}")
+        keys[node] = names.setdefault((node.target, place, signature.get(layer, layer), stack, _module_in_layer(node)),
+                                      f"t{len(names)}")
     return keys
+
+
+def _module_in_layer(node: fx.Node) -> str:
+    """The module that made ``node``, from its layer down, list indices masked (``experts.#.w1``): the
+    passes of a loop over a module list stay alike, distinct modules called on one line do not."""
+    path, layer = node.meta[mk.TRACE].module_path or "", node.meta[mk.LAYER]
+    inner = "" if path == layer else path[len(layer) + 1:] if path.startswith(layer + ".") else path
+    return ".".join("#" if part.isdigit() else part for part in inner.split("."))
 
 
 def _line_keys(gm: fx.GraphModule) -> dict[fx.Node, str]:
