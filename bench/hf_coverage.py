@@ -29,7 +29,8 @@ Each architecture lands in one of:
   solve, a trace) is stopped on time too.
 
 Each architecture is planned in its own child process forked from the bench (torch,
-transformers and autopar imported once, the tracer warmed up by one plan of GPT-2), at most
+transformers and autopar imported once, the tracer warmed up by one plan of GPT-2 where the
+torch release lets a child run autograd after its parent traced: not 2.11), at most
 ``--jobs`` at a time (default 2, one per core here). Each row says the wall and CPU seconds
 that architecture took (CPU: the child's, building the model included; ``build_s`` of it the
 build) and, when planned, ``plan.timings`` (where the planner's time went: trace, MIPs, search). Solved MIPs are not
@@ -190,6 +191,42 @@ def _dead_row(job: tuple[str, str, str], status: int, cpu_s: float, wall_s: floa
     return {**row, "outcome": "crashed", "error": f"the process planning it was {why} without a row"}
 
 
+def _forked_backward_runs(after_trace: bool) -> bool:
+    """Whether a child forked from this process can run a backward (``after_trace``: a child forked
+    from one that traced a backward first; the probe does that in a child of its own, so this
+    process stays as it is). torch 2.11 (before its autograd engine started its threads lazily)
+    marks every child forked after a traced backward (one on fake tensors, as every trace runs) as
+    unable to run one: "Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"."""
+    def status(body) -> int:
+        try:
+            body()
+            return 0
+        except BaseException:  # noqa: BLE001 (the probe's answer, not an error)
+            return 1
+
+    def backward() -> None:
+        torch.ones(1, requires_grad=True).sum().backward()
+
+    def traced_backward() -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            x = torch.empty(2, requires_grad=True)
+            torch.autograd.grad(x.sum(), x)
+
+    def forked(body) -> bool:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(body())
+        _, st = os.waitpid(pid, 0)
+        return os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0
+
+    if after_trace:
+        return forked(lambda: status(traced_backward) or (0 if forked(lambda: status(backward)) else 1))
+    return forked(lambda: status(backward))
+
+
 def plan_all(rows: list[tuple[str, str, str]], *, jobs: int, timeout_s: float, warm: bool = False) -> Iterator[dict]:
     """Rows in the order of ``rows``. Each architecture is planned in its own child process,
     forked from this one (torch, transformers and autopar imported once; with ``warm``, after one
@@ -199,8 +236,15 @@ def plan_all(rows: list[tuple[str, str, str]], *, jobs: int, timeout_s: float, w
     by the kernel; a child that dies (a segfault in native code, the out-of-memory killer) costs
     its row, not the run. Why not a pool of long-lived workers: a budget checked from Python (a
     signal handler) waits until a long SCIP solve or trace call returns (Falcon-Mamba ran to 138
-    CPU-s of a 60 s budget), and a worker killed mid-row breaks the whole pool."""
-    if warm and rows:
+    CPU-s of a 60 s budget), and a worker killed mid-row breaks the whole pool.
+
+    On torch releases whose children cannot run autograd once their parent has (2.11:
+    :func:`_forked_backward_runs`) there is no warm-up, and a parent that has traced already (a
+    test worker) is told on stderr that its children's traces will fail: plan from a fresh process."""
+    if rows and not _forked_backward_runs(after_trace=False):
+        print(f"hf_coverage: torch {torch.__version__} cannot run autograd in a child of this process, which "
+              "has traced already: every trace will fail; run plan_all from a fresh process", file=sys.stderr)
+    elif warm and rows and _forked_backward_runs(after_trace=True):
         plan_one("causal", "gpt2", "GPT2LMHeadModel")
         forget_planner_memos()  # (or GPT-2's own row would find its MIPs solved)
     pending = list(enumerate(rows))
