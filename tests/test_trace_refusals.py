@@ -189,3 +189,20 @@ def test_import_error_while_loading_a_model_spec(tmp_path, monkeypatch):
 def test_every_cause_has_a_fix():
     causes = [v for k, v in vars(te).items() if k.isupper() and isinstance(v, str)]
     assert len(causes) >= 5 and set(causes) == set(te._FIXES)
+
+
+def test_autograd_in_a_forked_process_is_named():
+    """torch 2.11 refuses autograd in a child forked after its parent ran it, and a trace runs a
+    backward: the error says so (and how to start the process), rather than blaming the inputs or the
+    model's Python. The chain is the one Dynamo raises: its runtime error over the engine's."""
+    root = RuntimeError("Unable to handle autograd's threading in combination with fork-based multiprocessing. "
+                        "See https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork")
+    try:
+        try:
+            raise root
+        except RuntimeError as e:
+            raise torch._dynamo.exc.TorchRuntimeError("Dynamo failed to run FX node with fake tensors") from e
+    except Exception as e:  # noqa: BLE001
+        message = str(te.trace_error(e, "Net"))
+    assert f"could not trace Net: {te.FORKED}: RuntimeError: Unable to handle autograd's threading" in message, message
+    assert "'spawn' or 'forkserver'" in message, message

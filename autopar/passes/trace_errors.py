@@ -52,6 +52,7 @@ IMPORT_ERROR = "import error"
 CACHE_OBJECT = "cache object"
 BAD_INPUTS = "inputs that do not fit the model"
 MIXED_DTYPES = "two dtypes met in one op"
+FORKED = "autograd in a forked process"
 _FIXES = {
     DATA_DEPENDENT: ("a Python branch, shape or number depends on a tensor's values (`if t.sum() > 0:`, "
                      "`.item()`, `.tolist()`, `int(t)`); compute it with tensor ops (torch.where, masks) or "
@@ -70,6 +71,9 @@ _FIXES = {
                    "bf16 while buffers and tensors made in forward keep float32, as with FSDP2's "
                    "MixedPrecisionPolicy, and this line combines the two; plan with precision='fp32', or "
                    "cast in forward (`.to(x.dtype)`)"),
+    FORKED: ("this process was forked (multiprocessing's default start on Linux) from one that had run "
+             "autograd, and this torch release (2.11) cannot run it in such a child; plan in the parent, or "
+             "start the process with multiprocessing's 'spawn' or 'forkserver' method"),
 }
 
 
@@ -77,6 +81,8 @@ def _cause(text: str, root: BaseException | None, chain: list[BaseException], so
     """Which of the causes above explains ``text`` (the whole exception chain, as text)."""
     if isinstance(root, ImportError):
         return IMPORT_ERROR
+    if "autograd's threading in combination with fork" in text:  # (a trace runs a backward)
+        return FORKED
     if "Cache" in source or re.search(r"\w*Cache\b.*(not supported|unsupported|cannot)", text):
         return CACHE_OBJECT
     if any(k in text for k in ("Data-dependent", "data-dependent", "_local_scalar_dense", "DataDependent",
