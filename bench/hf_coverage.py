@@ -30,7 +30,7 @@ Each architecture lands in one of:
 
 Each architecture is planned in its own child process forked from the bench (torch,
 transformers and autopar imported once, the tracer warmed up by one plan of GPT-2 where the
-torch release lets a child run autograd after its parent traced: not 2.11), at most
+torch build lets a child run autograd after its parent traced: not the CUDA builds), at most
 ``--jobs`` at a time (default 2, one per core here). Each row says the wall and CPU seconds
 that architecture took (CPU: the child's, building the model included; ``build_s`` of it the
 build) and, when planned, ``plan.timings`` (where the planner's time went: trace, MIPs, search). Solved MIPs are not
@@ -194,10 +194,10 @@ def _dead_row(job: tuple[str, str, str], status: int, cpu_s: float, wall_s: floa
 def _forked_backward_runs(after_trace: bool) -> bool:
     """Whether a child forked from this process can run a backward (``after_trace``: a child forked
     from one that traced a backward first; the probe does that in a child of its own, so this
-    process stays as it is). torch 2.11 (before its autograd engine started its threads lazily)
-    marks every child forked after a traced backward (one on fake tensors, as every trace runs) as
-    unable to run one: "Unable to handle autograd's threading in combination with fork-based
-    multiprocessing"."""
+    process stays as it is). torch's CUDA builds (2.11, 2.12 and 2.14 checked, on a host without a
+    GPU; 2.13's CPU build does not) mark every child forked after a traced backward (one on fake
+    tensors, as every trace runs) as unable to run one: "Unable to handle autograd's threading in
+    combination with fork-based multiprocessing"."""
     def status(body) -> int:
         try:
             body()
@@ -238,7 +238,7 @@ def plan_all(rows: list[tuple[str, str, str]], *, jobs: int, timeout_s: float, w
     signal handler) waits until a long SCIP solve or trace call returns (Falcon-Mamba ran to 138
     CPU-s of a 60 s budget), and a worker killed mid-row breaks the whole pool.
 
-    On torch releases whose children cannot run autograd once their parent has (2.11:
+    On torch builds whose children cannot run autograd once their parent has (the CUDA builds:
     :func:`_forked_backward_runs`) there is no warm-up, and a parent that has traced already (a
     test worker) is told on stderr that its children's traces will fail: plan from a fresh process."""
     if rows and not _forked_backward_runs(after_trace=False):

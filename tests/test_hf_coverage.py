@@ -32,7 +32,7 @@ def coverage():
     return module
 
 
-# Run in a new interpreter: on torch 2.11 a child forked from a process that has traced (this test
+# Run in a new interpreter: with torch's CUDA builds a child forked from a process that has traced (this test
 # worker, by now) cannot run autograd, so its trace would fail (bench/hf_coverage.py's plan_all)
 FRESH_SCRIPT = f"""
 import importlib.util, json, resource, sys

@@ -192,7 +192,7 @@ def test_every_cause_has_a_fix():
 
 
 def test_autograd_in_a_forked_process_is_named():
-    """torch 2.11 refuses autograd in a child forked after its parent ran it, and a trace runs a
+    """torch's CUDA builds refuse autograd in a child forked after its parent ran it, and a trace runs a
     backward: the error says so (and how to start the process), rather than blaming the inputs or the
     model's Python. The chain is the one Dynamo raises: its runtime error over the engine's."""
     root = RuntimeError("Unable to handle autograd's threading in combination with fork-based multiprocessing. "

@@ -320,10 +320,10 @@ def _compute(op, args, kwargs, outs, mesh_shape, fallback):
             # rule appends its defaults to them with +)
             rules = info.func(op, tuple(_to_meta(a) for a in args), {k: _to_meta(v) for k, v in kwargs})
             return _with_extra(_expand(rules, ins, outs, mesh_shape, "dtensor"), op, args, ins, outs,
-                                       mesh_shape), None
+                               mesh_shape), None
         if op in prop.op_strategy_funcs:
             return _with_extra(_classic(prop, op, args, kwargs, ins, outs, mesh_shape), op, args, ins, outs,
-                                       mesh_shape), None
+                               mesh_shape), None
     except Exception as e:  # a DTensor rule that cannot handle these arguments
         error = f"{type(e).__name__}: {e}"
         logger.warning("DTensor's rule for %s failed (%s)", op, error)

@@ -72,7 +72,7 @@ _FIXES = {
                    "MixedPrecisionPolicy, and this line combines the two; plan with precision='fp32', or "
                    "cast in forward (`.to(x.dtype)`)"),
     FORKED: ("this process was forked (multiprocessing's default start on Linux) from one that had run "
-             "autograd, and this torch release (2.11) cannot run it in such a child; plan in the parent, or "
+             "autograd, and torch (its CUDA builds) cannot run it in such a child; plan in the parent, or "
              "start the process with multiprocessing's 'spawn' or 'forkserver' method"),
 }
 
