@@ -44,6 +44,19 @@ default = coverage.architectures(["causal"], {{"gpt_neo"}}, 1) + coverage.archit
 rows = {{"default": list(coverage.plan_all(default, jobs=1, timeout_s=coverage.TIMEOUT_CPU_S)),
         "budget": list(coverage.plan_all(coverage.architectures(["causal"], {{"gpt_neo"}}, 1), jobs=1, timeout_s=0.5))}}
 rows["rlimit_kept"] = resource.getrlimit(resource.RLIMIT_CPU) == before
+# the probe's answer, then what happens: this process traces (its first trace), a child runs a backward
+rows["probe"] = coverage._forked_backward_runs(after_trace=True)
+import os, torch
+from autopar.passes.trace import trace_joint
+trace_joint(torch.nn.Linear(4, 4), (torch.randn(2, 4),), loss_fn=lambda out, y: out.sum(), example_target=None)
+pid = os.fork()
+if pid == 0:
+    try:
+        torch.ones(1, requires_grad=True).sum().backward()
+        os._exit(0)
+    except BaseException:
+        os._exit(1)
+rows["forked_backward_ran"] = os.waitpid(pid, 0)[1] == 0
 sys.stdout.write(json.dumps(rows))
 """
 
@@ -69,6 +82,28 @@ def test_cpu_budget_stops_planning(fresh_rows):
     assert row["outcome"] == "over time" and "0.5 CPU seconds" in row["error"], row
     assert 0.5 <= row["cpu_s"] < 5, row
     assert fresh_rows["rlimit_kept"]
+
+
+def test_fork_probe_says_what_a_child_forked_after_a_trace_can_do(fresh_rows):
+    """bench/hf_coverage.py's probe answers, without tracing in the asking process, what a child
+    forked after a real trace then does: run a backward (CPU builds) or refuse (CUDA builds)."""
+    assert fresh_rows["probe"] == fresh_rows["forked_backward_ran"], fresh_rows
+
+
+@pytest.mark.parametrize("parent, after_trace", [(True, True), (True, False), (False, False)])
+def test_warm_up_only_where_forked_children_still_run_autograd(coverage, monkeypatch, capsys, parent, after_trace):
+    """The warm-up trace runs here only where a child forked after it can still run autograd; a
+    process whose children cannot run it at all is told so on stderr, once."""
+    here = []
+    answers = {False: parent, True: after_trace}  # (the probe's answer, by its after_trace argument)
+    monkeypatch.setattr(coverage, "_forked_backward_runs", lambda after_trace: answers[after_trace])
+    monkeypatch.setattr(coverage, "plan_one", lambda kind, model_type, class_name, on_built=None: here.append(
+        model_type) or {"kind": kind, "model_type": model_type, "class": class_name, "outcome": "planned"})
+    rows = coverage.architectures(["causal"], {"gpt2", "llama"}, 1)
+    got = list(coverage.plan_all(rows, jobs=1, timeout_s=60, warm=True))
+    assert [r["model_type"] for r in got] == [r[1] for r in rows]
+    assert here == (["gpt2"] if parent and after_trace else []), here  # (the rows run in children)
+    assert ("cannot run autograd in a child of this process" in capsys.readouterr().err) == (not parent)
 
 
 def test_budget_stops_a_call_that_never_returns_to_python(coverage, monkeypatch):

@@ -17,7 +17,6 @@ on every release: the computation DTensor's own rule does where it has one).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -62,6 +61,5 @@ def run_scatter_rows(op, args: tuple, kwargs: dict[str, Any]):
     if all(p.is_replicate() for p in want):
         return None
     local = [a.redistribute(mesh, want).to_local() if isinstance(a, DTensor) else a for a in args]
-    out = op(*local)  # self's shape (shards may be uneven: the global shape is given, not inferred)
-    stride = tuple(math.prod(args[0].shape[d + 1:]) for d in range(args[0].dim()))
-    return DTensor.from_local(out, mesh, want, run_check=False, shape=args[0].shape, stride=stride)
+    # self's shape and strides (a copy of self written into): given, not inferred from uneven shards
+    return DTensor.from_local(op(*local), mesh, want, run_check=False, shape=args[0].shape, stride=args[0].stride())
