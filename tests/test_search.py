@@ -194,6 +194,43 @@ def test_memoised_capped_cuts_equal_fresh_ones():
     assert seen == {True, False}  # both outcomes were exercised
 
 
+def test_full_recompute_peaks_at_one_layers_backward():
+    """Under full recompute a micro-batch in its backward holds the inputs of the layers before
+    the one whose backward runs, that layer's activations again and its largest op's working
+    set; the other micro-batches in flight hold every layer's input."""
+    from autopar.planner.bounds import stage_activation_bytes
+
+    mb = 1e6
+    units = [replace(u, act_bytes=act * mb, boundary_bytes=b * mb, transient_bytes=t * mb)
+             for u, (act, b, t) in zip(_units(3), [(10, 1, 5), (4, 2, 1), (12, 3, 0)])]
+    # layer 0: 10 + 5; layer 1: 1 + 4 + 1; layer 2: 1 + 2 + 12 + 0 -> 15 (not 12 + 6 + 5 = 23)
+    assert stage_activation_bytes(units, "full", 1) == 15 * mb
+    assert stage_activation_bytes(units, "full", 3) == (2 * 6 + 15) * mb
+    assert stage_activation_bytes(units, "none", 2) == (2 * 26 + 5) * mb
+
+
+def test_partition_memory_rule_is_the_stages_estimate():
+    """The partitioner's O(1) memory rule (prefix sums and range maxima) admits a stage exactly when
+    its activations as the candidate's estimate counts them (bounds.stage_activation_bytes) fit."""
+    import random
+
+    from autopar.planner.bounds import stage_activation_bytes
+
+    rng = random.Random(5)
+    units = [replace(u, act_bytes=rng.uniform(1, 9) * 1e8, cheap_act_bytes=rng.uniform(0, 1) * 1e8,
+                     boundary_bytes=rng.uniform(0.1, 3) * 1e8, transient_bytes=rng.uniform(0, 4) * 1e8)
+             for u in _units(9)]
+    for recompute in ("none", "selective", "full"):
+        layers = P._Layers(units, recompute)
+        for inflight in (1, 3):
+            for i in range(len(units)):
+                for j in range(i + 1, len(units) + 1):
+                    need = stage_activation_bytes(units[i:j], recompute, inflight)
+                    rule = dict(state_per_param=0.0, inflight=(inflight,))
+                    assert layers.fits(i, j, 0, cap=need * (1 + 1e-9), **rule), (recompute, inflight, i, j)
+                    assert not layers.fits(i, j, 0, cap=need * (1 - 1e-9), **rule), (recompute, inflight, i, j)
+
+
 def test_cuts_reach_the_exhaustive_slowest_stage():
     """The partitioner's bisection (which jumps its ends to stage times the packing met) finds
     the slowest stage that enumerating every contiguous partition finds, under memory caps from

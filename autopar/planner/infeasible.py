@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cluster import Cluster
 from autopar.errors import InfeasibleError, PlanError
-from autopar.planner.bounds import _unit_times
+from autopar.planner.bounds import stage_activation_bytes
 from autopar.planner.fixed import Fixed
 from autopar.planner.state_memory import zero_buffer_bytes
 
@@ -31,9 +31,9 @@ def _min_memory(units: list[Unit], cfg: Config, per_param: tuple[float, float], 
                 buffers: tuple[float, float] = (0.0, 0.0), starts: tuple[int, ...] | None = None) -> float:
     """Peak stage memory of an even split (of the pinned layout's stages where ``starts`` gives
     them; for the 'smallest device that would fit' message), counted as :meth:`_Layers.fits`
-    counts it: state, activations in flight, the full-recompute working set, the largest op's
-    working set (a stage cannot hold less than its biggest unit's, however the cuts fall) and
-    ZeRO's buffers for the largest group."""
+    counts it: state, activations in flight with the largest op's working set
+    (:func:`~autopar.planner.bounds.stage_activation_bytes`: a stage cannot hold less than its
+    biggest unit's, however the cuts fall) and ZeRO's buffers for the largest group."""
     n, pp = len(units), cfg.pp
     size = math.ceil(n / pp) if pp <= n else 1
     points = [0, *starts, n] if starts is not None else None
@@ -42,11 +42,9 @@ def _min_memory(units: list[Unit], cfg: Config, per_param: tuple[float, float], 
         chunk = units[points[s]:points[s + 1]] if points else units[s * size:(s + 1) * size]
         if not chunk:
             break
-        acts = sum(_unit_times(u, cfg.recompute)[3] for u in chunk)
-        work = max(u.act_bytes for u in chunk) if cfg.recompute == "full" else 0.0
         state = per_param[0] * sum(u.n_params for u in chunk) + per_param[1] * sum(u.expert_params for u in chunk)
-        worst = max(worst, state + inflight[s] * acts + work
-                    + max(u.transient_bytes for u in chunk) + zero_buffer_bytes(chunk, buffers))
+        worst = max(worst, state + stage_activation_bytes(chunk, cfg.recompute, inflight[s])
+                    + zero_buffer_bytes(chunk, buffers))
     return worst
 
 

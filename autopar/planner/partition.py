@@ -69,8 +69,9 @@ def inflight_of(sched, n_stages: int) -> tuple[int, ...]:
 class _Layers:
     """A unit list's running sums under one recompute policy, for stage sums and the memory
     rule in O(1): time, activation bytes, parameters, and range maxima (sparse tables) of
-    the full-recompute working set and the largest op's transient bytes. Built once per
-    (units, recompute) in a search (:func:`_partition`'s memo) instead of per cut."""
+    the working set (the largest op's; under full recompute with the activations a unit
+    re-makes in its backward). Built once per (units, recompute) in a search
+    (:func:`_partition`'s memo) instead of per cut."""
 
     def __init__(self, units: Sequence[Unit], recompute: str):
         self.n, self.full = len(units), recompute == "full"
@@ -84,8 +85,11 @@ class _Layers:
             pre_p.append(pre_p[-1] + u.n_params)
             pre_e.append(pre_e[-1] + u.expert_params)
         self.pre_t, self.pre_a, self.pre_p, self.pre_e = pre_t, pre_a, pre_p, pre_e
-        self.work = _sparse_max([u.act_bytes if self.full else 0.0 for u in units])
-        self.transient = _sparse_max([u.transient_bytes for u in units])
+        # the working set: the largest op's; under full recompute, the peak over units k of the inputs kept
+        # before k (pre_a: under full a unit keeps its input, the unit before's boundary) + k's recomputed
+        # activations + k's largest op (bounds.stage_activation_bytes; the stage's pre_a[i] is taken off)
+        self.transient = _sparse_max([pre_a[k] + u.act_bytes + u.transient_bytes if self.full else u.transient_bytes
+                                      for k, u in enumerate(units)])
         self.windows = {w: _sparse_max(window_sums([u.n_params for u in units], w))
                         for w in {1 + PREFETCH_GROUPS, MAX_INFLIGHT_REDUCES}}
 
@@ -94,9 +98,11 @@ class _Layers:
         """Stage ``s`` = layers ``[i, j)`` within ``cap``: training state (``expert_per_param``: what
         an expert parameter's state holds beyond ``state_per_param``, ZeRO sharding it over fewer
         ranks, :func:`autopar.planner.state_memory.state_per_param`) + activations of the
-        micro-batches in flight + (full recompute) one layer's activations + the largest op's
-        working set + ZeRO's collective buffers (``buffers``: bytes per parameter of the fullest
-        window of gathered groups and of gradient buckets in flight,
+        micro-batches in flight + the largest op's working set (under full recompute: the micro-batch
+        whose backward runs holds the inputs before one unit and that unit's activations again,
+        :func:`~autopar.planner.bounds.stage_activation_bytes`) + ZeRO's collective buffers
+        (``buffers``: bytes per parameter of the fullest window of gathered groups and of gradient
+        buckets in flight,
         :func:`autopar.zero_def.buffer_bytes_per_param`)."""
         return self.rule(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
                          expert_per_param=expert_per_param)(i, j, s)
@@ -107,7 +113,7 @@ class _Layers:
         about a million times for Llama 70B; as a closure over local names it takes half the
         time of the method call with keywords."""
         pre_p, pre_a, pre_e = self.pre_p, self.pre_a, self.pre_e
-        work, transient, full = self.work, self.transient, self.full
+        transient, full = self.transient, self.full
         gathered, sends = buffers
         gathered_w, sends_w = self.windows[1 + PREFETCH_GROUPS], self.windows[MAX_INFLIGHT_REDUCES]
 
@@ -115,8 +121,8 @@ class _Layers:
             mem = state_per_param * (pre_p[j] - pre_p[i]) + inflight[s] * (pre_a[j] - pre_a[i])
             if expert_per_param:
                 mem += expert_per_param * (pre_e[j] - pre_e[i])
-            if full:
-                mem += _range_max(work, i, j)
+            if full:  # the micro-batch in its backward: counted in the working set below
+                mem -= pre_a[j]
             if j > i:  # _range_max(transient, i, j), inlined
                 k = (j - i).bit_length() - 1
                 level = transient[k]

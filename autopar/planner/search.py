@@ -49,7 +49,7 @@ from autopar.planner.state_memory import _state, state_per_param, zero_buffer_by
 from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _config_bound_s,  # noqa: F401
                                     _cuts_bound_s, _dp_comm_prefix, _grad_elem_bytes, _optimizer_s,
                                     _pipeline_bound_s, _prefix_sums, _schedule, _unit_times, _work_s, lower_bound_s,
-                                    replica_group)
+                                    replica_group, stage_activation_bytes)
 from autopar import zero_def
 from autopar.planner.timing import (_simulate, cut_times, grad_sync_s, pipeline_bound_s,  # noqa: F401 (re-exported)
                                     simulate_stages, step_spec)
@@ -493,19 +493,17 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
     owners = {u.path: s for s, (i, j) in enumerate(cuts) for u in units[i:j]}
     for s, (i, j) in enumerate(cuts):
         chunk = units[i:j]
-        f = b = w = c = acts = 0.0
+        f = b = w = c = 0.0
         groups = []
         copies = {}  # a parameter another stage owns, read here: held (and reduced) here too
         for u in chunk:
-            uf, ub, uw, ua = _unit_times(u, cfg.recompute)
-            f, b, w, c, acts = f + uf, b + ub, w + uw, c + u.comm_s, acts + ua
+            uf, ub, uw, _ = _unit_times(u, cfg.recompute)
+            f, b, w, c = f + uf, b + ub, w + uw, c + u.comm_s
             mine = {fqn: (u.path, owner, n) for fqn, owner, n in u.shared_params if owners.get(owner) != s}
             copies.update({fqn: v for fqn, v in mine.items() if fqn not in copies})
             held = u.n_params + sum(v[2] for v in copies.values() if v[0] == u.path)
             groups.append(GroupCost(name=u.path, f_s=uf, b_s=ub, w_s=uw, tp_comm_s=u.comm_s,
                                     bucket_bytes=held * grad_elem, expert_bytes=u.expert_params * grad_elem))
-        if cfg.recompute == "full":
-            acts += max(u.act_bytes for u in chunk)
         n_params = sum(u.n_params for u in chunk) + sum(v[2] for v in copies.values())
         experts = sum(u.expert_params for u in chunk)
         state = _state(n_params, experts, cfg, precision)
@@ -517,9 +515,7 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
         stages.append(StagePlan(
             layers=tuple(u.path for u in chunk), f_s=f, b_s=b, w_s=w, comm_s=c, inflight=inflight[s],
             params_bytes=state.params, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
-            activations_bytes=(inflight[s] * acts if cfg.recompute != "full" else
-                               inflight[s] * (acts - max(u.act_bytes for u in chunk)) + max(u.act_bytes for u in chunk))
-            + max(u.transient_bytes for u in chunk),  # the largest op's working set, once
+            activations_bytes=stage_activation_bytes(chunk, cfg.recompute, inflight[s]),
             grad_sync_s=sync, optimizer_s=opt_s,
             zero_buffers_bytes=zero_buffer_bytes(chunk, zero_buffers(cfg.zero, precision)),
             **_sends(chunk[-1], last=s == len(cuts) - 1),
