@@ -25,6 +25,8 @@ Graph keys (``gm.meta[KEY]``):
 - ``LAYERS`` (``tuple[LayerInfo, ...]``, set by ``group_layers``).
 - ``GRAD_RETURNS`` (``tuple[GradReturn, ...]``, set by ``shard_joint_graph`` on the
   per-rank program): the tensor-parallel gradient collectives left to the runtime.
+- ``RECOMPUTED`` (``dict[str, str]``, set by ``recompute_in_backward``): each copy the backward
+  re-runs, by name, and the forward op it copies.
 
 Shapes always come from ``node.meta["val"]`` (a FakeTensor), never from here.
 """
@@ -43,6 +45,7 @@ GRAPH = "autopar.graph"
 LAYERS = "autopar.layers"
 GRAD_RETURNS = "autopar.grad_returns"
 TP_PLACEMENT = "autopar.tp_placement"
+RECOMPUTED = "autopar.recomputed"
 
 
 class Role(str, enum.Enum):

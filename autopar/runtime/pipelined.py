@@ -33,6 +33,7 @@ class PipelineBuild:
         """
         from autopar.passes.pipeline import (INPUT_PREFIX, PARAM_PREFIX, split_program, split_tied_gradients,
                                              stage_of_layers, tag_stages)
+        from autopar.passes.recompute import recompute_in_backward
         from autopar.passes.shard import shard_joint_graph
         from autopar.runtime.executor import placements_for_graph
         from autopar.runtime.pipeline import PipelineRunner, tp_pieces
@@ -60,6 +61,7 @@ class PipelineBuild:
             point_experts_at(self.gm, experts.pop("op_group").group_name)
         _check_scalar_loss(self.gm)
         self.ops, tp_params = placements_for_graph(self.gm, plan)
+        recompute_in_backward(self.gm, plan.recompute, self.ops)  # (before the tags: copies are backward nodes)
         stages = tag_stages(self.gm, stage_of_layers([st["layers"] for st in plan.stages]))
         tied = split_tied_gradients(self.gm, stages)
         info: mk.GraphTrace = self.gm.meta[mk.GRAPH]

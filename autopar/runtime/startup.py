@@ -180,6 +180,7 @@ class Startup:
 
     def _build(self, names, values, has_target) -> None:
         """Trace at the micro-batch size, map the plan, shard the parameters, generate the program."""
+        from autopar.passes.recompute import recompute_in_backward
         from autopar.runtime.executor import placements_for_graph
         from autopar.runtime.zero import ShardedParams
 
@@ -199,6 +200,7 @@ class Startup:
             point_experts_at(self.gm, experts.pop("op_group").group_name)
         _check_scalar_loss(self.gm)
         self.ops, tp_params = placements_for_graph(self.gm, self.plan)
+        recompute_in_backward(self.gm, self.plan.recompute, self.ops)  # what the plan does not keep, re-run
         info: mk.GraphTrace = self.gm.meta[mk.GRAPH]
         trainable = [f for f in info.param_fqns if f in info.grad_outputs]
         self.params = ShardedParams(self.model, mesh=self.mesh, tp_placements=tp_params, zero=self.plan.zero,
