@@ -31,7 +31,8 @@ def _train(rank, world, model_name, fixed, policies):
     from autopar.passes import meta_keys as mk
 
     out = {}
-    for policy in policies:
+    for variant in policies:
+        policy, _, interpreted = variant.partition("-")  # "full-interpreted": DTensor every step, no program
         torch.manual_seed(0)
         if model_name == "gpt-dropout":
             import gpt
@@ -46,10 +47,10 @@ def _train(rank, world, model_name, fixed, policies):
 
             model, inputs, loss_fn, target = llama.build(size="tiny", batch=4, seq=32)
         pm = autopar.parallelize(model, cluster=f"1x{world}xcpu", loss_fn=loss_fn,
-                                 fixed={**fixed, "recompute": policy})
+                                 fixed={**fixed, "recompute": policy}, compile=not interpreted)
         losses = [pm.train_step(inputs, target) for _ in range(3)]
         params = pm.state_dict()
-        out[policy] = (losses, params, len(pm.gm.meta[mk.RECOMPUTED]))
+        out[variant] = (losses, params, len(pm.gm.meta[mk.RECOMPUTED]))
     # (tensors do not cross the process boundary: each policy's largest difference from "none")
     losses, params, _ = out["none"]
     return {p: (got, {k: float((v - params[k]).abs().max()) for k, v in got_params.items()}, losses, copies)
@@ -61,7 +62,7 @@ WORLDS = [
     ("llama-dp2-zero3", "llama", {"dp": 2, "tp": 1, "pp": 1, "zero": 3, "microbatches": 2}, ("none", "full")),
     ("llama-pp2-zbh1", "llama", {"dp": 1, "tp": 1, "pp": 2, "schedule": "zb-h1", "microbatches": 4},
      ("none", "selective", "full")),
-    ("gpt-dropout-dp2", "gpt-dropout", {"dp": 2, "tp": 1, "pp": 1}, ("none", "full")),
+    ("gpt-dropout-dp2", "gpt-dropout", {"dp": 2, "tp": 1, "pp": 1}, ("none", "full", "full-interpreted")),
     ("llama-cp2-ring", "llama", {"dp": 2, "tp": 1, "pp": 1, "cp": 2, "cp_variant": "ring"}, ("none", "full")),
     ("moe-ep2", "moe", {"dp": 2, "tp": 1, "pp": 1, "ep": 2}, ("none", "selective", "full")),
 ]
