@@ -318,9 +318,18 @@ class ParallelModule(PipelineBuild, Startup, CpEpBuild):
         intermediate tensors (:mod:`autopar.runtime.liveness`; slower, the same result). Returns the
         loss, ``activation_bytes`` (alive when the backward starts: what the forward keeps for it,
         the plan's ``memory_bytes["activations"]`` per stage) and ``peak_bytes`` (the most alive at
-        once), each the largest over the step's micro-batches. pp = 1."""
+        once), each the largest over the step's micro-batches. With pp > 1, ``peak_bytes`` is the
+        most this rank's stages held at once over the step (their stores between pieces, every
+        micro-batch in flight, plus the running piece's live values) and ``activation_bytes`` the
+        most its stores held between pieces."""
         if self._compiled and self.plan.mesh["pp"] > 1:
-            raise ValueError("measure_step measures the one-stage step program (pp = 1); this plan pipelines")
+            self.runner.measure = True
+            try:
+                loss = self.train_step(inputs, target)
+            finally:
+                self.runner.measure = False
+            return {"loss": loss, "activation_bytes": self.runner.peak_stored_bytes,
+                    "peak_bytes": self.runner.peak_bytes}
         self._probes = []
         try:
             loss = self.train_step(inputs, target)
@@ -328,7 +337,8 @@ class ParallelModule(PipelineBuild, Startup, CpEpBuild):
         finally:
             self._probes = None
         if not probes:
-            raise ValueError("measure_step needs the compiled step program (pp = 1, compile=True)")
+            raise ValueError("measure_step measures a built step: call train_step once first (a pipelined plan is "
+                             "built then), and with pp = 1 parallelize with compile=True")
         return {"loss": loss, "activation_bytes": max(p.at_backward_bytes or 0 for p in probes),
                 "peak_bytes": max(p.peak_bytes for p in probes)}
 

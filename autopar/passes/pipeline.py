@@ -66,15 +66,27 @@ INPUT_PREFIX = "input:"
 
 @dataclass(frozen=True)
 class Piece:
-    """One of a stage's graphs: ``gm(*values named by inputs) -> tuple named by outputs``."""
+    """One of a stage's graphs: ``piece(values named by inputs) -> tuple named by outputs``.
+
+    ``gm`` takes its inputs boxed where torch's fx has that calling convention (2.11-2.14 do:
+    ``torch.fx.graph._BoxedCodeGen``, as AOTAutograd's compiled functions): one list, which the
+    piece empties as it starts, so an input the caller no longer holds dies at its last use
+    inside the piece rather than when the piece returns. Call it through ``piece(values)``."""
 
     gm: fx.GraphModule
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
 
     def __call__(self, values: list[torch.Tensor]) -> tuple:
-        out = self.gm(*values)
+        out = self.gm(values) if _boxed(self.gm) else self.gm(*values)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+_BOXED = getattr(fx.graph, "_BoxedCodeGen", None)
+
+
+def _boxed(gm: fx.GraphModule) -> bool:
+    return _BOXED is not None and isinstance(gm.graph._codegen, _BOXED)
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,12 @@ class StageProgram:
     forward: Piece
     backward_input: Piece
     backward_weight: Piece
+    backward: Piece
+    """B and W as one piece, their ops in the program's order (a layer's weight gradients right
+    after its input gradients, so what they read dies layer by layer): what a schedule without a
+    B/W split runs for its fused ``BW`` actions. Run as two pieces, B would hand W the output
+    gradient of every linear of the stage at once (and under full recompute every activation it
+    made again), which the 1F1B, GPipe and interleaved plans do not hold."""
     recv_forward: Message | None
     """From stage - 1 (None on the first stage)."""
     send_forward: Message | None
@@ -345,11 +363,16 @@ def split_program(gm: fx.GraphModule, *, n_stages: int, placeholder_keys: list[s
             exported |= {n for n in members if n.name in grads_of[(kind, s)]}
             pieces[kind] = _build_piece(gm, members, by_order(reads[(kind, s)]), by_order(exported), key_of, free,
                                         order)
+        members = [n for n, p in piece.items() if p in (("B", s), ("W", s))]
+        exported = {n for n in members if s > 0 and n in bwd[s - 1]}
+        exported |= {n for n in members if n.name in grads_of[("B", s)] or n.name in grads_of[("W", s)]}
+        fused = _build_piece(gm, members, by_order((reads[("B", s)] | reads[("W", s)]) - set(members)),
+                             by_order(exported), key_of, free, order)
         grads = {**grads_of[("F", s)], **grads_of[("B", s)], **grads_of[("W", s)]}
         params = {k[len(PARAM_PREFIX):] for p in pieces.values() for k in p.inputs if k.startswith(PARAM_PREFIX)}
         keep_f = reads[("B", s)] | reads[("W", s)] | (bwd[s - 1] if s > 0 else set())
         stages.append(StageProgram(
-            stage=s, forward=pieces["F"], backward_input=pieces["B"], backward_weight=pieces["W"],
+            stage=s, forward=pieces["F"], backward_input=pieces["B"], backward_weight=pieces["W"], backward=fused,
             recv_forward=_message(by_order(fwd[s - 1])) if s > 0 else None,
             send_forward=_message(by_order(fwd[s])) if s + 1 < n_stages else None,
             recv_backward=_message(by_order(bwd[s])) if s + 1 < n_stages else None,
@@ -389,6 +412,8 @@ def _build_piece(gm: fx.GraphModule, members: list[fx.Node], reads: list[fx.Node
     for n in body:
         env[n] = graph.node_copy(n, env.__getitem__)
     graph.output(tuple(env[n] for n in exported))
+    if _BOXED is not None:
+        graph.set_codegen(_BOXED())
     return Piece(gm=fx.GraphModule(gm, graph), inputs=tuple(inputs), outputs=tuple(n.name for n in exported))
 
 

@@ -33,8 +33,13 @@ class LiveBytes(fx.Interpreter):
         """Live bytes just before the first backward op (an op whose name says ``backward``)."""
         self._outside: set[int] = set()  # storages of inputs, parameters and constants
 
-    def run(self, *args: Any, **kwargs: Any) -> Any:
-        self._outside = {s for a in args if isinstance(a, torch.Tensor) for s in [_storage(a)]}
+    def run(self, *args: Any, counted_elsewhere: set[int] | None = None, **kwargs: Any) -> Any:
+        """``counted_elsewhere``: the storages (``untyped_storage().data_ptr()``) the caller counts
+        itself; by default the inputs', so only the program's own intermediates count. (A pipeline
+        piece counts the inputs it took over from the store: they die inside it.)"""
+        if counted_elsewhere is None:
+            counted_elsewhere = {_storage(a) for a in args if isinstance(a, torch.Tensor)}
+        self._outside = set(counted_elsewhere)
         self._outside |= {_storage(t) for t in (*self.module.buffers(), *self.module.parameters())}
         return super().run(*args, **kwargs)
 

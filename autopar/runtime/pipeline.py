@@ -4,7 +4,8 @@ A rank holds the stages ``s`` with ``s % pp == pp_rank`` (one stage, or several
 under the interleaved schedule) and runs its action list from
 :func:`autopar.cost.schedule.with_comm` in order: ``1F3`` runs stage 1's forward
 piece on micro-batch 3, ``1SEND_F3`` sends what stage 2 reads of it, ``2RECV_B3``
-receives the gradients stage 3 computed for stage 2, ``0BW1`` runs B then W. The
+receives the gradients stage 3 computed for stage 2, ``0BW1`` runs
+B and W as one piece, in the program's order (:attr:`StageProgram.backward`). The
 lists come from one global order in which every receive sits at its send, so a
 rank waiting on a receive never waits on a peer that waits on it: no deadlock,
 with stages sending to each other in both directions.
@@ -103,6 +104,12 @@ class PipelineRunner:
         self.peak_stored_bytes = 0
         """Most bytes the rank's stores held at once during the last ``run`` (activations kept for
         B and W, and received values): measured on the live tensors, each storage counted once."""
+        self.measure = False
+        """Run each piece op by op (:class:`autopar.runtime.liveness.LiveBytes`, slower, the same
+        result) and set :attr:`peak_bytes`."""
+        self.peak_bytes = 0
+        """With :attr:`measure`: the most intermediate bytes the rank held at once during the last
+        ``run``: what its stores held when a piece started plus the piece's own peak of live values."""
 
     def run(self, micro_inputs: list[dict[str, torch.Tensor]], params: dict[str, torch.Tensor]):
         self._inputs, self._params = micro_inputs, params
@@ -113,7 +120,7 @@ class PipelineRunner:
         self._sent_b: set[tuple[int, int]] = set()
         self._done_w: set[tuple[int, int]] = set()
         self.log = []
-        self.peak_stored_bytes = 0
+        self.peak_stored_bytes = self.peak_bytes = 0
         try:
             for text in self.actions:
                 comm = _COMM.fullmatch(text)
@@ -122,11 +129,7 @@ class PipelineRunner:
                     (self._send if op == "SEND" else self._recv)(stage, channel, mb)
                 else:
                     a = parse_action(text)
-                    if a.kind in ("F", "B", "W"):
-                        self._compute(a.stage, a.kind, a.microbatch)
-                    else:  # fused backward
-                        self._compute(a.stage, "B", a.microbatch)
-                        self._compute(a.stage, "W", a.microbatch)
+                    self._compute(a.stage, a.kind, a.microbatch)  # (BW: the fused backward piece)
                     self.peak_stored_bytes = max(self.peak_stored_bytes, self._stored_bytes())
                 self.log.append(text)
             peers = sorted({peer for _, _, peer in self._pending})
@@ -142,8 +145,11 @@ class PipelineRunner:
 
     # -- compute ---------------------------------------------------------------
 
-    def _values(self, piece: Piece, stage: int, mb: int) -> list[torch.Tensor]:
+    def _values(self, piece: Piece, stage: int, mb: int, kind: str) -> list[torch.Tensor]:
+        """The piece's inputs; a stored value nothing reads after the piece leaves the store, so it
+        dies at its last use inside the piece (:class:`Piece`)."""
         store = self._store.setdefault((stage, mb), {})
+        later = self._read_after(stage, kind, mb)
         out = []
         for key in piece.inputs:
             if key.startswith(PARAM_PREFIX):
@@ -151,18 +157,31 @@ class PipelineRunner:
             elif key.startswith(INPUT_PREFIX):
                 out.append(self._inputs[mb][key[len(INPUT_PREFIX):]])
             else:
-                out.append(store[key])
+                out.append(store[key] if key in later else store.pop(key))
         return out
+
+    def _read_after(self, stage: int, kind: str, mb: int) -> frozenset[str]:
+        """What the store must still hold for (stage, mb) once piece ``kind`` ran: what later pieces
+        read and what is still to be sent (the prunes after each piece and send keep the same)."""
+        st = self.program.stages[stage]
+        if kind == "F":
+            return st.keep_after_forward | (frozenset(st.send_forward.names) if st.send_forward else frozenset())
+        unsent = st.send_backward is not None and (stage, mb) not in self._sent_b
+        sends = frozenset(st.send_backward.names) if unsent else frozenset()
+        return st.keep_after_backward | sends if kind == "B" else sends
 
     def _compute(self, stage: int, kind: str, mb: int) -> None:
         st = self.program.stages[stage]
-        piece = {"F": st.forward, "B": st.backward_input, "W": st.backward_weight}[kind]
+        piece = {"F": st.forward, "B": st.backward_input, "W": st.backward_weight, "BW": st.backward}[kind]
         store = self._store.setdefault((stage, mb), {})
         what = f"stage {stage} {kind} of micro-batch {mb} (tp collectives over ranks {self.tp_ranks})"
         if self.begin_microbatch is not None:
             self.begin_microbatch(mb)
         with self.guard(what, self.tp_ranks):
-            values = piece(self._values(piece, stage, mb))
+            if self.measure:
+                values = self._probed(piece, stage, mb, kind)
+            else:
+                values = piece(self._values(piece, stage, mb, kind))
         for name, value in zip(piece.outputs, values):
             fqn = st.grads.get(name)
             if fqn is not None and value is None:
@@ -178,10 +197,28 @@ class PipelineRunner:
             self._prune(stage, mb, st.keep_after_forward)
         elif kind == "B" and st.send_backward is None:
             self._prune(stage, mb, st.keep_after_backward)
-        elif kind == "W":
+        elif kind in ("W", "BW"):
             self._done_w.add((stage, mb))
             unsent = st.send_backward is not None and (stage, mb) not in self._sent_b
             self._prune(stage, mb, frozenset(st.send_backward.names) if unsent else frozenset())
+
+    def _probed(self, piece: Piece, stage: int, mb: int, kind: str) -> tuple:
+        """Run ``piece`` op by op and take the rank's peak: what the stores hold beside it plus the
+        piece's live values (the inputs it took out of the store among them, until their last use)."""
+        from autopar.runtime.liveness import LiveBytes
+
+        values = self._values(piece, stage, mb, kind)
+        stored = self._stored_bytes()
+        probe = LiveBytes(piece.gm)
+        out = probe.run(*values, counted_elsewhere=self._storages() | {_storage(v) for v in self._params.values()
+                                                                         if isinstance(v, torch.Tensor)})
+        del values
+        self.peak_bytes = max(self.peak_bytes, stored + probe.peak_bytes)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    def _storages(self) -> set[int]:
+        return {_storage(t) for store in self._store.values() for t in tree_leaves(list(store.values()))
+                if isinstance(t, torch.Tensor)}
 
     def _stored_bytes(self) -> int:
         seen: dict[int, int] = {}
@@ -265,6 +302,10 @@ class PipelineRunner:
 
 
 _WHAT = {"F": "activations", "B": "gradients"}
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def _ranks(ranks: list[int]) -> str:

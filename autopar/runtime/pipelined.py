@@ -200,7 +200,7 @@ def _with_zero_calls(program, stages: list[int], params):
     for s in stages:
         st = program.stages[s]
         pieces = {}
-        for field, kind in (("forward", "F"), ("backward_input", "B"), ("backward_weight", "W")):
+        for field, kind in (("forward", "F"), ("backward_input", "B"), ("backward_weight", "W"), ("backward", "BW")):
             piece: Piece = getattr(st, field)
             gm = insert_zero_calls(
                 piece.gm, params=params,
