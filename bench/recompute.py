@@ -3,6 +3,8 @@ measured beside the plan's predictions.
 
     python bench/recompute.py                          # Llama "small", batch 8 x 256 tokens, 1 process
     python bench/recompute.py --size tiny --steps 6
+    python bench/recompute.py --pp 1f1b                # 2 pipeline ranks: each one's peak against its plan
+    python bench/recompute.py --pp interleaved --virtual 2
 
 One process on CPU (a world of 1, so the figures are the runtime's, not gloo's) builds the same
 model four times, pinned to each policy (``none``, ``selective``, ``sac``, ``full``; the rest of
@@ -62,13 +64,50 @@ def _run(rank, world, size, batch, seq, steps):
     return out
 
 
+def _stages(rank, world, schedule, virtual):
+    """Each pipeline rank's measured peak against its stages' plan, per policy (``--pp``)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import llama
+
+    import autopar
+
+    out = {}
+    for policy in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        model, inputs, loss_fn, target = llama.build(size="tiny", batch=8, seq=256, n_layers=4)
+        fixed = {"dp": 1, "tp": 1, "pp": world, "schedule": schedule, "microbatches": 4, "zero": 0,
+                 "recompute": policy, **({"virtual_stages": virtual} if virtual > 1 else {})}
+        pm = autopar.parallelize(model, cluster=f"1x{world}xcpu", loss_fn=loss_fn, fixed=fixed)
+        pm.train_step(inputs, target)
+        mine = range(pm.pp_mesh.get_local_rank("pp"), len(pm.plan.stages), world)
+        out[policy] = (pm.measure_step(inputs, target)["peak_bytes"],
+                       sum(pm.plan.stages[s]["predicted"]["memory_bytes"]["activations"] for s in mine))
+    return out
+
+
+def pipeline_main(schedule: str, virtual: int) -> None:
+    ranks = spawn_world(_stages, 2, schedule, virtual)
+    print(f"Llama tiny, 4 layers, 8 x 256 tokens, pp=2 {schedule} (stages per rank {virtual}), 4 micro-batches; "
+          f"torch {torch.__version__}")
+    print("| rank | recompute | peak MB | planned MB | error |")
+    print("|---|---|---|---|---|")
+    for rank, out in enumerate(ranks):
+        for policy, (peak, planned) in out.items():
+            print(f"| {rank} | {policy} | {peak / 1e6:.2f} | {planned / 1e6:.2f} | {(peak - planned) / planned:+.1%} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="small")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--pp", metavar="SCHEDULE", help="instead: 2 pipeline ranks under SCHEDULE (1f1b, zb-h1, "
+                    "interleaved, ...), each rank's measured peak against its stages' plan")
+    ap.add_argument("--virtual", type=int, default=1, help="with --pp: stages per rank")
     a = ap.parse_args()
+    if a.pp:
+        return pipeline_main(a.pp, a.virtual)
     out = spawn_world(_run, 1, a.size, a.batch, a.seq, a.steps)[0]
     base = out["none"]
     print(f"Llama {a.size}, batch {a.batch} x {a.seq} tokens, 1 process, {a.steps} steps per policy "

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["LiveBytes"]
+__all__ = ["LiveBytes", "storage_key"]
 
 
 class LiveBytes(fx.Interpreter):
@@ -38,9 +38,9 @@ class LiveBytes(fx.Interpreter):
         itself; by default the inputs', so only the program's own intermediates count. (A pipeline
         piece counts the inputs it took over from the store: they die inside it.)"""
         if counted_elsewhere is None:
-            counted_elsewhere = {_storage(a) for a in args if isinstance(a, torch.Tensor)}
+            counted_elsewhere = {storage_key(a) for a in args if isinstance(a, torch.Tensor)}
         self._outside = set(counted_elsewhere)
-        self._outside |= {_storage(t) for t in (*self.module.buffers(), *self.module.parameters())}
+        self._outside |= {storage_key(t) for t in (*self.module.buffers(), *self.module.parameters())}
         return super().run(*args, **kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
@@ -48,7 +48,7 @@ class LiveBytes(fx.Interpreter):
             self.at_backward_bytes = self._live()
         result = super().run_node(n)
         if n.op == "get_attr" and isinstance(result, torch.Tensor):
-            self._outside.add(_storage(result))
+            self._outside.add(storage_key(result))
         self.peak_bytes = max(self.peak_bytes, self._live(result))
         return result
 
@@ -56,13 +56,14 @@ class LiveBytes(fx.Interpreter):
         seen: dict[int, int] = {}
         for value in (*self.env.values(), extra):
             for t in _tensors(value):
-                key = _storage(t)
+                key = storage_key(t)
                 if key not in self._outside:
                     seen[key] = t.untyped_storage().nbytes()
         return sum(seen.values())
 
 
-def _storage(t: torch.Tensor) -> int:
+def storage_key(t: torch.Tensor) -> int:
+    """What identifies ``t``'s memory: views of one storage share it."""
     return t.untyped_storage().data_ptr()
 
 

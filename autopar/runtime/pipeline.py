@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_leaves
 
 from autopar.cost.schedule import make_schedule, parse_action, with_comm
 from autopar.passes.pipeline import INPUT_PREFIX, PARAM_PREFIX, Message, Piece, PipelineProgram
+from autopar.runtime.liveness import LiveBytes, storage_key
 
 __all__ = ["PipelineRunner", "tp_pieces"]
 
@@ -205,30 +206,26 @@ class PipelineRunner:
     def _probed(self, piece: Piece, stage: int, mb: int, kind: str) -> tuple:
         """Run ``piece`` op by op and take the rank's peak: what the stores hold beside it plus the
         piece's live values (the inputs it took out of the store among them, until their last use)."""
-        from autopar.runtime.liveness import LiveBytes
-
         values = self._values(piece, stage, mb, kind)
-        stored = self._stored_bytes()
+        stored = self._stored()
         probe = LiveBytes(piece.gm)
-        out = probe.run(*values, counted_elsewhere=self._storages() | {_storage(v) for v in self._params.values()
-                                                                         if isinstance(v, torch.Tensor)})
+        out = probe.run(*values, counted_elsewhere=set(stored) | {storage_key(v) for v in self._params.values()
+                                                                  if isinstance(v, torch.Tensor)})
         del values
-        self.peak_bytes = max(self.peak_bytes, stored + probe.peak_bytes)
+        self.peak_bytes = max(self.peak_bytes, sum(stored.values()) + probe.peak_bytes)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
-    def _storages(self) -> set[int]:
-        return {_storage(t) for store in self._store.values() for t in tree_leaves(list(store.values()))
-                if isinstance(t, torch.Tensor)}
-
-    def _stored_bytes(self) -> int:
+    def _stored(self) -> dict[int, int]:
+        """The storages the rank's stores hold, each once: data pointer -> bytes."""
         seen: dict[int, int] = {}
         for store in self._store.values():
             for t in tree_leaves(list(store.values())):  # (an op with several outputs stores a tuple)
-                if not isinstance(t, torch.Tensor):
-                    continue
-                storage = t.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
+                if isinstance(t, torch.Tensor):
+                    seen[storage_key(t)] = t.untyped_storage().nbytes()
+        return seen
+
+    def _stored_bytes(self) -> int:
+        return sum(self._stored().values())
 
     def _prune(self, stage: int, mb: int, keep: frozenset[str]) -> None:
         store = self._store.get((stage, mb), {})
@@ -302,10 +299,6 @@ class PipelineRunner:
 
 
 _WHAT = {"F": "activations", "B": "gradients"}
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
 
 
 def _ranks(ranks: list[int]) -> str:
