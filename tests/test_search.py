@@ -209,24 +209,64 @@ def test_full_recompute_peaks_at_one_layers_backward():
     assert stage_activation_bytes(units, "none", 2) == (2 * 26 + 5) * mb
 
 
+def test_zero_bubble_stage_holds_weight_gradient_inputs_between_b_and_w():
+    """Under a zero-bubble schedule a micro-batch between its B and its W holds what its weight
+    gradients read, whatever the recompute policy: recompute does not shrink those micro-batches
+    (ZB-H1's last stage under full recompute measured 3.1x the 1F1B-style count)."""
+    from autopar.planner.bounds import stage_activation_bytes
+
+    mb = 1e6
+    units = [replace(u, act_bytes=act * mb, boundary_bytes=b * mb, transient_bytes=t * mb, w_held_bytes=h * mb)
+             for u, (act, b, t, h) in zip(_units(3), [(10, 1, 5, 6), (4, 2, 1, 3), (12, 3, 0, 8)])]
+    # ZB-H1, 2 stages, the last: (0 before B, 2 between B and W) or (1, 1) with that one in its B
+    moments = P.zero_bubble_moments("zb-h1", 2, 4)[1]
+    assert set(moments) >= {(0, 2, False), (1, 1, True)}
+    # two micro-batches waiting for W: 2 x (6 + 3 + 8) + the largest op 5 = 39. One in its B beside
+    # one waiting: 17 + max over k of (inputs kept before k + k's activations + k's op + W's inputs
+    # after k): k=0: 0 + 10 + 5 + 11 = 26; k=1: 1 + 4 + 1 + 8 = 14; k=2: 3 + 12 + 0 = 15 -> 43
+    assert stage_activation_bytes(units, "full", 2, moments) == 43 * mb
+    # without recompute the fullest state is one micro-batch done with its forward (all 26 kept)
+    # beside one waiting for W (17) while an op works (5); in its B it would hold 17 + 26 = 43
+    assert stage_activation_bytes(units, "none", 2, moments) == 48 * mb
+    # a unit with no count of its own holds its forward's activations between B and W
+    assert stage_activation_bytes([replace(units[0], w_held_bytes=None)], "full", 2, ((0, 2, False),)) == 25 * mb
+
+
+def test_zero_bubble_moments_are_the_full_lists():
+    """The states read off the action lists at 3 x pp micro-batches are those of the whole lists
+    (the first stage, whose B is empty, is counted as 1F1B's)."""
+    from autopar.cost.schedule import make_schedule
+
+    shapes = [(pp, m) for pp in range(1, 7) for m in range(1, 25)] + [(16, 47), (16, 49), (16, 60), (32, 97)]
+    for kind in ("zb-h1", "zb-h2"):
+        for pp, m in shapes:
+            lists = make_schedule(kind, n_stages=pp, n_micro=m)
+            full = P.moments_of(((a.stage, a.kind, a.microbatch) for acts in lists.values() for a in acts), pp)
+            assert P.zero_bubble_moments(kind, pp, m) == (None,) + full[1:], (kind, pp, m)
+    assert P.zero_bubble_moments("1f1b", 4, 8) is None
+
+
 def test_partition_memory_rule_is_the_stages_estimate():
     """The partitioner's O(1) memory rule (prefix sums and range maxima) admits a stage exactly when
-    its activations as the candidate's estimate counts them (bounds.stage_activation_bytes) fit."""
+    its activations as the candidate's estimate counts them (bounds.stage_activation_bytes) fit,
+    zero-bubble schedules' states included."""
     import random
 
     from autopar.planner.bounds import stage_activation_bytes
 
     rng = random.Random(5)
     units = [replace(u, act_bytes=rng.uniform(1, 9) * 1e8, cheap_act_bytes=rng.uniform(0, 1) * 1e8,
-                     boundary_bytes=rng.uniform(0.1, 3) * 1e8, transient_bytes=rng.uniform(0, 4) * 1e8)
+                     boundary_bytes=rng.uniform(0.1, 3) * 1e8, transient_bytes=rng.uniform(0, 4) * 1e8,
+                     w_held_bytes=rng.uniform(0.5, 6) * 1e8)
              for u in _units(9)]
+    zb = [P.zero_bubble_moments(kind, 4, 12)[s] for kind in ("zb-h1", "zb-h2") for s in (1, 3)]
     for recompute in ("none", "selective", "full"):
         layers = P._Layers(units, recompute)
-        for inflight in (1, 3):
+        for inflight, moments in [(1, None), (3, None)] + [(4, m) for m in zb]:
             for i in range(len(units)):
                 for j in range(i + 1, len(units) + 1):
-                    need = stage_activation_bytes(units[i:j], recompute, inflight)
-                    rule = dict(state_per_param=0.0, inflight=(inflight,))
+                    need = stage_activation_bytes(units[i:j], recompute, inflight, moments)
+                    rule = dict(state_per_param=0.0, inflight=(inflight,), moments=moments and (moments,))
                     assert layers.fits(i, j, 0, cap=need * (1 + 1e-9), **rule), (recompute, inflight, i, j)
                     assert not layers.fits(i, j, 0, cap=need * (1 - 1e-9), **rule), (recompute, inflight, i, j)
 

@@ -44,6 +44,7 @@ __all__ = [
     "with_comm",
     "zb_h1",
     "zb_h2",
+    "zero_bubble_order",
 ]
 
 KINDS = ("F", "B", "W", "BW")
@@ -180,20 +181,7 @@ def zb_h1(n_stages: int, n_micro: int) -> Schedule:
     that each stage matches 1F1B's ``p - s``. With T_F = T_B = T_W the step is
     ``3m + (p - 1)`` slots against 1F1B's ``3(m + p - 1)``: a third of the bubble.
     """
-    _check_args(n_stages, n_micro)
-    sched: Schedule = {}
-    for s in range(n_stages):
-        warmup = min(n_stages - s - 1, n_micro)
-        acts = [Action(s, "F", i) for i in range(warmup)]
-        for j in range(n_micro):  # steady F, B (, W) then cool-down B (, W)
-            if warmup + j < n_micro:
-                acts.append(Action(s, "F", warmup + j))
-            acts.append(Action(s, "B", j))
-            if j >= s:  # W of micro-batch j - s trails its B by s micro-batches
-                acts.append(Action(s, "W", j - s))
-        acts += [Action(s, "W", i) for i in range(max(0, n_micro - s), n_micro)]
-        sched[s] = acts
-    return sched
+    return _actions(zero_bubble_order("zb-h1", n_stages, n_micro), n_stages)
 
 
 def zb_h2(n_stages: int, n_micro: int) -> Schedule:
@@ -208,29 +196,48 @@ def zb_h2(n_stages: int, n_micro: int) -> Schedule:
     time equals ZB-H1's; ZB-H2 wins when T_W < T_B, where ZB-H1's bubble
     ``(p - 1)(T_F + T_B - T_W)`` grows.
     """
-    _check_args(n_stages, n_micro)
-    p, m, cap = n_stages, n_micro, 2 * n_stages - 1
-    sched: Schedule = {s: [] for s in range(p)}
-    n_f, n_b, n_w = [0] * p, [0] * p, [0] * p
-    done: set[_Key] = set()
-    while any(n < m for n in n_w):
-        step = []
-        for s in range(p):
-            ready_b = n_b[s] < n_f[s] and (s + 1 == p or ("B", s + 1, n_b[s]) in done)
-            ready_f = n_f[s] < m and n_f[s] - n_w[s] < cap and (s == 0 or ("F", s - 1, n_f[s]) in done)
-            if ready_b:
-                a, n_b[s] = Action(s, "B", n_b[s]), n_b[s] + 1
-            elif ready_f:
-                a, n_f[s] = Action(s, "F", n_f[s]), n_f[s] + 1
-            elif n_w[s] < n_b[s]:
-                a, n_w[s] = Action(s, "W", n_w[s]), n_w[s] + 1
-            else:
-                continue
-            sched[s].append(a)
-            step.append(a)
-        for a in step:
-            done.update(_provides(a))
+    return _actions(zero_bubble_order("zb-h2", n_stages, n_micro), n_stages)
+
+
+def _actions(order, n_stages: int) -> Schedule:
+    sched: Schedule = {s: [] for s in range(n_stages)}
+    for s, kind, mb in order:
+        sched[s].append(Action(s, kind, mb))
     return sched
+
+
+def zero_bubble_order(kind: str, p: int, m: int):
+    """The zero-bubble schedules' actions as (stage, kind, micro-batch), each stage's in its order,
+    without building :class:`Action` objects: the planner walks them for every pipeline shape it
+    weighs (:func:`autopar.planner.partition.zero_bubble_moments`)."""
+    _check_args(p, m)
+    if kind == "zb-h1":
+        for s in range(p):
+            warmup = min(p - s - 1, m)
+            yield from ((s, "F", i) for i in range(warmup))
+            for j in range(m):  # steady F, B (, W) then cool-down B (, W)
+                if warmup + j < m:
+                    yield s, "F", warmup + j
+                yield s, "B", j
+                if j >= s:  # W of micro-batch j - s trails its B by s micro-batches
+                    yield s, "W", j - s
+            yield from ((s, "W", i) for i in range(max(0, m - s), m))
+        return
+    # zb-h2: one unit-time slot per round; a stage sees what the others finished in earlier rounds
+    cap = 2 * p - 1
+    n_f, n_b, n_w = [0] * p, [0] * p, [0] * p
+    while any(n < m for n in n_w):
+        f_done, b_done = n_f[:], n_b[:]
+        for s in range(p):
+            if n_b[s] < n_f[s] and (s + 1 == p or n_b[s] < b_done[s + 1]):
+                yield s, "B", n_b[s]
+                n_b[s] += 1
+            elif n_f[s] < m and n_f[s] - n_w[s] < cap and (s == 0 or n_f[s] < f_done[s - 1]):
+                yield s, "F", n_f[s]
+                n_f[s] += 1
+            elif n_w[s] < n_b[s]:
+                yield s, "W", n_w[s]
+                n_w[s] += 1
 
 
 SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")

@@ -49,6 +49,9 @@ class LayerCost:
     sac_activation_bytes: float = 0.0
     """What op-level SAC frees beyond selective recompute: selective's kept bytes less what
     SAC stores (:mod:`autopar.planner.recompute_keep`)."""
+    weight_gradient_input_bytes: float = 0.0
+    """What a micro-batch holds between this layer's B and W passes (zero-bubble schedules):
+    the values its weight-gradient ops read (:func:`_weight_gradient_inputs`)."""
     transient_bytes: float = 0.0
     """Largest working set of one op per device for one micro-batch: its outputs plus the inputs
     it reads that nothing saves (e.g. the loss's fp32 logits gradient and its input), on top of
@@ -104,6 +107,51 @@ def _expert_grad_ops(g) -> set[int]:
     return out
 
 
+def _aliases(problem: Problem):
+    """The ops that hold nothing of their own (a view, ``t``, ``detach``: no FLOPs, no bytes moved;
+    they alias their first input), and ``source(v, o)``: the value an output really is, through
+    any chain of them."""
+    g = problem.graph
+    batch = problem.batch
+    alias = {v for v, node in enumerate(g.nodes)
+             if node.kind == "op" and node.flops(batch) == 0 and node.bytes_moved(batch) == 0}
+    first_in: dict[int, tuple[int, int]] = {}
+    for e in g.edges:
+        if e.dst in alias and e.dst_in == 0 and not e.virtual:
+            first_in[e.dst] = (e.src, e.src_out)
+
+    def source(v: int, o: int) -> tuple[int, int]:
+        for _ in range(len(g.nodes)):  # (a chain of views; bounded, never a cycle in a DAG)
+            if v not in alias or v not in first_in:
+                return v, o
+            v, o = first_in[v]
+        return v, o
+    return alias, source
+
+
+def _weight_gradient_inputs(problem: Problem, solution: Solution) -> dict[str, float]:
+    """Per layer, what one micro-batch holds between its input-gradient (B) and weight-gradient
+    (W) passes when a zero-bubble schedule runs them apart: the distinct values the layer's W ops
+    read that forward or B ops made. That is each weight GEMM's input activation (kept since the
+    forward, or made again by the B pass under recompute, :mod:`autopar.passes.recompute`) and
+    its output gradient; everything else the backward reads is freed when B ends
+    (:mod:`autopar.runtime.pipeline` drops a value at its last reader)."""
+    g = problem.graph
+    _, source = _aliases(problem)
+    held: dict[str, float] = defaultdict(float)
+    seen = set()
+    for e in g.edges:
+        dst = g.nodes[e.dst]
+        if e.virtual or dst.kind != "op" or dst.phase != "W":
+            continue
+        v, o = source(e.src, e.src_out)
+        if g.nodes[v].kind != "op" or g.nodes[v].phase == "W" or (dst.layer, v, o) in seen:
+            continue
+        seen.add((dst.layer, v, o))
+        held[dst.layer] += _local_out_bytes(problem, solution, v, o)
+    return held
+
+
 def _working_sets(problem: Problem, solution: Solution,
                   split: set[int] = frozenset()) -> dict[int, float] | tuple[dict[int, float], dict[int, float]]:
     """Per op, the bytes live while it runs beyond what memory already counts: its outputs
@@ -120,21 +168,7 @@ def _working_sets(problem: Problem, solution: Solution,
     With ``split`` (ops), also the part of each of those ops' working sets that does not grow
     with the batch (outputs and inputs alike), as a second dict."""
     g = problem.graph
-    batch = problem.batch
-    alias = {v for v, node in enumerate(g.nodes)
-             if node.kind == "op" and node.flops(batch) == 0 and node.bytes_moved(batch) == 0}
-    first_in: dict[int, tuple[int, int]] = {}
-    for e in g.edges:
-        if e.dst in alias and e.dst_in == 0 and not e.virtual:
-            first_in[e.dst] = (e.src, e.src_out)
-
-    def source(v: int, o: int) -> tuple[int, int]:
-        for _ in range(len(g.nodes)):  # (a chain of views; bounded, never a cycle in a DAG)
-            if v not in alias or v not in first_in:
-                return v, o
-            v, o = first_in[v]
-        return v, o
-
+    alias, source = _aliases(problem)
     ws = {v: 0.0 if v in alias else
           sum(_local_out_bytes(problem, solution, v, o) for o, saved in enumerate(node.saved) if not saved)
           for v, node in enumerate(g.nodes) if node.kind == "op"}
@@ -240,11 +274,12 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
             collectives[kind]["bytes"] += weight * sent
             collectives[kind]["time_s"] += weight * t
     keep = kept_bytes(problem, solution, lambda v, o: _local_out_bytes(problem, solution, v, o))
+    w_inputs = _weight_gradient_inputs(problem, solution)
     layers = {name: LayerCost(compute_s=dict(comp[name]), comm_s=dict(com[name]), param_bytes=params[name],
                               n_params_local=nparams[name], activation_bytes=acts[name],
                               cheap_activation_bytes=acts[name] - keep[name][0], cheap_forward_s=cheap_f[name],
                               sac_forward_s=sac_f[name], sac_activation_bytes=keep[name][0] - keep[name][1],
-                              transient_bytes=transient[name],
+                              transient_bytes=transient[name], weight_gradient_input_bytes=w_inputs[name],
                               expert_transient=(other[name], tuple(sorted(expert_ws[name]))))
               for name in dict.fromkeys(n.layer for n in g.nodes)}
     return CostBreakdown(total_s=total_comp + total_comm, compute_s=total_comp, comm_s=total_comm,

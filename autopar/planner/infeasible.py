@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from autopar.cluster import Cluster
 from autopar.errors import InfeasibleError, PlanError
 from autopar.planner.bounds import stage_activation_bytes
+from autopar.planner.partition import zero_bubble_moments
 from autopar.planner.fixed import Fixed
 from autopar.planner.state_memory import zero_buffer_bytes
 
@@ -43,7 +44,8 @@ def _min_memory(units: list[Unit], cfg: Config, per_param: tuple[float, float], 
         if not chunk:
             break
         state = per_param[0] * sum(u.n_params for u in chunk) + per_param[1] * sum(u.expert_params for u in chunk)
-        worst = max(worst, state + stage_activation_bytes(chunk, cfg.recompute, inflight[s])
+        moments = zero_bubble_moments(cfg.schedule, cfg.pp, cfg.microbatches)
+        worst = max(worst, state + stage_activation_bytes(chunk, cfg.recompute, inflight[s], moments and moments[s])
                     + zero_buffer_bytes(chunk, buffers))
     return worst
 

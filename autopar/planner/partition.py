@@ -7,7 +7,9 @@ monotone constraints), one :class:`_Layers` of running sums per (units, recomput
 time, activations and parameters are O(1), a memo that cuts once without memory and reuses the
 cut for every ZeRO stage and schedule it fits, then for interleaved plans a local search that
 balances each rank's stages (:func:`_balance_ranks`) and a smoothing pass (:func:`_smooth`).
-:func:`_inflight` reads each stage's peak micro-batches in flight off the schedule's actions.
+:func:`_inflight` reads each stage's peak micro-batches in flight off the schedule's actions, and
+:func:`zero_bubble_moments` the states of a zero-bubble schedule's stages (between F and B, between
+B and W), which hold different bytes.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from autopar.planner.bounds import _schedule, _unit_times
+from autopar.cost.schedule import zero_bubble_order
+from autopar.planner.bounds import _schedule, _unit_times, w_held_bytes
 from autopar.zero_def import MAX_INFLIGHT_REDUCES, PREFETCH_GROUPS
 
 if TYPE_CHECKING:
@@ -52,6 +55,66 @@ def _inflight(kind: str, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
     return inflight_of(_schedule(kind, pp, min(m, 2 * pp) if kind == "interleaved" else m, v), pp * v)
 
 
+@lru_cache(maxsize=4096)
+def zero_bubble_moments(kind: str, pp: int, m: int) -> tuple[tuple[tuple[int, int, bool], ...] | None, ...] | None:
+    """Per stage of a zero-bubble schedule after the first (None for the others, which run each
+    micro-batch's B and W together, and for the first stage), the states in which it can peak:
+    (micro-batches between their F and their B, micro-batches between their B and their W,
+    whether one of the first is running its B), only those some weighing of the two counts is
+    largest at (:func:`_upper_right_hull`; :func:`autopar.planner.bounds.stage_activation_bytes`
+    weighs them). Read off the actions at ``min(m, 3 * pp)`` micro-batches, after which no new
+    state appears (``tests/test_search.py`` checks them against the actions at full length over a
+    range of shapes, up to pp = 32; at ``2 * pp + 1`` ZB-H2 still misses some)."""
+    if kind not in ("zb-h1", "zb-h2"):
+        return None
+    # (the first stage sends no input gradient back, so its B is empty and its W the whole
+    # backward: it holds what 1F1B's stages do, counted by ``_inflight``)
+    return (None,) + moments_of(zero_bubble_order(kind, pp, min(m, 3 * pp)), pp)[1:]
+
+
+def moments_of(order, pp: int) -> tuple[tuple[tuple[int, int, bool], ...], ...]:
+    """:func:`zero_bubble_moments` of a schedule's actions, (stage, kind, micro-batch), each
+    stage's in its order (one stage per rank)."""
+    seen: list[set[tuple[int, int, bool]]] = [set() for _ in range(pp)]
+    before, after = [0] * pp, [0] * pp
+    for s, kind, _ in order:
+        if kind == "F":
+            before[s] += 1
+            seen[s].add((before[s], after[s], False))
+        elif kind == "B":
+            seen[s].add((before[s], after[s], True))
+            before[s], after[s] = before[s] - 1, after[s] + 1
+        else:  # W
+            seen[s].add((before[s], after[s], False))
+            after[s] -= 1
+    return tuple(tuple(v for running in (False, True)
+                       for v in _upper_right_hull([x for x in states if x[2] == running]))
+                 for states in seen)
+
+
+def _upper_right_hull(points: list[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
+    """The points some ``a * K + b * H`` with K, H >= 0 is largest at (the rest never is: a
+    stage's memory is such a sum, so they need not be weighed): the upper hull of the points
+    that no other holds at least as many of both kinds, by Andrew's monotone chain."""
+    most: dict[int, tuple[int, int, bool]] = {}
+    for p in points:  # per count of the first kind, the most of the second
+        if p[0] not in most or p[1] > most[p[0]][1]:
+            most[p[0]] = p
+    front, highest = [], -1
+    for a in sorted(most, reverse=True):  # then only those above every point to their right
+        if most[a][1] > highest:
+            front.append(most[a])
+            highest = most[a][1]
+    front.reverse()
+    hull: list[tuple[int, int, bool]] = []
+    for p in front:  # a ascending, so b descending
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (p[1] - hull[-2][1])
+                                  - (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0])) >= 0:
+            hull.pop()  # (hull[-1] lies on or under the chord from hull[-2] to p)
+        hull.append(p)
+    return hull
+
+
 def inflight_of(sched, n_stages: int) -> tuple[int, ...]:
     """Per stage, the peak number of micro-batches between its F and its W or BW in ``sched``'s lists."""
     live = [0] * n_stages
@@ -75,6 +138,7 @@ class _Layers:
 
     def __init__(self, units: Sequence[Unit], recompute: str):
         self.n, self.full = len(units), recompute == "full"
+        self.units = units
         self.times, pre_t, pre_a, pre_p, pre_e = [], [0.0], [0.0], [0.0], [0.0]
         for u in units:
             f, b, w, a = _unit_times(u, recompute)
@@ -92,9 +156,26 @@ class _Layers:
                                       for k, u in enumerate(units)])
         self.windows = {w: _sparse_max(window_sums([u.n_params for u in units], w))
                         for w in {1 + PREFETCH_GROUPS, MAX_INFLIGHT_REDUCES}}
+        self._zero_bubble = None
+
+    def zero_bubble(self) -> tuple[list[float], list[list[float]], list[list[float]]]:
+        """For zero-bubble schedules' memory rule (:func:`~autopar.planner.bounds.stage_activation_bytes`
+        with moments), built on first use: running sums of what a micro-batch holds between B and
+        W, the largest op's working set, and, per unit k, what a micro-batch in k's B holds with
+        the stage's ends taken off (the inputs kept before k, k's own, the W inputs after k:
+        ``pre_a[k] + x_k - pre_h[k + 1]``, to which a stage [i, j) adds ``pre_h[j] - pre_a[i]``)."""
+        if self._zero_bubble is None:
+            pre_h = [0.0]
+            for u in self.units:
+                pre_h.append(pre_h[-1] + w_held_bytes(u))
+            kept = [a1 - a0 for a0, a1 in zip(self.pre_a, self.pre_a[1:])]
+            in_b = [self.pre_a[k] + (u.act_bytes if self.full else kept[k]) + u.transient_bytes - pre_h[k + 1]
+                    for k, u in enumerate(self.units)]
+            self._zero_bubble = (pre_h, _sparse_max(in_b), _sparse_max([u.transient_bytes for u in self.units]))
+        return self._zero_bubble
 
     def fits(self, i: int, j: int, s: int, *, cap: float, state_per_param: float, inflight: Sequence[int],
-             buffers: tuple[float, float] = (0.0, 0.0), expert_per_param: float = 0.0) -> bool:
+             buffers: tuple[float, float] = (0.0, 0.0), expert_per_param: float = 0.0, moments=None) -> bool:
         """Stage ``s`` = layers ``[i, j)`` within ``cap``: training state (``expert_per_param``: what
         an expert parameter's state holds beyond ``state_per_param``, ZeRO sharding it over fewer
         ranks, :func:`autopar.planner.state_memory.state_per_param`) + activations of the
@@ -103,12 +184,13 @@ class _Layers:
         :func:`~autopar.planner.bounds.stage_activation_bytes`) + ZeRO's collective buffers
         (``buffers``: bytes per parameter of the fullest window of gathered groups and of gradient
         buckets in flight,
-        :func:`autopar.zero_def.buffer_bytes_per_param`)."""
+        :func:`autopar.zero_def.buffer_bytes_per_param`). Zero-bubble schedules (``moments``, per
+        stage :func:`zero_bubble_moments`) count activations by their states instead of ``inflight``."""
         return self.rule(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
-                         expert_per_param=expert_per_param)(i, j, s)
+                         expert_per_param=expert_per_param, moments=moments)(i, j, s)
 
     def rule(self, *, cap: float, state_per_param: float, inflight: Sequence[int],
-             buffers: tuple[float, float] = (0.0, 0.0), expert_per_param: float = 0.0):
+             buffers: tuple[float, float] = (0.0, 0.0), expert_per_param: float = 0.0, moments=None):
         """:meth:`fits` with the memory rule bound: ``(i, j, s) -> bool``. The search asks it
         about a million times for Llama 70B; as a closure over local names it takes half the
         time of the method call with keywords."""
@@ -116,18 +198,45 @@ class _Layers:
         transient, full = self.transient, self.full
         gathered, sends = buffers
         gathered_w, sends_w = self.windows[1 + PREFETCH_GROUPS], self.windows[MAX_INFLIGHT_REDUCES]
+        zero_bubble = [None] * len(inflight)
+        if moments is not None:  # per stage: its states while no B runs, and while one does (one fewer kept)
+            pre_h, in_b, largest = self.zero_bubble()
+            zero_bubble = [x and ([(a, b) for a, b, r in x if not r], [(a - 1, b) for a, b, r in x if r])
+                           for x in moments]
 
         def fits(i: int, j: int, s: int) -> bool:
-            mem = state_per_param * (pre_p[j] - pre_p[i]) + inflight[s] * (pre_a[j] - pre_a[i])
+            mem = state_per_param * (pre_p[j] - pre_p[i])
             if expert_per_param:
                 mem += expert_per_param * (pre_e[j] - pre_e[i])
-            if full:  # the micro-batch in its backward: counted in the working set below
-                mem -= pre_a[j]
+            states = zero_bubble[s]
+            if states is None:
+                mem += inflight[s] * (pre_a[j] - pre_a[i])
+                if full:  # the micro-batch in its backward: counted in the working set below
+                    mem -= pre_a[j]
             if j > i:  # _range_max(transient, i, j), inlined
                 k = (j - i).bit_length() - 1
-                level = transient[k]
-                a, b = level[i], level[j - (1 << k)]
-                mem += a if a >= b else b
+                if states is None:
+                    level = transient[k]
+                    a, b = level[i], level[j - (1 << k)]
+                    mem += a if a >= b else b
+                else:  # zero-bubble: the fullest of the stage's states (bounds.stage_activation_bytes)
+                    kept, held = pre_a[j] - pre_a[i], pre_h[j] - pre_h[i]
+                    level = largest[k]
+                    a, b = level[i], level[j - (1 << k)]
+                    idle = a if a >= b else b  # the largest op's working set
+                    level = in_b[k]
+                    a, b = level[i], level[j - (1 << k)]
+                    running = (a if a >= b else b) + pre_h[j] - pre_a[i]  # the micro-batch in its B
+                    most = 0.0
+                    for a, b in states[0]:
+                        v = a * kept + b * held + idle
+                        if v > most:
+                            most = v
+                    for a, b in states[1]:
+                        v = a * kept + b * held + running
+                        if v > most:
+                            most = v
+                    mem += most
                 if gathered:
                     level = gathered_w[k]
                     a, b = level[i], level[j - (1 << k)]
@@ -171,7 +280,8 @@ def _range_max(table: list[list[float]], i: int, j: int) -> float:
 def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: float,
                inflight: tuple[int, ...], memo: dict | None = None,
                buffers: tuple[float, float] = (0.0, 0.0),
-               expert_per_param: float = 0.0, starts: tuple[int, ...] | None = None) -> list[tuple[int, int]] | None:
+               expert_per_param: float = 0.0, starts: tuple[int, ...] | None = None,
+               moments=None) -> list[tuple[int, int]] | None:
     """Contiguous cuts minimising the slowest stage under the memory cap (None if none fits).
     ``starts`` (the user's pinned layout: the unit each stage after the first begins with) gives
     the cuts instead, None if a stage of it exceeds the cap.
@@ -183,10 +293,11 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     one, so when that one fits it is optimal (interleaved: the rank balancing is the same local
     search from the same start). Only configurations it does not fit are cut again under
     their cap, starting the bisection at the uncapped one's bound (a cap only lowers what
-    fits, so no capped cut has a faster slowest stage)."""
+    fits, so no capped cut has a faster slowest stage). ``moments``: a zero-bubble schedule's
+    states per stage (:func:`zero_bubble_moments`), which count its activations."""
     if memo is None and starts is None:
         return _cut(_Layers(units, cfg.recompute), cfg, cap=cap, state_per_param=state_per_param,
-                    inflight=inflight, buffers=buffers, expert_per_param=expert_per_param)[0]
+                    inflight=inflight, buffers=buffers, expert_per_param=expert_per_param, moments=moments)[0]
     layers_key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp, cfg.ep_tp)
     layers = memo.get(layers_key) if memo is not None else None
     if layers is None:
@@ -196,7 +307,7 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     if starts is not None:
         points = [0, *starts, len(units)]
         fits = layers.rule(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
-                           expert_per_param=expert_per_param)
+                           expert_per_param=expert_per_param, moments=moments)
         cuts = list(zip(points, points[1:]))
         return cuts if all(fits(i, j, s) for s, (i, j) in enumerate(cuts)) else None
     key = layers_key + (cfg.pp, cfg.virtual_stages)
@@ -206,22 +317,28 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     if free is None:
         return None  # too few layers for the stages: no cap changes that
     rule = dict(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
-                expert_per_param=expert_per_param)
+                expert_per_param=expert_per_param, moments=moments)
     fits = layers.rule(**rule)
     if all(fits(i, j, s) for s, (i, j) in enumerate(free)):
         return list(free)
     # Every stage within the cap: their sum too, so state + the fewest in flight's activations
     # of the whole model must fit in n_stages caps (a quick no for most configurations that fit
-    # no cut at all).
-    if state_per_param * layers.pre_p[-1] + expert_per_param * layers.pre_e[-1] \
-            + min(inflight) * layers.pre_a[-1] > cfg.n_stages * cap:
+    # no cut at all). Under a zero-bubble schedule, the fewest any stage keeps from their forward
+    # (or holds between B and W) in its fullest such state.
+    if moments is None:
+        least = min(inflight) * layers.pre_a[-1]
+    else:
+        states = [x or ((n, 0, True),) for x, n in zip(moments, inflight)]
+        least = max(min(max(a - r for a, _, r in x) for x in states) * layers.pre_a[-1],
+                    min(max(b for _, b, _ in x) for x in states) * layers.zero_bubble()[0][-1])
+    if state_per_param * layers.pre_p[-1] + expert_per_param * layers.pre_e[-1] + least > cfg.n_stages * cap:
         return None
     return _cut(layers, cfg, **rule, lo=infeasible_below)[0]
 
 
 def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, inflight: tuple[int, ...],
          lo: float = 0.0, buffers: tuple[float, float] = (0.0, 0.0),
-         expert_per_param: float = 0.0) -> tuple[list[tuple[int, int]] | None, float]:
+         expert_per_param: float = 0.0, moments=None) -> tuple[list[tuple[int, int]] | None, float]:
     """:func:`_partition` without the memo; also a time bound below which no cut fits (``lo``,
     if given, is one already known)."""
     times, pre_t = layers.times, layers.pre_t
@@ -230,7 +347,7 @@ def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, in
         return None, math.inf
 
     fits = layers.rule(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
-                       expert_per_param=expert_per_param)
+                       expert_per_param=expert_per_param, moments=moments)
 
     def greedy(bound: float) -> tuple[list[tuple[int, int]] | None, float]:
         """(the cuts, or None), and the smallest stage time above ``bound`` that the packing

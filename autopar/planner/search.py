@@ -44,7 +44,7 @@ from autopar.cost.simulate import SimResult, StepResult
 from autopar.cost.step import GroupCost, StageCost, StepSpec, estimate_exposed_s, group_dp_s
 from autopar.planner.fixed import FIXED_KEYS, PINNED_RECOMPUTE, RECOMPUTE, SCHEDULES, Fixed  # noqa: F401 (re-exported)
 from autopar.planner.infeasible import MEMORY_RESERVE, _infeasible, _largest_op, _min_memory
-from autopar.planner.partition import _inflight, _partition
+from autopar.planner.partition import _inflight, _partition, zero_bubble_moments
 from autopar.planner.state_memory import _state, state_per_param, zero_buffer_bytes, zero_buffers  # noqa: F401
 from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _config_bound_s,  # noqa: F401
                                     _cuts_bound_s, _dp_comm_prefix, _grad_elem_bytes, _optimizer_s,
@@ -153,6 +153,10 @@ class Unit:
     part): ZeRO shards their state over the ``dp / ep`` replicas of that part, not over dp."""
     transient_bytes: float = 0.0
     """Largest single-op working set beyond saved activations (``evaluation.LayerCost.transient_bytes``)."""
+    w_held_bytes: float | None = None
+    """What a micro-batch holds for this unit between its B and its W, the two apart under a
+    zero-bubble schedule (``evaluation.LayerCost.weight_gradient_input_bytes``); None: as much as
+    it keeps from its forward without recompute (``act_bytes``)."""
     expert_transient: tuple[float, tuple[tuple[float, float], ...]] = (0.0, ())
     """``evaluation.LayerCost.expert_transient``: what expert parallelism makes of ``transient_bytes``."""
     send_forward: tuple[tuple[str, float, float, float], ...] | None = None
@@ -420,6 +424,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             # a rank holds v stages: each gets 1/v of the memory (a conservative split)
             cuts = _partition(units, cfg, cap=cap / cfg.virtual_stages, state_per_param=per_param[0],
                               inflight=inflight, memo=cut_memo,
+                              moments=zero_bubble_moments(cfg.schedule, cfg.pp, cfg.microbatches),
                               buffers=zero_buffers(cfg.zero, precision), expert_per_param=per_param[1],
                               starts=pinned_starts(units))
             clock["partition_s"] += time.perf_counter() - t0
@@ -491,6 +496,7 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
     replicas, replica_link = replica_group(cluster, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep_dp)
     grad_elem = _grad_elem_bytes(precision)
     owners = {u.path: s for s, (i, j) in enumerate(cuts) for u in units[i:j]}
+    moments = zero_bubble_moments(cfg.schedule, cfg.pp, cfg.microbatches)
     for s, (i, j) in enumerate(cuts):
         chunk = units[i:j]
         f = b = w = c = 0.0
@@ -515,7 +521,7 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
         stages.append(StagePlan(
             layers=tuple(u.path for u in chunk), f_s=f, b_s=b, w_s=w, comm_s=c, inflight=inflight[s],
             params_bytes=state.params, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
-            activations_bytes=stage_activation_bytes(chunk, cfg.recompute, inflight[s]),
+            activations_bytes=stage_activation_bytes(chunk, cfg.recompute, inflight[s], moments and moments[s]),
             grad_sync_s=sync, optimizer_s=opt_s,
             zero_buffers_bytes=zero_buffer_bytes(chunk, zero_buffers(cfg.zero, precision)),
             **_sends(chunk[-1], last=s == len(cuts) - 1),

@@ -109,21 +109,22 @@ def test_each_policy_holds_what_the_plan_predicts():
         assert abs(got["peak_bytes"] - planned) <= 0.1 * planned, (policy, got, planned)
 
 
-def _measure_pipeline(rank, world, policies):
+def _measure_pipeline(rank, world, runs):
     sys.path.insert(0, EXAMPLES)
     import autopar
     import llama
 
     out = {}
-    for policy in policies:
+    for schedule, policy in runs:
         torch.manual_seed(0)
         model, inputs, loss_fn, target = llama.build(size="tiny", batch=8, seq=256, n_layers=4)
         pm = autopar.parallelize(model, cluster=f"1x{world}xcpu", loss_fn=loss_fn,
-                                 fixed={"dp": 1, "tp": 1, "pp": 2, "schedule": "1f1b", "microbatches": 4, "zero": 0,
+                                 fixed={"dp": 1, "tp": 1, "pp": 2, "schedule": schedule, "microbatches": 4, "zero": 0,
                                         "recompute": policy})
         pm.train_step(inputs, target)
         stage = pm.pp_mesh.get_local_rank("pp")  # (one stage per rank)
-        out[policy] = (pm.measure_step(inputs, target), pm.plan.stages[stage]["predicted"]["memory_bytes"]["activations"])
+        out[schedule, policy] = (pm.measure_step(inputs, target),
+                                 pm.plan.stages[stage]["predicted"]["memory_bytes"]["activations"])
     return out
 
 
@@ -131,9 +132,14 @@ def test_pipeline_stages_hold_what_the_plan_predicts():
     # 1F1B, 4 micro-batches on 2 stages: the first holds 2 in flight, the second 1. Each rank's peak
     # (its stores between pieces plus the running piece's live values) against its stage's plan;
     # the backward runs as one piece (B and W in the program's order) and each value leaves the
-    # store when its last reader starts, so it dies inside that piece
-    ranks = spawn_world(_measure_pipeline, 2, ("none", "full"))
+    # store when its last reader starts, so it dies inside that piece.
+    # ZB-H1 runs the last stage's W one micro-batch late, and what B made again under full recompute
+    # waits for it: that stage holds as much as without recompute (the plan counted 1/3 of it until
+    # 2026-12-06); the first stage's B is empty, its W the whole backward
+    ranks = spawn_world(_measure_pipeline, 2, (("1f1b", "none"), ("1f1b", "full"), ("zb-h1", "full")))
     for stage, out in enumerate(ranks):
-        assert out["full"][0]["peak_bytes"] < 0.5 * out["none"][0]["peak_bytes"], (stage, out)
-        for policy, (got, planned) in out.items():
-            assert abs(got["peak_bytes"] - planned) <= 0.1 * planned, (stage, policy, got, planned)
+        assert out["1f1b", "full"][0]["peak_bytes"] < 0.5 * out["1f1b", "none"][0]["peak_bytes"], (stage, out)
+        for run, (got, planned) in out.items():
+            tolerance = 0.15 if run[0] == "zb-h1" else 0.1
+            assert abs(got["peak_bytes"] - planned) <= tolerance * planned, (stage, run, got, planned)
+    assert ranks[1]["zb-h1", "full"][0]["peak_bytes"] > ranks[1]["1f1b", "none"][0]["peak_bytes"]
