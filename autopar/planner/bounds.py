@@ -58,7 +58,8 @@ def w_held_bytes(u: Unit) -> float:
 
 
 def stage_activation_bytes(chunk: Sequence[Unit], recompute: str, inflight: int,
-                           moments: Sequence[tuple[int, int, bool]] | None = None) -> float:
+                           moments: tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]] | None = None
+                           ) -> float:
     """Activation bytes a stage of units ``chunk`` holds at its peak, ``inflight`` micro-batches in
     flight: what each keeps for its backward, plus the largest op's working set once.
 
@@ -73,22 +74,24 @@ def stage_activation_bytes(chunk: Sequence[Unit], recompute: str, inflight: int,
 
     Zero-bubble schedules run a micro-batch's W passes apart from its B, and ``moments`` (from
     :func:`autopar.planner.partition.zero_bubble_moments`) say how many micro-batches a stage holds
-    at once in each state: (between F and B, between B and W, whether one of the first is in its
-    B). Between B and W a micro-batch holds what its weight gradients read (:func:`w_held_bytes`;
-    under recompute what B made again for them too, so the policy saves nothing there); in its B,
+    at once in each state: (between F and B, between B and W) while no B runs, and the same
+    besides the micro-batch in its B while one does. Between B and W a micro-batch holds what its
+    weight gradients read (:func:`w_held_bytes`; under recompute what B made again for them too,
+    so the policy saves nothing there); in its B,
     the units before the running one keep what their forward kept, the running one holds its
     activations (under full recompute, made again) and its largest op's working set, and the
     units after it what their W will read. (Until 2026-12-06 these schedules were counted as
-    1F1B's, every micro-batch keeping what its forward kept until its W: 214% under the measured
-    peak of ZB-H1's last stage under full recompute, ``bench/recompute.py --pp zb-h1``.)"""
+    1F1B's, every micro-batch keeping what its forward kept until its W: ZB-H1's last stage under
+    full recompute measured 3.1 times that count, ``bench/recompute.py --pp zb-h1``.)"""
     if moments is not None:
         kept = [_unit_times(u, recompute)[3] for u in chunk]
         held = [w_held_bytes(u) for u in chunk]
         in_b = max(sum(kept[:k]) + (u.act_bytes if recompute == "full" else kept[k]) + u.transient_bytes
                    + sum(held[k + 1:]) for k, u in enumerate(chunk))
         largest = max(u.transient_bytes for u in chunk)
-        return max((a - running) * sum(kept) + b * sum(held) + (in_b if running else largest)
-                   for a, b, running in moments)
+        idle, running = moments
+        return max([a * sum(kept) + b * sum(held) + largest for a, b in idle]
+                   + [a * sum(kept) + b * sum(held) + in_b for a, b in running])
     if recompute != "full":
         return inflight * sum(_unit_times(u, recompute)[3] for u in chunk) + max(u.transient_bytes for u in chunk)
     kept = worst = 0.0

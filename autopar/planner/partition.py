@@ -55,12 +55,16 @@ def _inflight(kind: str, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
     return inflight_of(_schedule(kind, pp, min(m, 2 * pp) if kind == "interleaved" else m, v), pp * v)
 
 
+Counts = tuple[tuple[int, int], ...]
+
+
 @lru_cache(maxsize=4096)
-def zero_bubble_moments(kind: str, pp: int, m: int) -> tuple[tuple[tuple[int, int, bool], ...] | None, ...] | None:
+def zero_bubble_moments(kind: str, pp: int, m: int) -> tuple[tuple[Counts, Counts] | None, ...] | None:
     """Per stage of a zero-bubble schedule after the first (None for the others, which run each
-    micro-batch's B and W together, and for the first stage), the states in which it can peak:
-    (micro-batches between their F and their B, micro-batches between their B and their W,
-    whether one of the first is running its B), only those some weighing of the two counts is
+    micro-batch's B and W together, and for the first stage), the states in which it can peak,
+    as two lists of counts: while no B runs, (micro-batches between their F and their B,
+    micro-batches between their B and their W); while one runs its B, (the others between F and
+    B, those between B and W). Each list keeps only the counts some weighing of the two kinds is
     largest at (:func:`_upper_right_hull`; :func:`autopar.planner.bounds.stage_activation_bytes`
     weighs them). Read off the actions at ``min(m, 3 * pp)`` micro-batches, after which no new
     state appears (``tests/test_search.py`` checks them against the actions at full length over a
@@ -72,47 +76,55 @@ def zero_bubble_moments(kind: str, pp: int, m: int) -> tuple[tuple[tuple[int, in
     return (None,) + moments_of(zero_bubble_order(kind, pp, min(m, 3 * pp)), pp)[1:]
 
 
-def moments_of(order, pp: int) -> tuple[tuple[tuple[int, int, bool], ...], ...]:
+def moments_of(order, pp: int) -> tuple[tuple[Counts, Counts], ...]:
     """:func:`zero_bubble_moments` of a schedule's actions, (stage, kind, micro-batch), each
     stage's in its order (one stage per rank)."""
-    seen: list[set[tuple[int, int, bool]]] = [set() for _ in range(pp)]
+    idle: list[set[tuple[int, int]]] = [set() for _ in range(pp)]
+    running: list[set[tuple[int, int]]] = [set() for _ in range(pp)]
     before, after = [0] * pp, [0] * pp
     for s, kind, _ in order:
         if kind == "F":
             before[s] += 1
-            seen[s].add((before[s], after[s], False))
+            idle[s].add((before[s], after[s]))
         elif kind == "B":
-            seen[s].add((before[s], after[s], True))
+            running[s].add((before[s] - 1, after[s]))
             before[s], after[s] = before[s] - 1, after[s] + 1
         else:  # W
-            seen[s].add((before[s], after[s], False))
+            idle[s].add((before[s], after[s]))
             after[s] -= 1
-    return tuple(tuple(v for running in (False, True)
-                       for v in _upper_right_hull([x for x in states if x[2] == running]))
-                 for states in seen)
+    return tuple((_upper_right_hull(i), _upper_right_hull(r)) for i, r in zip(idle, running))
 
 
-def _upper_right_hull(points: list[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
-    """The points some ``a * K + b * H`` with K, H >= 0 is largest at (the rest never is: a
-    stage's memory is such a sum, so they need not be weighed): the upper hull of the points
-    that no other holds at least as many of both kinds, by Andrew's monotone chain."""
-    most: dict[int, tuple[int, int, bool]] = {}
-    for p in points:  # per count of the first kind, the most of the second
-        if p[0] not in most or p[1] > most[p[0]][1]:
-            most[p[0]] = p
+@lru_cache(maxsize=4096)
+def _least_counts(moments: tuple, inflight: tuple[int, ...]) -> tuple[int, int, int]:
+    """For :func:`_partition`'s quick no, counts every stage holds at its peak at least: micro-batches
+    keeping what their forward kept, micro-batches holding their W's inputs, and the two together
+    (each then holds at least the smaller of the two per unit)."""
+    counts = [x[0] + x[1] if x else ((n - 1, 0),) for x, n in zip(moments, inflight)]
+    return (min(max(a for a, _ in c) for c in counts), min(max(b for _, b in c) for c in counts),
+            min(max(a + b for a, b in c) for c in counts))
+
+
+def _upper_right_hull(points) -> Counts:
+    """The counts some ``a * K + b * H`` with K, H >= 0 is largest at (the rest never is: a
+    stage's memory is such a sum, so they need not be weighed): the upper hull of the counts
+    that no other has at least as many of both kinds in, by Andrew's monotone chain."""
+    most: dict[int, int] = {}
+    for a, b in points:  # per count of the first kind, the most of the second
+        most[a] = max(b, most.get(a, b))
     front, highest = [], -1
-    for a in sorted(most, reverse=True):  # then only those above every point to their right
-        if most[a][1] > highest:
-            front.append(most[a])
-            highest = most[a][1]
+    for a in sorted(most, reverse=True):  # then only those above every count to their right
+        if most[a] > highest:
+            front.append((a, most[a]))
+            highest = most[a]
     front.reverse()
-    hull: list[tuple[int, int, bool]] = []
+    hull: list[tuple[int, int]] = []
     for p in front:  # a ascending, so b descending
         while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (p[1] - hull[-2][1])
                                   - (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0])) >= 0:
             hull.pop()  # (hull[-1] lies on or under the chord from hull[-2] to p)
         hull.append(p)
-    return hull
+    return tuple(hull)
 
 
 def inflight_of(sched, n_stages: int) -> tuple[int, ...]:
@@ -158,12 +170,13 @@ class _Layers:
                         for w in {1 + PREFETCH_GROUPS, MAX_INFLIGHT_REDUCES}}
         self._zero_bubble = None
 
-    def zero_bubble(self) -> tuple[list[float], list[list[float]], list[list[float]]]:
+    def zero_bubble(self) -> tuple[list[float], list[list[float]], list[list[float]], float]:
         """For zero-bubble schedules' memory rule (:func:`~autopar.planner.bounds.stage_activation_bytes`
         with moments), built on first use: running sums of what a micro-batch holds between B and
-        W, the largest op's working set, and, per unit k, what a micro-batch in k's B holds with
-        the stage's ends taken off (the inputs kept before k, k's own, the W inputs after k:
-        ``pre_a[k] + x_k - pre_h[k + 1]``, to which a stage [i, j) adds ``pre_h[j] - pre_a[i]``)."""
+        W; per unit k, what a micro-batch in k's B holds with the stage's ends taken off (the
+        inputs kept before k, k's own, the W inputs after k: ``pre_a[k] + x_k - pre_h[k + 1]``, to
+        which a stage [i, j) adds ``pre_h[j] - pre_a[i]``); the largest op's working set; and the
+        sum over units of the smaller of what a micro-batch keeps and holds for W."""
         if self._zero_bubble is None:
             pre_h = [0.0]
             for u in self.units:
@@ -171,7 +184,8 @@ class _Layers:
             kept = [a1 - a0 for a0, a1 in zip(self.pre_a, self.pre_a[1:])]
             in_b = [self.pre_a[k] + (u.act_bytes if self.full else kept[k]) + u.transient_bytes - pre_h[k + 1]
                     for k, u in enumerate(self.units)]
-            self._zero_bubble = (pre_h, _sparse_max(in_b), _sparse_max([u.transient_bytes for u in self.units]))
+            self._zero_bubble = (pre_h, _sparse_max(in_b), _sparse_max([u.transient_bytes for u in self.units]),
+                                 sum(min(k, h1 - h0) for k, h0, h1 in zip(kept, pre_h, pre_h[1:])))
         return self._zero_bubble
 
     def fits(self, i: int, j: int, s: int, *, cap: float, state_per_param: float, inflight: Sequence[int],
@@ -198,11 +212,9 @@ class _Layers:
         transient, full = self.transient, self.full
         gathered, sends = buffers
         gathered_w, sends_w = self.windows[1 + PREFETCH_GROUPS], self.windows[MAX_INFLIGHT_REDUCES]
-        zero_bubble = [None] * len(inflight)
-        if moments is not None:  # per stage: its states while no B runs, and while one does (one fewer kept)
-            pre_h, in_b, largest = self.zero_bubble()
-            zero_bubble = [x and ([(a, b) for a, b, r in x if not r], [(a - 1, b) for a, b, r in x if r])
-                           for x in moments]
+        zero_bubble = moments or (None,) * len(inflight)
+        if moments is not None:
+            pre_h, in_b, largest, _ = self.zero_bubble()
 
         def fits(i: int, j: int, s: int) -> bool:
             mem = state_per_param * (pre_p[j] - pre_p[i])
@@ -328,9 +340,9 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     if moments is None:
         least = min(inflight) * layers.pre_a[-1]
     else:
-        states = [x or ((n, 0, True),) for x, n in zip(moments, inflight)]
-        least = max(min(max(a - r for a, _, r in x) for x in states) * layers.pre_a[-1],
-                    min(max(b for _, b, _ in x) for x in states) * layers.zero_bubble()[0][-1])
+        kept, held, both = _least_counts(moments, tuple(inflight))
+        pre_h, smaller = layers.zero_bubble()[0], layers.zero_bubble()[3]
+        least = max(kept * layers.pre_a[-1], held * pre_h[-1], both * smaller)
     if state_per_param * layers.pre_p[-1] + expert_per_param * layers.pre_e[-1] + least > cfg.n_stages * cap:
         return None
     return _cut(layers, cfg, **rule, lo=infeasible_below)[0]
