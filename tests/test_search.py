@@ -246,6 +246,32 @@ def test_zero_bubble_moments_are_the_full_lists():
     assert P.zero_bubble_moments("1f1b", 4, 8) is None
 
 
+def test_interleaved_rank_holds_its_fullest_state_not_each_stages_peak():
+    """An interleaved rank's stages peak at different moments: its activations are those of its
+    fullest state, shared out to its stages, not each stage's own peak added up."""
+    from autopar.cost.schedule import make_schedule
+    from autopar.planner.bounds import rank_activation_shares, stage_activation_bytes
+
+    for pp, v in [(2, 2), (3, 2), (4, 3), (4, 4)]:
+        for m in range(pp, 6 * pp + 1, pp):
+            full = P.states_of(make_schedule("interleaved", n_stages=pp, n_micro=m, n_virtual=v), pp, v)
+            assert P.rank_states(pp, m, v) == full, (pp, v, m)
+    # 2 ranks x 2 stages, 4 micro-batches: rank 0 holds 3 of stage 0 and 2 of stage 2, or 4 and 1,
+    # never 4 and 2 (each stage's own peak)
+    assert P._inflight("interleaved", 2, 4, 2)[0::2] == (4, 2)
+    states = P.rank_states(2, 4, 2)[0]
+    assert max(sum(c) for c, _ in states) == 5
+    mb = 1e6
+    units = [replace(u, act_bytes=a * mb, boundary_bytes=mb, transient_bytes=t * mb)
+             for u, (a, t) in zip(_units(2), [(10, 2), (6, 3)])]
+    shares = rank_activation_shares([units[:1], units[1:]], "none", states)
+    # fullest: 4 x 10 + 1 x 6 + the rank's largest working set (stage 1's, 3) = 49; with 3 and 2 in
+    # flight 3 x 10 + 2 x 6 + 3 = 45. Each stage's own peak, added: (4 x 10 + 2) + (2 x 6 + 3) = 57
+    assert shares == [40 * mb, 9 * mb]
+    own = stage_activation_bytes(units[:1], "none", 4) + stage_activation_bytes(units[1:], "none", 2)
+    assert sum(shares) < own == 57 * mb
+
+
 def test_partition_memory_rule_is_the_stages_estimate():
     """The partitioner's O(1) memory rule (prefix sums and range maxima) admits a stage exactly when
     its activations as the candidate's estimate counts them (bounds.stage_activation_bytes) fit,

@@ -101,6 +101,29 @@ def stage_activation_bytes(chunk: Sequence[Unit], recompute: str, inflight: int,
     return (inflight - 1) * kept + worst
 
 
+def rank_activation_shares(chunks: Sequence[Sequence[Unit]], recompute: str,
+                           states: Sequence[tuple[tuple[int, ...], int]]) -> list[float]:
+    """Activation bytes of each of an interleaved rank's stages (its units ``chunks``) in the
+    rank's fullest state (:func:`autopar.planner.partition.rank_states`: micro-batches in flight
+    per stage, and the stage whose backward runs). A stage keeps what each of its micro-batches
+    keeps; the one whose backward runs also holds what :func:`stage_activation_bytes` adds for a
+    micro-batch in its backward, and otherwise the rank's largest op's working set counts once,
+    on the stage that has it. The shares add up to the rank's peak."""
+    kept = [sum(_unit_times(u, recompute)[3] for u in chunk) for chunk in chunks]
+    extra = [stage_activation_bytes(chunk, recompute, 1) - k for chunk, k in zip(chunks, kept)]
+    largest = [max(u.transient_bytes for u in chunk) for chunk in chunks]
+    top = max(range(len(chunks)), key=lambda k: largest[k])
+
+    def shares(counts, running):
+        out = [n * k for n, k in zip(counts, kept)]
+        if running >= 0:
+            out[running] += extra[running]
+        else:
+            out[top] += largest[top]
+        return out
+    return max((shares(c, r) for c, r in states), key=sum)
+
+
 # Lower bounds on a configuration's step time, for pruning. They must never exceed what
 # _simulate returns (tests/test_search.py checks this on every configuration of a small
 # search): a bound that did would prune the optimum. They read the same terms as the time

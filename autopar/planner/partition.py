@@ -127,6 +127,37 @@ def _upper_right_hull(points) -> Counts:
     return tuple(hull)
 
 
+@lru_cache(maxsize=1024)
+def rank_states(pp: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, ...], int], ...], ...]:
+    """Interleaved 1F1B: per rank, the states it can peak in, as (micro-batches in flight of each
+    of its stages r, r + pp, ..., the one of those whose backward runs or -1), only those no other
+    state with the same one running holds at least as many of on every stage. A rank's stages
+    peak at different moments (stage 0 with the warm-up's forwards, its later stages later), so
+    its activations are the fullest of these states, not the sum of each stage's own peak
+    (:func:`_inflight`), which over-counted a rank's by 15-51% (``bench/recompute.py --pp
+    interleaved --virtual 2``). Read off the lists at ``min(m, 2 * pp)`` micro-batches as
+    :func:`_inflight` is (``tests/test_search.py`` checks them against the lists at full length)."""
+    return states_of(_schedule("interleaved", pp, min(m, 2 * pp), v), pp, v)
+
+
+def states_of(sched, pp: int, v: int) -> tuple[tuple[tuple[tuple[int, ...], int], ...], ...]:
+    """:func:`rank_states` of the action lists ``sched`` (``v`` stages per rank)."""
+    out = []
+    for r in range(pp):
+        live, seen = [0] * v, set()
+        for a in sched[r]:
+            k = a.stage // pp
+            if a.kind == "F":
+                live[k] += 1
+                seen.add((tuple(live), -1))
+            elif a.kind in ("W", "BW"):
+                seen.add((tuple(live), k))
+                live[k] -= 1
+        out.append(tuple(sorted(x for x in seen if not any(
+            y != x and y[1] == x[1] and all(a >= b for a, b in zip(y[0], x[0])) for y in seen))))
+    return tuple(out)
+
+
 def inflight_of(sched, n_stages: int) -> tuple[int, ...]:
     """Per stage, the peak number of micro-batches between its F and its W or BW in ``sched``'s lists."""
     live = [0] * n_stages

@@ -37,19 +37,19 @@ import heapq
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.cluster import Cluster
 from autopar.cost.simulate import SimResult, StepResult
 from autopar.cost.step import GroupCost, StageCost, StepSpec, estimate_exposed_s, group_dp_s
 from autopar.planner.fixed import FIXED_KEYS, PINNED_RECOMPUTE, RECOMPUTE, SCHEDULES, Fixed  # noqa: F401 (re-exported)
 from autopar.planner.infeasible import MEMORY_RESERVE, _infeasible, _largest_op, _min_memory
-from autopar.planner.partition import _inflight, _partition, zero_bubble_moments
+from autopar.planner.partition import _inflight, _partition, rank_states, zero_bubble_moments
 from autopar.planner.state_memory import _state, state_per_param, zero_buffer_bytes, zero_buffers  # noqa: F401
 from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _config_bound_s,  # noqa: F401
                                     _cuts_bound_s, _dp_comm_prefix, _grad_elem_bytes, _optimizer_s,
                                     _pipeline_bound_s, _prefix_sums, _schedule, _unit_times, _work_s, lower_bound_s,
-                                    replica_group, stage_activation_bytes)
+                                    rank_activation_shares, replica_group, stage_activation_bytes)
 from autopar import zero_def
 from autopar.planner.timing import (_simulate, cut_times, grad_sync_s, pipeline_bound_s,  # noqa: F401 (re-exported)
                                     simulate_stages, step_spec)
@@ -528,6 +528,12 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
             groups=tuple(groups),
             copies=tuple(sorted((fqn, reader, owner, n * grad_elem) for fqn, (reader, owner, n) in copies.items()))))
     m, p, v = cfg.microbatches, cfg.pp, cfg.virtual_stages
+    if v > 1:  # a rank's stages do not peak together: each gets its share of the rank's fullest state
+        for r, states in enumerate(rank_states(p, m, v)):
+            mine = range(r, len(cuts), p)
+            acts = rank_activation_shares([units[i:j] for i, j in (cuts[s] for s in mine)], cfg.recompute, states)
+            for s, a in zip(mine, acts):
+                stages[s] = replace(stages[s], activations_bytes=a)
     slowest = max(s.f_s + s.b_s + s.w_s for s in stages)
     critical = max(s.f_s + s.b_s for s in stages)
     if cfg.schedule in ("zb-h1", "zb-h2"):
