@@ -77,10 +77,9 @@ def stage_activation_bytes(chunk: Sequence[Unit], recompute: str, inflight: int,
     at once in each state: (between F and B, between B and W) while no B runs, and the same
     besides the micro-batch in its B while one does. Between B and W a micro-batch holds what its
     weight gradients read (:func:`w_held_bytes`; under recompute what B made again for them too,
-    so the policy saves nothing there); in its B,
-    the units before the running one keep what their forward kept, the running one holds its
-    activations (under full recompute, made again) and its largest op's working set, and the
-    units after it what their W will read. (Until 2026-12-06 these schedules were counted as
+    so the policy saves nothing there); in its B, the units before the running one keep what
+    their forward kept, the running one holds its activations (under full recompute, made again)
+    and its largest op's working set, and the units after it what their W will read. (Until 2026-12-06 these schedules were counted as
     1F1B's, every micro-batch keeping what its forward kept until its W: ZB-H1's last stage under
     full recompute measured 3.1 times that count, ``bench/recompute.py --pp zb-h1``.)"""
     if moments is not None:
