@@ -79,18 +79,24 @@ def stage_activation_bytes(chunk: Sequence[Unit], recompute: str, inflight: int,
     weight gradients read (:func:`w_held_bytes`; under recompute what B made again for them too,
     so the policy saves nothing there); in its B, the units before the running one keep what
     their forward kept, the running one holds its activations (under full recompute, made again)
-    and its largest op's working set, and the units after it what their W will read. (Until 2026-12-06 these schedules were counted as
-    1F1B's, every micro-batch keeping what its forward kept until its W: ZB-H1's last stage under
-    full recompute measured 3.1 times that count, ``bench/recompute.py --pp zb-h1``.)"""
+    and its largest op's working set, and the units after it what their W will read. (Until
+    2026-12-06 these schedules were counted as 1F1B's, every micro-batch keeping what its forward
+    kept until its W: ZB-H1's last stage under full recompute measured 3.1 times that count,
+    ``bench/recompute.py --pp zb-h1``.)"""
     if moments is not None:
         kept = [_unit_times(u, recompute)[3] for u in chunk]
         held = [w_held_bytes(u) for u in chunk]
-        in_b = max(sum(kept[:k]) + (u.act_bytes if recompute == "full" else kept[k]) + u.transient_bytes
-                   + sum(held[k + 1:]) for k, u in enumerate(chunk))
+        total_kept, total_held = sum(kept), sum(held)
+        in_b = before = 0.0
+        after = total_held
+        for k, u in enumerate(chunk):  # before: kept by the units before k; after: held by those after it
+            after -= held[k]
+            in_b = max(in_b, before + (u.act_bytes if recompute == "full" else kept[k]) + u.transient_bytes + after)
+            before += kept[k]
         largest = max(u.transient_bytes for u in chunk)
         idle, running = moments
-        return max([a * sum(kept) + b * sum(held) + largest for a, b in idle]
-                   + [a * sum(kept) + b * sum(held) + in_b for a, b in running])
+        return max([a * total_kept + b * total_held + largest for a, b in idle]
+                   + [a * total_kept + b * total_held + in_b for a, b in running])
     if recompute != "full":
         return inflight * sum(_unit_times(u, recompute)[3] for u in chunk) + max(u.transient_bytes for u in chunk)
     kept = worst = 0.0

@@ -129,15 +129,16 @@ def _aliases(problem: Problem):
     return alias, source
 
 
-def _weight_gradient_inputs(problem: Problem, solution: Solution) -> dict[str, float]:
+def _weight_gradient_inputs(problem: Problem, solution: Solution, aliases=None) -> dict[str, float]:
     """Per layer, what one micro-batch holds between its input-gradient (B) and weight-gradient
     (W) passes when a zero-bubble schedule runs them apart: the distinct values the layer's W ops
     read that forward or B ops made. That is each weight GEMM's input activation (kept since the
     forward, or made again by the B pass under recompute, :mod:`autopar.passes.recompute`) and
     its output gradient; everything else the backward reads is freed when B ends
-    (:mod:`autopar.runtime.pipeline` drops a value at its last reader)."""
+    (:mod:`autopar.runtime.pipeline` drops a value at its last reader). ``aliases``: :func:`_aliases`
+    of the problem, if the caller has it."""
     g = problem.graph
-    _, source = _aliases(problem)
+    _, source = aliases or _aliases(problem)
     held: dict[str, float] = defaultdict(float)
     seen = set()
     for e in g.edges:
@@ -152,8 +153,8 @@ def _weight_gradient_inputs(problem: Problem, solution: Solution) -> dict[str, f
     return held
 
 
-def _working_sets(problem: Problem, solution: Solution,
-                  split: set[int] = frozenset()) -> dict[int, float] | tuple[dict[int, float], dict[int, float]]:
+def _working_sets(problem: Problem, solution: Solution, split: set[int] = frozenset(),
+                  aliases=None) -> dict[int, float] | tuple[dict[int, float], dict[int, float]]:
     """Per op, the bytes live while it runs beyond what memory already counts: its outputs
     that are not saved activations, plus the distinct op-produced inputs it reads that are not
     saved either (a gradient handed from the op before). Parameters, and saved activations,
@@ -166,9 +167,10 @@ def _working_sets(problem: Problem, solution: Solution,
     where 33.6 GB are live).
 
     With ``split`` (ops), also the part of each of those ops' working sets that does not grow
-    with the batch (outputs and inputs alike), as a second dict."""
+    with the batch (outputs and inputs alike), as a second dict. ``aliases``: :func:`_aliases` of
+    the problem, if the caller has it."""
     g = problem.graph
-    alias, source = _aliases(problem)
+    alias, source = aliases or _aliases(problem)
     ws = {v: 0.0 if v in alias else
           sum(_local_out_bytes(problem, solution, v, o) for o, saved in enumerate(node.saved) if not saved)
           for v, node in enumerate(g.nodes) if node.kind == "op"}
@@ -232,7 +234,9 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
                 local = full / g.axis_size if s.outs[o].startswith("S") else full
                 acts[node.layer] += local
     grad_ops = _expert_grad_ops(g)
-    sets, fixed = _working_sets(problem, solution, grad_ops) if grad_ops else (_working_sets(problem, solution), {})
+    aliases = _aliases(problem)  # (both walks below read it)
+    sets, fixed = (_working_sets(problem, solution, grad_ops, aliases) if grad_ops
+                   else (_working_sets(problem, solution, aliases=aliases), {}))
     other: dict[str, float] = defaultdict(float)
     expert_ws: dict[str, set[tuple[float, float]]] = defaultdict(set)
     for v, ws in sets.items():
@@ -274,7 +278,7 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
             collectives[kind]["bytes"] += weight * sent
             collectives[kind]["time_s"] += weight * t
     keep = kept_bytes(problem, solution, lambda v, o: _local_out_bytes(problem, solution, v, o))
-    w_inputs = _weight_gradient_inputs(problem, solution)
+    w_inputs = _weight_gradient_inputs(problem, solution, aliases)
     layers = {name: LayerCost(compute_s=dict(comp[name]), comm_s=dict(com[name]), param_bytes=params[name],
                               n_params_local=nparams[name], activation_bytes=acts[name],
                               cheap_activation_bytes=acts[name] - keep[name][0], cheap_forward_s=cheap_f[name],

@@ -372,7 +372,7 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
         least = min(inflight) * layers.pre_a[-1]
     else:
         kept, held, both = _least_counts(moments, tuple(inflight))
-        pre_h, smaller = layers.zero_bubble()[0], layers.zero_bubble()[3]
+        pre_h, _, _, smaller = layers.zero_bubble()
         least = max(kept * layers.pre_a[-1], held * pre_h[-1], both * smaller)
     if state_per_param * layers.pre_p[-1] + expert_per_param * layers.pre_e[-1] + least > cfg.n_stages * cap:
         return None
