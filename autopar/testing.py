@@ -130,8 +130,10 @@ def free_port() -> int:
 # for the trace): about 5 CPU-seconds a process. spawn_world's ranks are forked from a server
 # process that imported them once (multiprocessing's forkserver), instead of each importing them
 # again in a fresh interpreter: the multi-process tests start a few hundred ranks.
+# The server also traces one small model (autopar._warm_ranks), so that each rank's first trace
+# costs what a second one does.
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
-            "torch._functorch.aot_autograd", "autopar.parallel", "autopar.planner.make")
+            "torch._functorch.aot_autograd", "autopar.parallel", "autopar.planner.make", "autopar._warm_ranks")
 
 
 def _context(start_method: str):

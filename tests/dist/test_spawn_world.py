@@ -30,3 +30,18 @@ def test_a_blocked_rank_is_reported_hung():
 def test_a_working_world_may_run_past_the_bound():
     # 3x the bound of wall clock with no rank finishing: only the CPU the ranks use keeps it alive.
     assert spawn_world(_spin, 2, 15.0, timeout_s=5.0) == [0, 1]
+
+
+def _warm_state(rank, world):
+    import sys
+
+    return "autopar._warm_ranks" in sys.modules and sys.modules["autopar._warm_ranks"].warmed
+
+
+def test_ranks_are_forked_from_a_server_that_traced_once():
+    # The server traced its small model before forking (autopar._warm_ranks, on builds without an
+    # accelerator runtime): the warm-up swallows its own errors, so this is where a broken one shows.
+    import torch
+
+    cpu_build = not (torch.version.cuda or torch.version.hip or getattr(torch.version, "xpu", None))
+    assert spawn_world(_warm_state, 2) == [cpu_build, cpu_build]
