@@ -188,10 +188,55 @@ def test_memoised_capped_cuts_equal_fresh_ones():
                 assert (memoised is None) == (fresh is None), (pp, v, recompute, scale)
                 if fresh is not None:
                     layers = P._Layers(units, recompute)
-                    assert all(layers.fits(i, j, s, **rule) for s, (i, j) in enumerate(memoised))
+                    assert all(layers.fits(i, j, s, **rule) for s, (i, j) in enumerate(memoised)) or P._ranks_fit(
+                        layers, memoised, cfg, cap=rule["cap"] * v, state_per_param=16, buffers=(0.0, 0.0),
+                        expert_per_param=0.0)
                     assert max(layers.pre_t[j] - layers.pre_t[i] for i, j in memoised) == pytest.approx(
                         max(layers.pre_t[j] - layers.pre_t[i] for i, j in fresh), rel=1e-9)
     assert seen == {True, False}  # both outcomes were exercised
+
+
+def test_interleaved_cuts_fit_ranks_not_stages():
+    """An interleaved rank's stages peak at different moments (rank_states), so a layout can fit
+    the rank while its stages do not each fit 1/v of the device at their own peaks. Between the
+    two caps the partitioner keeps the fastest cut (it took a slower one, or none, under the
+    per-stage rule alone), and the plan's count of each rank (``_estimate``) is within the device."""
+    units = _units(8)
+    cfg = S.Config(tp=1, pp=2, dp=1, microbatch_size=1, microbatches=8, zero=0, recompute="none",
+                   schedule="interleaved", virtual_stages=2)
+    inflight = P._inflight("interleaved", 2, 8, 2)
+    layers = P._Layers(units, "none")
+    free = P._partition(units, cfg, cap=1e18, state_per_param=16, inflight=inflight, memo={})
+    # the device each needs: per stage, v times the fullest stage at its own peak; jointly, the fullest rank
+    per_stage = 2 * max(16 * (layers.pre_p[j] - layers.pre_p[i]) + inflight[s] * (layers.pre_a[j] - layers.pre_a[i])
+                        for s, (i, j) in enumerate(free))
+    cand = S._estimate(units, free, cfg, H100x2, "mixed", inflight)
+    joint = max(sum(16 * (layers.pre_p[j] - layers.pre_p[i]) for i, j in free[r::2])
+                + sum(st.activations_bytes for st in cand.stages[r::2]) for r in range(2))
+    assert joint < 0.9 * per_stage, (joint, per_stage)  # the states differ enough to matter here
+    device = (joint + per_stage) / 2
+    rule = dict(cap=device / 2, state_per_param=16, inflight=inflight)
+    assert not all(layers.fits(i, j, s, **rule) for s, (i, j) in enumerate(free))
+    for memo in ({}, None):
+        got = P._partition(units, cfg, **rule, memo=memo)
+        assert got == list(free), (memo, got, free)
+    # each rank counted as the plan counts it, with and without full recompute, uneven working sets
+    uneven = [replace(u, transient_bytes=t * 1e7, act_bytes=u.act_bytes * a)
+              for u, t, a in zip(units, (3, 9, 1, 4, 12, 2, 6, 5), (1, 2, 1, 3, 1, 1, 2, 1))]
+    for recompute in ("none", "full"):
+        c = replace(cfg, recompute=recompute)
+        lay = P._Layers(uneven, recompute)
+        est = S._estimate(uneven, free, c, H100x2, "mixed", inflight)
+        need = max(sum(16 * (lay.pre_p[j] - lay.pre_p[i]) for i, j in free[r::2])
+                   + sum(st.activations_bytes for st in est.stages[r::2]) for r in range(2))
+        for scale, fits in ((1 + 1e-9, True), (1 - 1e-9, False)):
+            assert P._ranks_fit(lay, free, c, cap=need * scale, state_per_param=16, buffers=(0.0, 0.0),
+                                expert_per_param=0.0) is fits, (recompute, scale)
+    # a pinned layout is judged the same way
+    starts = tuple(i for i, _ in free[1:])
+    assert P._partition(units, cfg, **rule, memo={}, starts=starts) == list(free)
+    assert P._partition(units, cfg, cap=joint * (1 - 1e-9) / 2, state_per_param=16, inflight=inflight, memo={},
+                        starts=starts) is None
 
 
 def test_full_recompute_peaks_at_one_layers_backward():

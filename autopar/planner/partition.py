@@ -58,7 +58,6 @@ def _inflight(kind: str, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
 Counts = tuple[tuple[int, int], ...]
 
 
-@lru_cache(maxsize=4096)
 def zero_bubble_moments(kind: str, pp: int, m: int) -> tuple[tuple[Counts, Counts] | None, ...] | None:
     """Per stage of a zero-bubble schedule after the first (None for the others, which run each
     micro-batch's B and W together, and for the first stage), the states in which it can peak,
@@ -71,9 +70,14 @@ def zero_bubble_moments(kind: str, pp: int, m: int) -> tuple[tuple[Counts, Count
     range of shapes, up to pp = 32; at ``2 * pp + 1`` ZB-H2 still misses some)."""
     if kind not in ("zb-h1", "zb-h2"):
         return None
+    return _zero_bubble_moments(kind, pp, min(m, 3 * pp))
+
+
+@lru_cache(maxsize=4096)
+def _zero_bubble_moments(kind: str, pp: int, m: int) -> tuple[tuple[Counts, Counts] | None, ...]:
     # (the first stage sends no input gradient back, so its B is empty and its W the whole
     # backward: it holds what 1F1B's stages do, counted by ``_inflight``)
-    return (None,) + moments_of(zero_bubble_order(kind, pp, min(m, 3 * pp)), pp)[1:]
+    return (None,) + moments_of(zero_bubble_order(kind, pp, m), pp)[1:]
 
 
 def moments_of(order, pp: int) -> tuple[tuple[Counts, Counts], ...]:
@@ -127,7 +131,6 @@ def _upper_right_hull(points) -> Counts:
     return tuple(hull)
 
 
-@lru_cache(maxsize=1024)
 def rank_states(pp: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, ...], int], ...], ...]:
     """Interleaved 1F1B: per rank, the states it can peak in, as (micro-batches in flight of each
     of its stages r, r + pp, ..., the one of those whose backward runs or -1), only those no other
@@ -137,7 +140,12 @@ def rank_states(pp: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, ...], i
     (:func:`_inflight`), which over-counted a rank's by 15-51% (``bench/recompute.py --pp
     interleaved --virtual 2``). Read off the lists at ``min(m, 2 * pp)`` micro-batches as
     :func:`_inflight` is (``tests/test_search.py`` checks them against the lists at full length)."""
-    return states_of(_schedule("interleaved", pp, min(m, 2 * pp), v), pp, v)
+    return _rank_states(pp, min(m, 2 * pp), v)
+
+
+@lru_cache(maxsize=1024)
+def _rank_states(pp: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, ...], int], ...], ...]:
+    return states_of(_schedule("interleaved", pp, m, v), pp, v)
 
 
 def states_of(sched, pp: int, v: int) -> tuple[tuple[tuple[tuple[int, ...], int], ...], ...]:
@@ -153,9 +161,22 @@ def states_of(sched, pp: int, v: int) -> tuple[tuple[tuple[tuple[int, ...], int]
             elif a.kind in ("W", "BW"):
                 seen.add((tuple(live), k))
                 live[k] -= 1
-        out.append(tuple(sorted(x for x in seen if not any(
-            y != x and y[1] == x[1] and all(a >= b for a, b in zip(y[0], x[0])) for y in seen))))
+        out.append(tuple(sorted(_undominated(seen))))
     return tuple(out)
+
+
+def _undominated(states) -> list[tuple[tuple[int, ...], int]]:
+    """The states (counts, running) that no other with the same running holds at least as many
+    of on every count. Taken in decreasing total, each is checked against those kept so far
+    only: one that dominates another has a larger total, and whatever dominates a state, some
+    kept one does (O(states x kept) instead of the pairwise O(states^2), which was most of the
+    search's time for 1T-class pipelines once every interleaved layout was checked by rank)."""
+    kept: list[tuple[tuple[int, ...], int]] = []
+    for x in sorted(states, key=lambda st: -sum(st[0])):
+        counts, running = x
+        if not any(y[1] == running and all(a >= b for a, b in zip(y[0], counts)) for y in kept):
+            kept.append(x)
+    return kept
 
 
 def inflight_of(sched, n_stages: int) -> tuple[int, ...]:
@@ -200,6 +221,14 @@ class _Layers:
         self.windows = {w: _sparse_max(window_sums([u.n_params for u in units], w))
                         for w in {1 + PREFETCH_GROUPS, MAX_INFLIGHT_REDUCES}}
         self._zero_bubble = None
+        self._largest_op = None
+
+    @property
+    def largest_op(self) -> list[list[float]]:
+        """Range maxima of the units' largest op's working set (sparse table, built on first use)."""
+        if self._largest_op is None:
+            self._largest_op = _sparse_max([u.transient_bytes for u in self.units])
+        return self._largest_op
 
     def zero_bubble(self) -> tuple[list[float], list[list[float]], list[list[float]], float]:
         """For zero-bubble schedules' memory rule (:func:`~autopar.planner.bounds.stage_activation_bytes`
@@ -215,7 +244,7 @@ class _Layers:
             kept = [a1 - a0 for a0, a1 in zip(self.pre_a, self.pre_a[1:])]
             in_b = [self.pre_a[k] + (u.act_bytes if self.full else kept[k]) + u.transient_bytes - pre_h[k + 1]
                     for k, u in enumerate(self.units)]
-            self._zero_bubble = (pre_h, _sparse_max(in_b), _sparse_max([u.transient_bytes for u in self.units]),
+            self._zero_bubble = (pre_h, _sparse_max(in_b), self.largest_op,
                                  sum(min(k, h1 - h0) for k, h0, h1 in zip(kept, pre_h, pre_h[1:])))
         return self._zero_bubble
 
@@ -344,8 +373,17 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     their cap, starting the bisection at the uncapped one's bound (a cap only lowers what
     fits, so no capped cut has a faster slowest stage). ``moments``: a zero-bubble schedule's
     states per stage (:func:`zero_bubble_moments`), which count its activations."""
+    # an interleaved rank's stages peak at different moments: a layout whose stages do not each fit
+    # 1/v of the device at their own peaks may still fit the rank at its fullest state
+    joint = dict(cap=cap * cfg.virtual_stages, state_per_param=state_per_param, buffers=buffers,
+                 expert_per_param=expert_per_param)
     if memo is None and starts is None:
-        return _cut(_Layers(units, cfg.recompute), cfg, cap=cap, state_per_param=state_per_param,
+        layers = _Layers(units, cfg.recompute)
+        if cfg.virtual_stages > 1:  # (as the memo's way below: the cut without a cap, if the ranks hold it)
+            free = _cut(layers, cfg, cap=math.inf, state_per_param=0.0, inflight=(0,) * cfg.n_stages)[0]
+            if free is not None and _ranks_fit(layers, free, cfg, **joint):
+                return free
+        return _cut(layers, cfg, cap=cap, state_per_param=state_per_param,
                     inflight=inflight, buffers=buffers, expert_per_param=expert_per_param, moments=moments)[0]
     layers_key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp, cfg.ep_tp)
     layers = memo.get(layers_key) if memo is not None else None
@@ -358,7 +396,9 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
         fits = layers.rule(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
                            expert_per_param=expert_per_param, moments=moments)
         cuts = list(zip(points, points[1:]))
-        return cuts if all(fits(i, j, s) for s, (i, j) in enumerate(cuts)) else None
+        if all(fits(i, j, s) for s, (i, j) in enumerate(cuts)) or _ranks_fit(layers, cuts, cfg, **joint):
+            return cuts
+        return None
     key = layers_key + (cfg.pp, cfg.virtual_stages)
     if key not in memo:
         memo[key] = _cut(layers, cfg, cap=math.inf, state_per_param=0.0, inflight=(0,) * cfg.n_stages)
@@ -368,7 +408,7 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     rule = dict(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
                 expert_per_param=expert_per_param, moments=moments)
     fits = layers.rule(**rule)
-    if all(fits(i, j, s) for s, (i, j) in enumerate(free)):
+    if all(fits(i, j, s) for s, (i, j) in enumerate(free)) or _ranks_fit(layers, free, cfg, **joint):
         return list(free)
     # Every stage within the cap: their sum too, so state + the fewest in flight's activations
     # of the whole model must fit in n_stages caps (a quick no for most configurations that fit
@@ -383,6 +423,40 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     if state_per_param * layers.pre_p[-1] + expert_per_param * layers.pre_e[-1] + least > cfg.n_stages * cap:
         return None
     return _cut(layers, cfg, **rule, lo=infeasible_below)[0]
+
+
+def _ranks_fit(layers: _Layers, cuts: Sequence[tuple[int, int]], cfg: Config, *, cap: float, state_per_param: float,
+               buffers: tuple[float, float], expert_per_param: float) -> bool:
+    """Interleaved cuts (False for others): every rank within the device's ``cap`` with its
+    stages' activations at the rank's fullest state (:func:`rank_states`; as
+    :func:`~autopar.planner.bounds.rank_activation_shares` counts them for the plan), plus each
+    stage's training state and ZeRO buffers as :meth:`_Layers.rule` counts them. The partitioner
+    itself cuts under the per-stage rule (1/v of the device at each stage's own peak: a joint
+    rule is not per stage), which can reject a layout that fits; the search's cut without a
+    memory cap, the fastest, is taken when this admits it (and a pinned layout is)."""
+    v, pp = cfg.virtual_stages, cfg.pp
+    if v < 2:
+        return False
+    gathered, sends = buffers
+    gathered_w, sends_w = layers.windows[1 + PREFETCH_GROUPS], layers.windows[MAX_INFLIGHT_REDUCES]
+    pre_p, pre_e, pre_a = layers.pre_p, layers.pre_e, layers.pre_a
+    for r, states in enumerate(rank_states(pp, cfg.microbatches, v)):
+        mine = cuts[r::pp]
+        mem = 0.0
+        for i, j in mine:
+            mem += state_per_param * (pre_p[j] - pre_p[i]) + expert_per_param * (pre_e[j] - pre_e[i])
+            mem += gathered * _range_max(gathered_w, i, j) + sends * _range_max(sends_w, i, j)
+        # rank_activation_shares' sum from the running sums: what each stage keeps per micro-batch;
+        # beyond that, a stage in its backward holds its working set (under full recompute its
+        # activations made again too), else the rank's largest op's working set counts once
+        kept = [pre_a[j] - pre_a[i] for i, j in mine]
+        extra = [_range_max(layers.transient, i, j) - (pre_a[j] if layers.full else 0.0) for i, j in mine]
+        idle = max(_range_max(layers.largest_op, i, j) for i, j in mine)
+        mem += max(sum(n * k for n, k in zip(counts, kept)) + (extra[running] if running >= 0 else idle)
+                   for counts, running in states)
+        if mem > cap:
+            return False
+    return True
 
 
 def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, inflight: tuple[int, ...],
