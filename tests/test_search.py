@@ -589,7 +589,7 @@ def test_inflight_forms_equal_the_action_lists():
     # _inflight answers every configuration without building its schedule; each form equals
     # the count read off the lists (interleaved: built at min(m, 2p) micro-batches)
     from autopar.cost.schedule import make_schedule
-    from autopar.planner.partition import _inflight, inflight_of
+    from autopar.planner.pipeline_states import _inflight, inflight_of
 
     for kind in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
         for p in range(1, 17):

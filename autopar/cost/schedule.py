@@ -209,7 +209,7 @@ def _actions(order, n_stages: int) -> Schedule:
 def zero_bubble_order(kind: str, p: int, m: int):
     """The zero-bubble schedules' actions as (stage, kind, micro-batch), each stage's in its order,
     without building :class:`Action` objects: the planner walks them for every pipeline shape it
-    weighs (:func:`autopar.planner.partition.zero_bubble_moments`)."""
+    weighs (:func:`autopar.planner.pipeline_states.zero_bubble_moments`)."""
     _check_args(p, m)
     if kind == "zb-h1":
         for s in range(p):

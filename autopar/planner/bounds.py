@@ -73,7 +73,7 @@ def stage_activation_bytes(chunk: Sequence[Unit], recompute: str, inflight: int,
     over the measured peak for Llama tiny, ``tests/dist/test_recompute.py``.)
 
     Zero-bubble schedules run a micro-batch's W passes apart from its B, and ``moments`` (from
-    :func:`autopar.planner.partition.zero_bubble_moments`) say how many micro-batches a stage holds
+    :func:`autopar.planner.pipeline_states.zero_bubble_moments`) say how many micro-batches a stage holds
     at once in each state: (between F and B, between B and W) while no B runs, and the same
     besides the micro-batch in its B while one does. Between B and W a micro-batch holds what its
     weight gradients read (:func:`w_held_bytes`; under recompute what B made again for them too,
@@ -109,7 +109,7 @@ def stage_activation_bytes(chunk: Sequence[Unit], recompute: str, inflight: int,
 def rank_activation_shares(chunks: Sequence[Sequence[Unit]], recompute: str,
                            states: Sequence[tuple[tuple[int, ...], int]]) -> list[float]:
     """Activation bytes of each of an interleaved rank's stages (its units ``chunks``) in the
-    rank's fullest state (:func:`autopar.planner.partition.rank_states`: micro-batches in flight
+    rank's fullest state (:func:`autopar.planner.pipeline_states.rank_states`: micro-batches in flight
     per stage, and the stage whose backward runs). A stage keeps what each of its micro-batches
     keeps; the one whose backward runs also holds what :func:`stage_activation_bytes` adds for a
     micro-batch in its backward, and otherwise the rank's largest op's working set counts once,

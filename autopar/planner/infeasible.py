@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from autopar.cluster import Cluster
 from autopar.errors import InfeasibleError, PlanError
 from autopar.planner.bounds import stage_activation_bytes
-from autopar.planner.partition import zero_bubble_moments
+from autopar.planner.pipeline_states import zero_bubble_moments
 from autopar.planner.fixed import Fixed
 from autopar.planner.state_memory import zero_buffer_bytes
 

@@ -44,7 +44,8 @@ from autopar.cost.simulate import SimResult, StepResult
 from autopar.cost.step import GroupCost, StageCost, StepSpec, estimate_exposed_s, group_dp_s
 from autopar.planner.fixed import FIXED_KEYS, PINNED_RECOMPUTE, RECOMPUTE, SCHEDULES, Fixed  # noqa: F401 (re-exported)
 from autopar.planner.infeasible import MEMORY_RESERVE, _infeasible, _largest_op, _min_memory
-from autopar.planner.partition import _inflight, _partition, rank_states, zero_bubble_moments
+from autopar.planner.partition import _partition
+from autopar.planner.pipeline_states import _inflight, rank_states, zero_bubble_moments
 from autopar.planner.state_memory import _state, state_per_param, zero_buffer_bytes, zero_buffers  # noqa: F401
 from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _config_bound_s,  # noqa: F401
                                     _cuts_bound_s, _dp_comm_prefix, _grad_elem_bytes, _optimizer_s,
