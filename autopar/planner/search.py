@@ -33,6 +33,7 @@ recompute, larger dp; then to the one that needs less memory.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 import math
@@ -413,10 +414,11 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                 cand, spec = _estimate(units, cuts, cfg, cluster, precision, inflight), None
             else:
                 cand, spec = pending.pop(k)
-            top.append(_simulate(cand, cluster, pipelines, spec=spec))
+            # (after the equal keys, as appending and a stable sort put it: a re-sort per candidate
+            # read every key again, quadratic in an exhaustive search's thousands of candidates)
+            bisect.insort(top, _simulate(cand, cluster, pipelines, spec=spec), key=rank)
             clock["simulate_s"] += time.perf_counter() - t0
             counts["simulated"] += 1
-            top.sort(key=rank)
             del top[keep:]
         elif level == CONFIG:
             cfg, units, per_param = pending.pop(k)
