@@ -282,9 +282,11 @@ def _ranks_fit(layers: _Layers, cuts: Sequence[tuple[int, int]], cfg: Config, *,
         for i, j in mine:
             mem += state_per_param * (pre_p[j] - pre_p[i]) + expert_per_param * (pre_e[j] - pre_e[i])
             mem += gathered * _range_max(gathered_w, i, j) + sends * _range_max(sends_w, i, j)
-        # rank_activation_shares' sum from the running sums: what each stage keeps per micro-batch;
-        # beyond that, a stage in its backward holds its working set (under full recompute its
-        # activations made again too), else the rank's largest op's working set counts once
+        # rank_activation_shares' sum from the running sums (the 1T search asks this 27k times, 0.6 s
+        # in all; summing each stage's units per call would cost seconds; tests/test_search.py holds
+        # the two equal): what each stage keeps per micro-batch; beyond that, a stage in its backward
+        # holds its working set (under full recompute its activations made again too), else the
+        # rank's largest op's working set counts once
         kept = [pre_a[j] - pre_a[i] for i, j in mine]
         extra = [_range_max(layers.transient, i, j) - (pre_a[j] if layers.full else 0.0) for i, j in mine]
         idle = max(_range_max(layers.largest_op, i, j) for i, j in mine)
