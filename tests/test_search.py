@@ -585,6 +585,29 @@ def test_infeasible_message_counts_the_largest_op_and_names_it():
     assert "largest single op" not in str(small)  # said only where it decides
 
 
+def test_infeasible_need_of_interleaved_counts_each_rank_jointly():
+    # The 'smallest need' of an interleaved configuration is a rank's: its v stages' state and
+    # activations at the rank's fullest state, the amount at which the partitioner's rank rule
+    # (_ranks_fit) takes the same even cuts; for a pinned layout, the pinned stages by rank
+    from autopar.planner.infeasible import _min_memory
+
+    uneven = [replace(u, transient_bytes=t * 1e7, act_bytes=u.act_bytes * a)
+              for u, t, a in zip(_units(8), (3, 9, 1, 4, 12, 2, 6, 5), (1, 2, 1, 3, 1, 1, 2, 1))]
+    inflight = P._inflight("interleaved", 2, 8, 2)
+    for recompute in ("none", "full"):
+        cfg = S.Config(tp=1, pp=2, dp=1, microbatch_size=1, microbatches=8, zero=0, recompute=recompute,
+                       schedule="interleaved", virtual_stages=2)
+        lay = P._Layers(uneven, recompute)
+        for starts, cuts in ((None, [(0, 2), (2, 4), (4, 6), (6, 8)]), ((1, 4, 7), [(0, 1), (1, 4), (4, 7), (7, 8)])):
+            need = _min_memory(uneven, cfg, per_param=(16.0, 0.0), inflight=inflight, starts=starts)
+            for scale, fits in ((1 + 1e-9, True), (1 - 1e-9, False)):
+                assert P._ranks_fit(lay, cuts, cfg, cap=need * scale, state_per_param=16, buffers=(0.0, 0.0),
+                                    expert_per_param=0.0) is fits, (recompute, starts, scale)
+            # (not a stage alone: each rank holds two)
+            alone = max(16 * (lay.pre_p[j] - lay.pre_p[i]) + (lay.pre_a[j] - lay.pre_a[i]) for i, j in cuts)
+            assert need > alone
+
+
 def test_inflight_forms_equal_the_action_lists():
     # _inflight answers every configuration without building its schedule; each form equals
     # the count read off the lists (interleaved: built at min(m, 2p) micro-batches)

@@ -7,13 +7,12 @@ can shrink, and :func:`_infeasible` says which decision to change.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from autopar.cluster import Cluster
 from autopar.errors import InfeasibleError, PlanError
-from autopar.planner.bounds import stage_activation_bytes
-from autopar.planner.pipeline_states import zero_bubble_moments
+from autopar.planner.bounds import rank_activation_shares, stage_activation_bytes
+from autopar.planner.pipeline_states import rank_states, zero_bubble_moments
 from autopar.planner.fixed import Fixed
 from autopar.planner.state_memory import zero_buffer_bytes
 
@@ -30,24 +29,33 @@ Megatron and torchtitan memory estimates leave similar headroom)."""
 
 def _min_memory(units: list[Unit], cfg: Config, per_param: tuple[float, float], inflight: tuple[int, ...],
                 buffers: tuple[float, float] = (0.0, 0.0), starts: tuple[int, ...] | None = None) -> float:
-    """Peak stage memory of an even split (of the pinned layout's stages where ``starts`` gives
-    them; for the 'smallest device that would fit' message), counted as :meth:`_Layers.fits`
-    counts it: state, activations in flight with the largest op's working set
+    """Peak device memory of an even split into the configuration's stages (the pinned layout's
+    where ``starts`` gives them; for the 'smallest device that would fit' message), counted as
+    the partitioner counts it: each stage's state and ZeRO buffers for its largest group, and
+    activations in flight with the largest op's working set
     (:func:`~autopar.planner.bounds.stage_activation_bytes`: a stage cannot hold less than its
-    biggest unit's, however the cuts fall) and ZeRO's buffers for the largest group."""
-    n, pp = len(units), cfg.pp
-    size = math.ceil(n / pp) if pp <= n else 1
-    points = [0, *starts, n] if starts is not None else None
-    worst = 0.0
-    for s in range(len(points) - 1 if points else min(pp, n)):
-        chunk = units[points[s]:points[s + 1]] if points else units[s * size:(s + 1) * size]
-        if not chunk:
-            break
-        state = per_param[0] * sum(u.n_params for u in chunk) + per_param[1] * sum(u.expert_params for u in chunk)
-        moments = zero_bubble_moments(cfg.schedule, cfg.pp, cfg.microbatches)
-        worst = max(worst, state + stage_activation_bytes(chunk, cfg.recompute, inflight[s], moments and moments[s])
-                    + zero_buffer_bytes(chunk, buffers))
-    return worst
+    biggest unit's, however the cuts fall). An interleaved rank holds ``virtual_stages`` stages
+    at once: its need is theirs together, activations at the rank's fullest state
+    (:func:`~autopar.planner.bounds.rank_activation_shares`, as the plan counts them). (Until
+    2026-12-06 an interleaved configuration was sized as pp stages of v stages' units each, at
+    one stage's micro-batches in flight, or, pinned, as each stage alone on a device.)"""
+    n, stages = len(units), min(cfg.n_stages, len(units))  # (the search tries no more stages than units)
+    points = [0, *starts, n] if starts is not None else [s * n // stages for s in range(stages + 1)]
+    chunks = [units[i:j] for i, j in zip(points, points[1:])]
+
+    def held(chunk: list[Unit]) -> float:  # state and ZeRO buffers
+        return (per_param[0] * sum(u.n_params for u in chunk) + per_param[1] * sum(u.expert_params for u in chunk)
+                + zero_buffer_bytes(chunk, buffers))
+
+    if cfg.virtual_stages > 1:
+        worst = 0.0
+        for r, states in enumerate(rank_states(cfg.pp, cfg.microbatches, cfg.virtual_stages)):
+            mine = chunks[r::cfg.pp]
+            worst = max(worst, sum(map(held, mine)) + sum(rank_activation_shares(mine, cfg.recompute, states)))
+        return worst
+    moments = zero_bubble_moments(cfg.schedule, cfg.pp, cfg.microbatches)
+    return max(held(chunk) + stage_activation_bytes(chunk, cfg.recompute, inflight[s], moments and moments[s])
+               for s, chunk in enumerate(chunks))
 
 
 def _largest_op(units: list[Unit]) -> tuple[str, float]:
