@@ -1,7 +1,8 @@
 """Context parallelism in the planner (autopar.planner.context): a pinned cp splits each
 sequence over cp data-parallel ranks; per-rank compute and activations shrink by cp, the
 K/V exchange is priced, recorded in the plan and said in the summary; impossible pins are
-refused in one line; parallelize says it does not run cp yet."""
+refused in one line; beside ep each rank dispatches its own chunks' tokens; parallelize refuses
+what it does not run under cp before any collective."""
 
 import sys
 from dataclasses import replace
@@ -150,20 +151,26 @@ def test_impossible_cp_is_refused_in_one_line(fixed, message):
         autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target, fixed=fixed)
 
 
-def test_cp_with_ep_is_refused():
-    model, inputs, loss_fn, target = moe.build(size="tiny", batch=8, device="meta")
-    with pytest.raises(autopar.PlanError, match=r"cp and ep together \(ep=2\) are not planned yet"):
-        autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
-                     fixed={"cp": 2, "ep": 2})
+def test_cp_with_ep_moves_each_ranks_own_tokens():
+    # ep and cp both fold over dp: a rank dispatches the tokens of its chunks (1/cp of each of its
+    # group's sequences), so per micro-batch of one sequence half the rows at cp = 2, twice as often
+    model, inputs, loss_fn, target = moe.build(size="tiny", batch=8, seq=64, device="meta")
+    pin = {"dp": 8, "tp": 1, "pp": 1, "ep": 2, "zero": 0, "recompute": "none", "microbatch_size": 1}
+    one, two = (autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
+                             fixed=dict(pin, **extra)) for extra in ({}, {"cp": 2}))
+    assert two.context["cp"] == 2 and two.experts["ep"] == one.experts["ep"] == 2
+    assert two.schedule["microbatches"] == 2 * one.schedule["microbatches"]
+    for a, b in zip(one.experts["layers"].values(), two.experts["layers"].values(), strict=True):
+        for way in ("forward", "backward"):
+            (counts1, rows1, back1), (counts2, rows2, back2) = a["all_to_all_bytes"][way], b["all_to_all_bytes"][way]
+            assert counts2 == counts1 and rows2 == rows1 / 2 and back2 == back1 / 2, (way, a, b)
+    a2a1, a2a2 = one.communication["all_to_all"]["ep"], two.communication["all_to_all"]["ep"]
+    # a step moves the same tokens in twice the messages (each with its token counts)
+    assert a2a2["count"] == 2 * a2a1["count"] and a2a2["bytes"] == pytest.approx(a2a1["bytes"], rel=0.01)
 
 
 def test_parallelize_refuses_what_it_does_not_run_under_cp_before_any_collective():
     model, inputs, loss_fn, target = llama.build(size="tiny", batch=8)
-    for fixed, words in (({"cp": 2, "ep": 2}, r"cp=2 with ep=2: context and expert parallelism do not run together"),):
-        pm = autopar.parallelize(model, cluster="1x1xcpu", loss_fn=loss_fn, fixed=fixed)
-        with pytest.raises(autopar.PlanError, match=f"^{words}"):
-            pm.train_step(inputs, target)
-        assert pm.plan is None
     pm = autopar.parallelize(model, cluster="1x1xcpu", loss_fn=loss_fn, fixed={"cp": 2}, compile=False)
     with pytest.raises(autopar.PlanError, match=r"^cp=2 needs the compiled step program"):
         pm.train_step(inputs, target)

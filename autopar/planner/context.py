@@ -18,6 +18,12 @@ all scale so. On top: each attention op exchanges keys and values around the cp 
 (:func:`autopar.cost.comm.context_attention_cost`, ring or all-gather, whichever leaves less
 exposed), charged to the layer's forward and backward as its exposed time.
 
+Refused: a model with an op that works along each sequence apart other than attention (a
+per-sequence mean, a hand-written softmax over positions, a causal convolution, a shift), which
+the runtime would run on chunks (:func:`autopar.passes.sequence_mixing.sequence_mixing`: a
+pinned cp is one line naming the op and its module; the search does not weigh cp), and a cp
+whose ``S / cp`` collides with another ``arange``'s length (:func:`position_collisions`).
+
 Not modelled, stated: the position-dependent work (RoPE tables, masks) is charged as the
 traced graph does at the smaller batch; the contiguous layout's causal imbalance (the plan
 uses the balanced one).
@@ -35,6 +41,7 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import ContextAttentionCost, context_attention_cost, torch_context_attention_cost
 from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
+from autopar.passes.sequence_mixing import labels_shifted_outside, position_collisions, sequence_mixing
 
 __all__ = ["AttentionSite", "find_attention", "sequence_length", "check_cp", "cp_options", "attention_costs",
            "cp_costs", "cp_decision", "apply_cp", "cp_kernel_ratio", "cp_working_sets", "repeat_savings",
@@ -142,7 +149,7 @@ def sequence_length(gm: fx.GraphModule) -> int | None:
     return None
 
 
-def check_cp(cp: int | None, gm: fx.GraphModule, *, cluster: Cluster, dp: int | None, ep: int | None) -> None:
+def check_cp(cp: int | None, gm: fx.GraphModule, *, cluster: Cluster, dp: int | None) -> None:
     """Refuse a pinned cp that cannot work, in one line, before any solving."""
     if not cp or cp == 1:
         return
@@ -156,8 +163,20 @@ def check_cp(cp: int | None, gm: fx.GraphModule, *, cluster: Cluster, dp: int | 
                         f"to a multiple of {2 * cp} or choose a cp with {seq} divisible by 2 x cp")
     if not find_attention(gm):
         problems.append("the model has no attention op (scaled_dot_product_attention) for cp to split")
-    if ep and ep > 1:
-        problems.append(f"cp and ep together (ep={ep}) are not planned yet; pin one of them")
+    if seq is not None:
+        mixing = sequence_mixing(gm, seq, untagged=labels_shifted_outside(gm))
+        if mixing:
+            more = f" (and {len(mixing) - 1} more such ops)" if len(mixing) > 1 else ""
+            problems.append(f"{mixing[0]}{more}: under cp each rank holds chunks of every sequence and only "
+                            f"attention and positions are made whole-sequence, so this op would compute on chunks "
+                            f"what the model computes on sequences; compute it over all tokens (or per token), "
+                            f"or drop cp")
+        if seq % (2 * cp) == 0:
+            clash = position_collisions(gm, seq, cp)
+            if clash:
+                problems.append(f"the program numbers something other than positions with {seq // cp} = seq / cp "
+                                f"elements ({', '.join(clash)}), which cp would take for the rank's token "
+                                f"positions; choose a cp or a sequence length with another seq / cp")
     if dp and dp % cp:
         problems.append(f"cp={cp} does not divide dp={dp} (cp folds over the data-parallel ranks)")
     if cluster.world_size % cp:
@@ -170,9 +189,11 @@ def cp_options(gm: fx.GraphModule, world: int) -> tuple[int, ...]:
     """The cp degrees > 1 the search weighs for ``gm``: none for short sequences or a model
     without attention (see :data:`MIN_SEQUENCE`, :data:`MIN_TOKENS_PER_RANK`)."""
     seq = sequence_length(gm)
-    if seq is None or seq < MIN_SEQUENCE or not find_attention(gm):
+    if seq is None or seq < MIN_SEQUENCE or not find_attention(gm) \
+            or sequence_mixing(gm, seq, untagged=labels_shifted_outside(gm)):
         return ()
-    return tuple(c for c in CP_DEGREES if world % c == 0 and seq % (2 * c) == 0 and seq // c >= MIN_TOKENS_PER_RANK)
+    return tuple(c for c in CP_DEGREES if world % c == 0 and seq % (2 * c) == 0 and seq // c >= MIN_TOKENS_PER_RANK
+                 and not position_collisions(gm, seq, c))
 
 
 def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index: dict[str, int], cp: int,

@@ -242,9 +242,9 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp, etp=fixed.etp)
     check_dispatch(fixed.ep_dispatch, experts)
     eps = ep_options(experts)
-    check_cp(fixed.cp, gm, cluster=cluster, dp=fixed.dp, ep=fixed.ep)
+    check_cp(fixed.cp, gm, cluster=cluster, dp=fixed.dp)
     # cp is weighed where sequences are long (unless pinned)
-    cps = () if fixed.cp or fixed.ep else cp_options(gm, cluster.world_size)
+    cps = () if fixed.cp else cp_options(gm, cluster.world_size)
     attention = find_attention(gm) if (fixed.cp and fixed.cp > 1) or cps else []
     if ep_runnable_only and not runnable_sites(experts):  # grouped-matmul experts: planned, not run, under ep
         if (fixed.ep and fixed.ep > 1) or fixed.etp == 1:
@@ -316,7 +316,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                         shared_params=tuple((fqn, owner, local.get(fqn, 0.0))
                                             for fqn, owner in shared.get(layer.path, ()))))
             if ep > 1:
-                units = apply_ep(units, names=names, sites=experts, ep=ep, tp=tp, microbatch_size=mbs,
+                units = apply_ep(units, names=names, sites=experts, ep=ep, tp=tp, microbatch_size=tokens,
                                  global_batch=batch, cluster=cluster, imbalance=fixed.moe_imbalance or 1.0,
                                  local_params=local, ep_tp=ep_tp, dispatch=fixed.ep_dispatch or "autopar")
             if cp > 1:

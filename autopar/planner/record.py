@@ -395,7 +395,7 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
     experts = {}
     if cfg.ep > 1:
         experts = experts_record(expert_sites, ep=cfg.ep, ep_tp=cfg.ep_tp, dp=cfg.dp, tp=cfg.tp,
-                                 microbatch_size=cfg.microbatch_size, microbatches=cfg.microbatches,
+                                 microbatch_size=cfg.microbatch_size / cfg.cp, microbatches=cfg.microbatches,
                                  global_batch=info.global_batch, counts={x.path: x.count for x in layers},
                                  cluster=cluster, imbalance=fixed.moe_imbalance or 1.0,
                                  dispatch=fixed.ep_dispatch or "autopar")

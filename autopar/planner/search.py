@@ -258,7 +258,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     MIPs solved (default: every (tp, sp) unfolded); where a folded one exists (ep over tp as well:
     :mod:`autopar.planner.expert_folding`), ep = tp x k (k dividing dp) is tried on it, calling
     ``units_for(tp, microbatch_size, sp, ep, cp, tp)``. A pinned
-    ``fixed.cp`` (context parallelism, folded over dp like ep; not with ep), or else each of
+    ``fixed.cp`` (context parallelism, folded over dp like ep, and with it), or else each of
     ``cp_options`` that divides dp, calls ``units_for(tp, microbatch_size, sp, ep, cp)`` for
     cp > 1 and splits the batch over dp / cp groups. Branch and bound: mesh shapes (tp, sp, pp,
     dp, micro-batch size) are visited in order of a compute-only lower bound on their step
@@ -289,11 +289,12 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             return units_for(tp, mbs, sp, ep, cp)
         return units_for(tp, mbs, sp) if ep == 1 else units_for(tp, mbs, sp, ep)
 
-    def cps(dp: int, ep: int) -> list[int]:
+    def cps(dp: int) -> list[int]:
         """The cp degrees a shape is tried with: the pinned one or ``cp_options``, where they
-        divide dp (and cp > 1 not with ep > 1)."""
+        divide dp (ep, folded over dp too, exchanges each rank's own tokens, whichever
+        sequence's chunks they are)."""
         tried = [fixed.cp] if fixed.cp else cp_options
-        return [c for c in tried if dp % c == 0 and (c == 1 or ep == 1)]
+        return [c for c in tried if dp % c == 0]
 
     def pinned_starts(units: list[Unit]) -> tuple[int, ...] | None:
         """The pinned cuts' stage starts (unit indices; the planner checked the names)."""
@@ -337,7 +338,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
             if (fixed.pp and pp != fixed.pp) or (fixed.dp and dp != fixed.dp) or pp > n_units \
                     or (fixed.cuts and fixed.n_stages % pp) or not eps(tp, pp, dp):  # ep folds over the dp ranks
                 continue
-            for cp in sorted({c for ep, _ in eps(tp, pp, dp) for c in cps(dp, ep)}):
+            for cp in cps(dp):
                 groups = dp // cp  # cp folds over the dp ranks: dp / cp groups split the batch
                 if global_batch % groups:
                     skipped_batch += 1
@@ -349,7 +350,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                             (fixed.microbatches and m != fixed.microbatches):
                         continue
                     for sp, ep, ept in ((sp, ep, ept) for sp in sp_options.get(tp, (False,))
-                                        for ep, ept in eps(tp, pp, dp) if cp in cps(dp, ep) and solved(tp, sp, ept)):
+                                        for ep, ept in eps(tp, pp, dp) if solved(tp, sp, ept)):
                         key = (tp, sp, mbs, ep, cp, ept)
                         if key not in work:
                             t0 = time.perf_counter()

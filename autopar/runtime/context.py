@@ -37,6 +37,12 @@ What is not token-local is rewritten in each rank's step program (:func:`apply_c
    A position table sliced from a longer buffer (``cos[:T]``) is not recognised: compute
    tables from ``arange`` (as examples/llama.py and Hugging Face do).
 
+Any other op that works along a sequence (a per-sequence mean, a softmax or a convolution over
+positions, a shift) would run on chunks as if they were sequences; the planner finds such ops
+and refuses cp for the model (:mod:`autopar.passes.sequence_mixing`), and refuses a cp whose
+``S / cp`` is also the length of an ``arange`` that numbers something else (step 2 would take
+it for positions).
+
 Hugging Face causal LMs shift their labels inside the loss (token ``t`` predicts ``t + 1``),
 which across a split sequence would pair the last token of a chunk with the first of the
 rank's next chunk; :func:`shift_hf_labels` shifts them on the whole sequence first and passes
@@ -81,8 +87,6 @@ def check_cp_runnable(cp: int | None, *, ep: int | None, compile: bool, variants
         raise PlanError(f"cp={cp} with cp_variant={alien[0]!r}: that prices another program's K/V exchange "
                         f"(torch's context_parallel, for comparing with runs made with it) and autopar does not run "
                         f"it; pin cp_variant to one of {', '.join(VARIANTS)} or leave it to the planner")
-    if ep and ep > 1:
-        raise PlanError(f"cp={cp} with ep={ep}: context and expert parallelism do not run together yet; drop one")
     if not compile:
         raise PlanError(f"cp={cp} needs the compiled step program (its attention and positions are rewritten "
                         f"there); drop compile=False")

@@ -10,7 +10,8 @@ whole, and the experts op exchanges tokens over the tp ranks of ``ep / tp`` dp r
   tensor-parallel, the per-sequence balance loss, whose statistics are summed over the tp ranks'
   shares of each sequence): ep=4 over tp=2 x dp=2 with sp; ep=2 = tp (one dp rank's tp pair, two
   replicas of each expert half); ep=4 without sp at ZeRO-1 with 2 micro-batches; pp=2 x tp=2
-  with ep=2 (each stage's tp pair);
+  with ep=2 (each stage's tp pair); ep=4 over tp=2 x dp=2 beside cp=2 (each sequence split over
+  the two dp ranks, without the balance loss, which the planner refuses under cp);
 - Hugging Face Mixtral (tiny, 4 experts; its stacked gate/up weight, whose gradient is assembled
   by slice-backward ops on the rank's experts): ep=4 over tp=2 x dp=2 with sp.
 
@@ -41,6 +42,7 @@ CONFIGS = [
     ("fold_ep4_zero1", "moe", {"dp": 2, "tp": 2, "ep": 4, "etp": 1, "sp": False, "zero": 1, "microbatches": 2}),
     ("fold_pp2", "moe", {"pp": 2, "dp": 1, "tp": 2, "ep": 2, "etp": 1, "sp": True, "microbatches": 2}),
     ("mixtral_fold_ep4", "mixtral", {"dp": 2, "tp": 2, "ep": 4, "etp": 1, "sp": True, "microbatches": 1}),
+    ("fold_ep4_cp2", "moe", {"dp": 2, "tp": 2, "ep": 4, "etp": 1, "sp": True, "cp": 2, "microbatches": 1}),
 ]
 
 
@@ -79,8 +81,9 @@ def _train(rank, world, configs):
         else:
             import moe
 
-            model, inputs, loss_fn, target = moe.build(size="small", n_layers=2, batch=8, shared_expert=True,
-                                                       aux_loss=0.01)
+            # (under cp without the balance loss, taken per sequence, at 36 tokens: see test_expert_parallel.py)
+            kw = {"seq": 36} if fixed.get("cp", 1) > 1 else {"aux_loss": 0.01}
+            model, inputs, loss_fn, target = moe.build(size="small", n_layers=2, batch=8, shared_expert=True, **kw)
             n_experts = model.config.n_experts
 
             def reference_loss(ref, like):
@@ -98,7 +101,8 @@ def _train(rank, world, configs):
                                                         run_reference=reference_loss)
         report[name] = {
             "raw": raw, "losses": losses, "grad_err": grad_err, "param_err": param_err, "n_experts": n_experts,
-            "mesh": pm.plan.mesh, "experts": {k: pm.plan.experts[k] for k in ("ep", "folded_over", "replicas")},
+            "mesh": pm.plan.mesh, "cp": (pm.plan.context or {}).get("cp", 1),
+            "experts": {k: pm.plan.experts[k] for k in ("ep", "folded_over", "replicas")},
             "held": {f: tuple(p.shape) for f, p in model.named_parameters() if f.endswith(EXPERT_PARAMS)},
             "stored": {f: tuple(e.local_shape) for f, e in pm.params.entries.items() if f.endswith(EXPERT_PARAMS)},
             "all_to_all_groups": sorted(set(calls)),
@@ -121,7 +125,7 @@ def test_folded_experts_train_like_one_process(results, name, model_name, fixed)
         if rank == 0:  # rank 0 trained the reference and judged (train_judged)
             assert_matches(r["losses"], r["grad_err"], r["param_err"], where)
         assert r["raw"] == results[0][name]["raw"], where
-        assert r["mesh"] == {"pp": pp, "dp": dp, "tp": tp}, where
+        assert r["mesh"] == {"pp": pp, "dp": dp, "tp": tp} and r["cp"] == fixed.get("cp", 1), where
         assert r["experts"] == {"ep": ep, "folded_over": "tp x dp", "replicas": dp // (ep // tp)}, where
         # the model keeps its dp part of the experts, the runtime stores its tp share of that part (of
         # its pipeline stage's experts under pp)

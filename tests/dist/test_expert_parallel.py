@@ -16,7 +16,9 @@ whose blocks add a gated shared expert, under ep=2 on 2 ranks):
   layout with ep folded over tp is ``test_expert_folding_run.py``'s) (the example's "small"
   size; attention sharded Megatron-style over tp, on a cluster where that pays; each expert's
   hidden width split over tp (Mixtral: down_proj only, its gate and up halves are stacked in
-  one tensor), and each tp rank exchanges tokens with its ep peers in its tp column).
+  one tensor), and each tp rank exchanges tokens with its ep peers in its tp column); and ep=2
+  beside cp=2 (the example's sequences split over pairs of dp ranks: each rank dispatches the
+  tokens of its two chunks).
 
 Every step's loss, the last gradients and the parameters must be as accurate as one fp32
 process (``parallel_compare``; the optimizer is ``test_parallel.py``'s, which explains
@@ -66,8 +68,11 @@ def _record_all_to_alls(log: list, step: list):
     assert autopar.experts.dist is dist  # (the experts op calls it through this module)
 
 
-def _build(model_name: str, tp: int):
-    """(model, inputs, loss_fn, target, experts per block, forward of the one-process reference)."""
+def _build(model_name: str, tp: int, cp: int = 1):
+    """(model, inputs, loss_fn, target, experts per block, forward of the one-process reference).
+    Under cp the MoE example without its balance loss, which is taken per sequence (the planner
+    refuses cp for it: ``tests/test_sequence_mixing.py``), at 36 tokens: chunks of 9 a rank, and
+    not 8 tokens a rank, the experts' count (an ``arange`` cp would take for positions)."""
     if model_name in ("mixtral", "qwen2_moe"):  # Hugging Face, tiny: 2 layers, top-2 of 4 experts; labels in the inputs
         import hf
 
@@ -77,7 +82,8 @@ def _build(model_name: str, tp: int):
     import moe
 
     size = "small" if tp > 1 else "tiny"
-    model, inputs, loss_fn, target = moe.build(size=size, n_layers=2, batch=8, shared_expert=True, aux_loss=0.01)
+    kw = {"seq": 36} if cp > 1 else {"aux_loss": 0.01}
+    model, inputs, loss_fn, target = moe.build(size=size, n_layers=2, batch=8, shared_expert=True, **kw)
     return model, inputs, loss_fn, target, model.config.n_experts, \
         lambda ref, like: loss_fn(ref(*like(inputs)), like(target))
 
@@ -96,7 +102,8 @@ def _train(rank, world, configs):
     for name, model_name, fixed in configs:
         calls.clear()
         torch.manual_seed(0)
-        model, inputs, loss_fn, target, n_experts, reference_loss = _build(model_name, fixed.get("tp", 1))
+        model, inputs, loss_fn, target, n_experts, reference_loss = _build(model_name, fixed.get("tp", 1),
+                                                                           fixed.get("cp", 1))
         reference = Reference(model, _optimizer) if rank == 0 else None  # (judged on rank 0: train_judged)
         n_tensors = sum(p.requires_grad for p in model.parameters())
         cluster = tp_only_cluster(f"1x{world}xcpu") if fixed.get("tp", 1) > 1 else f"1x{world}xcpu"
@@ -112,7 +119,7 @@ def _train(rank, world, configs):
         ep = pm.plan.experts.get("ep", 1) if pm.plan.experts else 1
         report[name] = {
             "raw": raw, "losses": losses, "grad_err": grad_err, "param_err": param_err,
-            "mesh": pm.plan.mesh, "ep": ep, "n_experts": n_experts,
+            "mesh": pm.plan.mesh, "ep": ep, "n_experts": n_experts, "cp": (pm.plan.context or {}).get("cp", 1),
             "ep_ranks": dist.get_process_group_ranks(pm.params.ep_group) if ep > 1 else None,
             "replica_ranks": dist.get_process_group_ranks(pm.params.replica_group) if ep > 1 else None,
             "held": {f: tuple(p.shape) for f, p in model.named_parameters()
@@ -147,7 +154,8 @@ FOUR = [("ep2_replicas2", "moe", {"dp": 4, "ep": 2, "microbatches": 1}),
         ("ep2_tp2", "moe", {"dp": 2, "tp": 2, "ep": 2, "etp": 2, "microbatches": 1}),
         ("mixtral_ep2_replicas2", "mixtral", {"dp": 4, "ep": 2, "microbatches": 1}),
         ("mixtral_ep4", "mixtral", {"dp": 4, "ep": 4, "microbatches": 1}),
-        ("mixtral_ep2_tp2", "mixtral", {"dp": 2, "tp": 2, "ep": 2, "etp": 2, "microbatches": 1})]
+        ("mixtral_ep2_tp2", "mixtral", {"dp": 2, "tp": 2, "ep": 2, "etp": 2, "microbatches": 1}),
+        ("cp2_ep2", "moe", {"dp": 4, "cp": 2, "ep": 2, "microbatches": 1})]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["two_ranks", "four_ranks"])
@@ -167,6 +175,7 @@ def test_moe_trains_like_one_process_with_each_rank_holding_its_experts(world):
             assert r["raw"] == results[0][name]["raw"], where  # every rank returned the judged losses
             ep, tp = fixed.get("ep", 1), fixed.get("tp", 1)
             assert r["ep"] == ep and r["mesh"] == {"pp": 1, "dp": size // tp, "tp": tp}, where
+            assert r["cp"] == fixed.get("cp", 1), where
             if tp > 1:  # Megatron attention: q, k, v by heads, the output projection by its input
                 attention = {"moe": [f"layers.1.attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")],
                              "mixtral": [f"model.layers.1.self_attn.{w}_proj.weight" for w in "qkvo"]}[model_name]
