@@ -55,6 +55,7 @@ class PipelineBuild:
         inputs, target = self._as_user_inputs(tuple(first), first, has_target)
         experts = self._expert_parallel()
         self.gm = self._trace(inputs, target)
+        self._check_cp_graph(self.gm)
         if experts:
             from autopar.runtime.expert import point_experts_at
 

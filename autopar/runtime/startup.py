@@ -194,6 +194,7 @@ class Startup:
         assert got == micro, (got, micro)
         experts = self._expert_parallel()
         self.gm = self._trace(inputs, target)
+        self._check_cp_graph(self.gm)
         if experts:
             from autopar.runtime.expert import point_experts_at
 

@@ -11,6 +11,10 @@ gradients and parameters must be as accurate as one fp32 process (``parallel_com
 suite's fp64-referenced rule), which a wrong position, a dropped K/V block or a loss over the
 wrong denominator misses by orders of magnitude.
 
+A plan under cp for a model with an op that works along each sequence apart (the MoE example's
+per-sequence balance loss), made as a planner without the check made it, is refused when the
+rank's step is built (the planner refuses cp for it: ``tests/test_sequence_mixing.py``).
+
 Memory: the Llama example (sequences of 256 tokens, where attention's saved tensors and the
 per-token activations both scale with the tokens a rank holds) measured op by op
 (:meth:`ParallelModule.measure_step`) under cp = 4 holds a quarter of what one process holds,
@@ -173,3 +177,35 @@ def test_activation_bytes_under_cp4_are_a_quarter_and_as_planned():
     assert split_plan / one_plan == pytest.approx(0.25, rel=0.05)
     assert abs(one["peak_bytes"] - one_plan) <= 0.1 * one_plan, (one, one_plan)
     assert abs(split["peak_bytes"] - split_plan) <= 0.1 * split_plan, (split, split_plan)
+
+
+def _stale_plan(rank, world):
+    """A plan under cp for the MoE example with its per-sequence balance loss, made as a planner
+    without the sequence check made it (the check stubbed out), then run."""
+    sys.path.insert(0, EXAMPLES)
+    import moe
+
+    import autopar
+    from autopar.planner import context
+
+    model, inputs, loss_fn, target = moe.build(size="tiny", batch=4, seq=36, aux_loss=0.01)
+    check, context.sequence_mixing = context.sequence_mixing, lambda *args, **kwargs: []
+    try:
+        plan = autopar.plan(model, inputs, cluster="1x2xcpu", loss_fn=loss_fn, example_target=target,
+                            fixed={"cp": 2, "dp": 2})
+    finally:
+        context.sequence_mixing = check
+    pm = autopar.parallelize(model, cluster="1x2xcpu", plan=plan, loss_fn=loss_fn)
+    try:
+        pm.train_step(inputs, target)
+    except autopar.PlanError as e:
+        return str(e)
+    return "trained"
+
+
+def test_a_plan_under_cp_for_a_model_with_a_per_sequence_op_is_refused_at_build():
+    # the MoE example's balance loss is taken per sequence: run on chunks it is another loss
+    # (3 steps trained so measured 63x the one-process noise off at the first)
+    for got in spawn_world(_stale_plan, 2):
+        assert got.startswith("cp=2: mean.dim") and "in layers.0.moe reduces over the positions of each " \
+            "sequence apart (and 3 more such ops), which would run on this rank's chunks" in got, got
