@@ -38,6 +38,8 @@ class _Model(nn.Module):
         super().__init__()
         self.emb, self.q, self.head = nn.Embedding(64, 16), nn.Linear(16, 16), nn.Linear(16, 64)
         self.conv = nn.Conv1d(16, 16, 3, groups=16)
+        self.pos = nn.Parameter(torch.zeros(1, 4 * SEQ, 16))  # positions up to a longer sequence
+        self.register_buffer("cos", torch.cos(torch.arange(4 * SEQ)[:, None] / (1 + torch.arange(16))))
         self.body = body
 
     def forward(self, ids):
@@ -61,6 +63,9 @@ BODIES = {  # name -> (body, the op found and why, or None)
                            "pads each sequence"),
     "cumulative sum": (lambda m, x: x.cumsum(1), "runs a cumulative sum along each sequence's positions"),
     "first token": (lambda m, x: x + x[:, :1], "runs a slice along each sequence's positions"),
+    "position table sliced": (lambda m, x: x * m.cos[: x.shape[1]], "meets the sequence with a position table"),
+    "learned positions sliced": (lambda m, x: x + m.pos[:, : x.shape[1]], "meets the sequence with a position table"),
+    "positions from arange": (lambda m, x: x * torch.cos(torch.arange(x.shape[1])[:, None] / 4.0), None),
 }
 
 
@@ -104,6 +109,10 @@ def test_hugging_face_labels_are_shifted_outside_the_chunks():
     assert labels_shifted_outside(gm) == {"labels"}
     assert sequence_mixing(gm, SEQ, untagged=labels_shifted_outside(gm)) == []
     assert [f.op for f in sequence_mixing(gm, SEQ)] == ["constant_pad_nd.default"]
+    # BERT takes its positions as a slice of a buffer numbering 512: the first ones on every rank
+    model, inputs, _, _ = hf.build(model="bert", batch=4, seq=SEQ)
+    found = sequence_mixing(_graph(model, inputs), SEQ)
+    assert [(f.op, f.module_path) for f in found] == [("add.Tensor", "bert.embeddings")], found
 
 
 def test_an_arange_as_long_as_a_ranks_chunk_is_a_collision():

@@ -9,7 +9,9 @@ reduces over *all* tokens of the batch (the token-mean loss, a weight gradient: 
 addends), and wrong for one that works along a sequence while keeping sequences apart: a
 per-sequence mean (a mixture-of-experts balance loss taken per sequence), a softmax or a
 matmul over the sequence (attention written out by hand), a cumulative sum over it (positions
-counted from a padding mask), a convolution over time, a shift or a pooled token (``x[:, 0]``).
+counted from a padding mask), a convolution over time, a shift or a pooled token (``x[:, 0]``);
+and positions read off a table sliced to the sequence length (``cos[:T]``, ``pos_emb[:, :T]``,
+BERT's ``position_ids[:, :T]``), which every rank would slice from position 0.
 Run under cp, those compute on chunks what the model computes on sequences: a different
 model, and nothing fails. :func:`sequence_mixing` finds them so the planner can refuse cp.
 
@@ -20,7 +22,9 @@ so ``(B, T, C) -> (B T, C) -> (B, T, C)`` keeps them; a broadcast aligns dims fr
 a matmul keeps its rows and contracts its inner dim). An op mixes sequences' tokens per
 sequence when the dims it reduces, scans, sorts, contracts, concatenates, pads or slices
 along carry ``T`` but not ``B``; along ``B`` and ``T`` together (a merged ``(B T)`` dim, or
-both) it is a reduction over all the rank's tokens, which dp sums correctly. Attention ops
+both) it is a reduction over all the rank's tokens, which dp sums correctly. A slice from 0 to
+the sequence length of a tensor that indexes no tokens is a position table (``P``): an
+elementwise op that aligns it with ``T`` is flagged. Attention ops
 are left out (cp runs them), and so is the scatter-add of an embedding's backward (a weight
 gradient by token value). Unknown ops keep the tags of a same-shaped input (else none): the
 analysis errs towards missing an op, never towards refusing a model for an op it cannot read.
@@ -198,11 +202,29 @@ def sequence_mixing(gm: fx.GraphModule, seq: int, *, untagged: frozenset[str] = 
             env[node] = [src[i] if isinstance(i, int) and i < len(src) else None]
             continue
         ins = _flows(node, env)
+        table = _position_table(node, ins, shapes[0], seq)
+        if table is not None:
+            env[node] = [table]
+            continue
         if not any(_tags(d) for x in ins for d in x) or not isinstance(node.target, torch._ops.OpOverload):
             env[node] = plain
             continue
         env[node] = _follow(node, env, ins, shapes, plain, flag)
     return found
+
+
+def _position_table(node: fx.Node, ins: list[Dims], out, seq: int) -> Dims | None:
+    """A slice of a tensor that does not index tokens, from 0 to the sequence length along a longer
+    dim (``cos[:T]`` of a table for the longest sequence, ``pos_emb[:, :T]``): its dims, that one
+    tagged ``P`` (positions as a table has them, not as cp renumbers them); else None."""
+    if node.target is not _aten.slice.Tensor or not ins or out is None or any(_tags(d) for d in ins[0]):
+        return None
+    x = ins[0]
+    d = _dim(_arg(node, "dim", 0), len(x))
+    start = _arg(node, "start")
+    if d >= len(x) or start not in (None, 0) or out[d] != seq or math.prod(s for _, s in x[d]) <= seq:
+        return None
+    return tuple(x[k] if k != d else (("P", seq),) for k in range(len(x)))
 
 
 def _follow(node: fx.Node, env: dict, ins: list[Dims], shapes: list, plain: list, flag) -> list[Dims | None]:
@@ -234,7 +256,17 @@ def _follow(node: fx.Node, env: dict, ins: list[Dims], shapes: list, plain: list
             order = order[::-1]
         return [tuple(x[d] for d in order)]
     if torch.Tag.pointwise in t.tags:
+        if out is not None and any({"P", "T"} <= set().union(*(_tags(d[k - (len(out) - len(d))]) for d in ins
+                                                             if 0 <= k - (len(out) - len(d)) < len(d)))
+                                   for k in range(len(out))):
+            flag(node, "meets the sequence with a position table sliced to its length (cos[:T], pos_emb[:, :T]), "
+                       "whose first positions every rank would take for its chunks'; compute the table from "
+                       "torch.arange(T), which cp renumbers per rank")
         return [_broadcast(ins, out)] if out is not None else plain
+    if t is _aten.view_as_complex.default:  # (..., 2) -> complex: RoPE written on complex numbers
+        return [x[:-1]]
+    if t is _aten.view_as_real.default:
+        return [x + (((None, 2),),)]
     if t in _REDUCTIONS or t in (_aten.sum.default, _aten.mean.default):
         dims = _arg(node, "dim")
         dims = list(range(len(x))) if dims is None or dims == [] else [dims] if isinstance(dims, int) else dims

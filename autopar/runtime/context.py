@@ -34,8 +34,9 @@ What is not token-local is rewritten in each rank's step program (:func:`apply_c
    (``torch.arange``: learned position embeddings, RoPE tables, Hugging Face's
    ``cache_position``). Each such ``arange`` (step 1, ``S / cp`` long, no tensor input) is
    replaced by the rank's global positions (:func:`autopar.context.sequence_positions`).
-   A position table sliced from a longer buffer (``cos[:T]``) is not recognised: compute
-   tables from ``arange`` (as examples/llama.py and Hugging Face do).
+   A position table sliced from a longer buffer (``cos[:T]``) is not renumbered, and the
+   planner refuses cp for a model that uses one (:mod:`autopar.passes.sequence_mixing`):
+   compute tables from ``arange`` (as examples/llama.py and Hugging Face's causal LMs do).
 
 Any other op that works along a sequence (a per-sequence mean, a softmax or a convolution over
 positions, a shift) would run on chunks as if they were sequences; the planner finds such ops
