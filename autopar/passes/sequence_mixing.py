@@ -47,7 +47,7 @@ from torch import fx
 
 from autopar.passes import meta_keys as mk
 
-__all__ = ["SequenceMixing", "sequence_mixing", "position_collisions", "labels_shifted_outside"]
+__all__ = ["SequenceMixing", "sequence_mixing", "position_collisions", "numbering_aranges", "labels_shifted_outside"]
 
 _aten = torch.ops.aten
 Factor = tuple[str | None, int]  # (what it indexes: "B", "T" or None, size)
@@ -337,7 +337,13 @@ def position_collisions(gm: fx.GraphModule, seq: int, cp: int) -> list[str]:
     ``seq / cp`` elements in the rank's program for token numbering (the program is traced at
     ``seq / cp``), so these would be rewritten to positions (the experts' ``arange(E)`` of a
     mixture of experts with E = seq / cp). Their names, for the error."""
-    local = seq // cp
+    return [n.name for n, _ in numbering_aranges(gm, seq // cp)] if cp > 1 else []
+
+
+def numbering_aranges(gm: fx.GraphModule, length: int) -> list[tuple[fx.Node, int]]:
+    """The step-1 ``arange`` ops of ``gm`` with ``length`` elements and no tensor input, each with its
+    start: what the cp runtime renumbers as token positions in a program traced at ``length``
+    tokens a row (:func:`autopar.runtime.context.apply_cp`)."""
     out = []
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target not in (_aten.arange.default, _aten.arange.start,
@@ -347,6 +353,6 @@ def position_collisions(gm: fx.GraphModule, seq: int, cp: int) -> list[str]:
             continue
         start, end, step = (0, n.args[0], 1) if n.target is _aten.arange.default else (
             n.args[0], n.args[1], n.args[2] if len(n.args) > 2 else 1)
-        if step == 1 and end - start == local and local != seq:
-            out.append(n.name)
+        if step == 1 and end - start == length:
+            out.append((n, start))
     return out

@@ -60,6 +60,7 @@ from torch import fx, nn
 
 from autopar.context import VARIANTS, sequence_positions, shard_sequence
 from autopar.errors import InputError, PlanError
+from autopar.passes.sequence_mixing import numbering_aranges
 
 __all__ = ["check_cp_runnable", "cp_group", "stack_sequences", "local_rows", "shift_hf_labels", "apply_cp", "runtime_variant"]
 
@@ -389,18 +390,8 @@ def apply_cp(gm: fx.GraphModule, *, cp: int, group: str, rank: int, seq: int, va
 def _global_positions(gm: fx.GraphModule, *, cp: int, rank: int, seq: int, balanced: bool) -> None:
     """Every token-numbering ``arange`` (step 1, ``seq / cp`` long, no tensor input) -> this rank's global
     positions, kept as a constant of the program."""
-    local = seq // cp
     positions = sequence_positions(seq, cp, rank, balanced)
-    for n in list(gm.graph.nodes):
-        if n.op != "call_function" or n.target not in (_aten.arange.default, _aten.arange.start,
-                                                       _aten.arange.start_step):
-            continue
-        if any(isinstance(a, fx.Node) for a in (*n.args, *n.kwargs.values())):
-            continue
-        start, end, step = (0, n.args[0], 1) if n.target is _aten.arange.default else (
-            n.args[0], n.args[1], n.args[2] if len(n.args) > 2 else 1)
-        if step != 1 or end - start != local:
-            continue
+    for n, start in numbering_aranges(gm, seq // cp):
         val = n.meta.get("val")
         dtype = val.dtype if isinstance(val, torch.Tensor) else n.kwargs.get("dtype", torch.int64)
         device = n.kwargs.get("device") or torch.device("cpu")
