@@ -62,6 +62,8 @@ BODIES = {  # name -> (body, the op found and why, or None)
     "causal convolution": (lambda m, x: m.conv(F.pad(x.transpose(1, 2), (2, 0))).transpose(1, 2),
                            "pads each sequence"),
     "cumulative sum": (lambda m, x: x.cumsum(1), "runs a cumulative sum along each sequence's positions"),
+    "roll": (lambda m, x: x + torch.roll(x, 1, dims=1), "runs a roll along each sequence's positions"),
+    "flip over features": (lambda m, x: x + torch.flip(x, dims=[2]), None),
     "first token": (lambda m, x: x + x[:, :1], "runs a slice along each sequence's positions"),
     "position table sliced": (lambda m, x: x * m.cos[: x.shape[1]], "meets the sequence with a position table"),
     "learned positions sliced": (lambda m, x: x + m.pos[:, : x.shape[1]], "meets the sequence with a position table"),

@@ -278,9 +278,14 @@ def _follow(node: fx.Node, env: dict, ins: list[Dims], shapes: list, plain: list
         return [kept if s is not None and len(s) == len(kept) else same if s is not None and len(s) == len(x)
                 else p for s, p in zip(shapes, plain)]
     if t in _ALONG:
-        d = _dim(_arg(node, "dim", 0), len(x))
+        if t in (_aten.roll.default, _aten.flip.default):  # (along "dims"; a roll without dims: all of them)
+            along = [_dim(d, len(x)) for d in (_arg(node, "dims") or range(len(x)))]
+            d = along[0]
+        else:
+            d = _dim(_arg(node, "dim", 0), len(x))
+            along = [d]
         whole = out is not None and d < len(out) and out[d] == math.prod(s for _, s in x[d])
-        if d < len(x) and _per_sequence(_tags(x[d])) and not (t is _aten.slice.Tensor and whole):
+        if any(k < len(x) and _per_sequence(_tags(x[k])) for k in along) and not (t is _aten.slice.Tensor and whole):
             flag(node, f"runs {_ALONG[t]} along each sequence's positions")
         if t is _aten.cat.default:
             return [_broadcast(ins, out)]

@@ -276,13 +276,16 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     shared = shared_params(gm)
     cut_table = CutTable(gm)
     cache: dict[tuple[int, int, bool, int, int, int], list[Unit]] = {}
+    # (what does not depend on ep or cp, shared by every (ep, cp) and by micro-batch sizes with
+    # the same tokens a rank: the search asks for every combination)
+    bases: dict[tuple[int, bool, int, float], tuple[Any, list[Unit], dict[str, float]]] = {}
+    cp_parts: dict[tuple[int, bool, int, int, int], tuple] = {}
 
-    def units_for(tp: int, mbs: int, sp: bool = False, ep: int = 1, cp: int = 1, ep_tp: int = 1) -> list[Unit]:
-        if (tp, mbs, sp, ep, cp, ep_tp) not in cache:
+    def base_units(tp: int, sp: bool, ep_tp: int, tokens: float) -> tuple[Any, list[Unit], dict[str, float]]:
+        """(the cost problem, the units without ep and cp, the parameters per tp rank) at ``tokens``
+        sequences a rank."""
+        if (tp, sp, ep_tp, tokens) not in bases:
             sg, sol = solved[tp, sp, ep_tp > 1]
-            # under cp a rank holds 1/cp of each sequence: it costs what mbs / cp sequences cost
-            # (every cost is affine in the batch; autopar.planner.context)
-            tokens = mbs / cp
             problem = build_problem(sg, batch=tokens, device=cluster.device, link=cluster.link_for_group(tp, stride=1),
                                     async_tp=async_tp)
             ev = evaluate(problem, sol)
@@ -315,16 +318,29 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                         n_params=lc.n_params_local if lc else 0.0,
                         shared_params=tuple((fqn, owner, local.get(fqn, 0.0))
                                             for fqn, owner in shared.get(layer.path, ()))))
+            bases[tp, sp, ep_tp, tokens] = (problem, units, local)
+        return bases[tp, sp, ep_tp, tokens]
+
+    def units_for(tp: int, mbs: int, sp: bool = False, ep: int = 1, cp: int = 1, ep_tp: int = 1) -> list[Unit]:
+        if (tp, mbs, sp, ep, cp, ep_tp) not in cache:
+            # under cp a rank holds 1/cp of each sequence: it costs what mbs / cp sequences cost
+            # (every cost is affine in the batch; autopar.planner.context)
+            tokens = mbs / cp
+            problem, units, local = base_units(tp, sp, ep_tp, tokens)
             if ep > 1:
                 units = apply_ep(units, names=names, sites=experts, ep=ep, tp=tp, microbatch_size=tokens,
                                  global_batch=batch, cluster=cluster, imbalance=fixed.moe_imbalance or 1.0,
                                  local_params=local, ep_tp=ep_tp, dispatch=fixed.ep_dispatch or "autopar")
             if cp > 1:
-                costs = cp_costs(attention, problem, sg, sol, cp=cp, tp=tp, mbs=mbs, batch=batch, cluster=cluster,
-                                 variant=fixed.cp_variant)
-                units = apply_cp(units, costs, names, repeat_savings(attention, sg, sol, cp=cp, tp=tp, mbs=mbs,
-                                                                     batch=batch),
-                                 cp_working_sets(attention, costs, problem, sg, sol))
+                if (tp, sp, ep_tp, mbs, cp) not in cp_parts:
+                    sg, sol = solved[tp, sp, ep_tp > 1]
+                    costs = cp_costs(attention, problem, sg, sol, cp=cp, tp=tp, mbs=mbs, batch=batch, cluster=cluster,
+                                     variant=fixed.cp_variant)
+                    cp_parts[tp, sp, ep_tp, mbs, cp] = (
+                        costs, repeat_savings(attention, sg, sol, cp=cp, tp=tp, mbs=mbs, batch=batch),
+                        cp_working_sets(attention, costs, problem, sg, sol))
+                costs, unsaved, working = cp_parts[tp, sp, ep_tp, mbs, cp]
+                units = apply_cp(units, costs, names, unsaved, working)
             cache[tp, mbs, sp, ep, cp, ep_tp] = units
         return cache[tp, mbs, sp, ep, cp, ep_tp]
 
