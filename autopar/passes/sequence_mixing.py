@@ -301,6 +301,12 @@ def _follow(node: fx.Node, env: dict, ins: list[Dims], shapes: list, plain: list
     if t in (_aten.convolution.default, _aten.convolution_backward.default):
         if any(_per_sequence(_tags(x[d])) for d in range(2, len(x))):
             flag(node, "convolves along each sequence's positions")
+        if t is _aten.convolution.default and out is not None and len(out) == len(x):
+            # (batch, channels, positions...): the positions stay positions (a causal convolution's
+            # output trimmed back to the sequence is then a slice along them, not a position table)
+            return [(x[0], ((None, int(out[1])),)) + tuple(
+                ((sorted(_tags(x[d]))[0], int(out[d])),) if len(_tags(x[d])) == 1 else ((None, int(out[d])),)
+                for d in range(2, len(x)))]
         return plain
     if t in (_aten.mm.default, _aten.bmm.default, _aten.addmm.default, _aten.baddbmm.default):
         a, b = (node.args[1], node.args[2]) if t in (_aten.addmm.default, _aten.baddbmm.default) else node.args[:2]
