@@ -262,6 +262,8 @@ def context_words(plan: Plan) -> list[str]:
     x = plan.context
     if not x:
         return []
+    if x.get("not_weighed"):
+        return [f"context: sequences of {x.get('sequence')} tokens not split; cp is not weighed: {x['not_weighed']}"]
     other = x.get("other_side", False)
     weighed = ", ".join(map(str, x.get("considered", ())))
     if x.get("cp", 1) == 1:

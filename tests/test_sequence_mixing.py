@@ -142,5 +142,13 @@ def test_the_planner_refuses_cp_and_does_not_weigh_it_where_an_op_mixes(monkeypa
     monkeypatch.setattr(context, "MIN_SEQUENCE", 32)
     monkeypatch.setattr(context, "MIN_TOKENS_PER_RANK", 8)
     assert context.cp_options(_graph(model, inputs, loss_fn, target), 8) == ()
+    # and the plan says why (its context, the summary)
+    plan = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target)
+    assert plan.context["cp"] == 1 and plan.context["considered"] == []
+    why = plan.context["not_weighed"]
+    assert why.startswith("mean.dim (mean_") and "in layers.0.moe" in why, why
+    line = next(x for x in plan.summary().splitlines() if x.strip().startswith("context:"))
+    assert "sequences of 64 tokens not split; cp is not weighed: mean.dim" in line, line
+    assert autopar.Plan.from_json(plan.to_json()).context == plan.context
     model, inputs, loss_fn, target = moe.build(size="tiny", batch=8, seq=64)
     assert context.cp_options(_graph(model, inputs, loss_fn, target), 8) == (2, 4)
