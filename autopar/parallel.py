@@ -209,13 +209,12 @@ class ParallelModule(PipelineBuild, Startup, CpEpBuild):
             from autopar.planner.search import Fixed
 
             fixed = Fixed.from_dict(self.fixed)
-            check_cp_runnable(fixed.cp, ep=fixed.ep, compile=self.compile, variants=fixed.cp_variant or ())
+            check_cp_runnable(fixed.cp, compile=self.compile, variants=fixed.cp_variant or ())
             check_dispatch_runnable(fixed.ep_dispatch)
             check_batch_split(_batch_size(values), fixed)
         else:
             context = self._given_plan.context or {}
-            check_cp_runnable(context.get("cp"), ep=self._given_plan.experts.get("ep"), compile=self.compile,
-                              variants=context.get("variants", ()))
+            check_cp_runnable(context.get("cp"), compile=self.compile, variants=context.get("variants", ()))
             check_dispatch_runnable(self._given_plan.experts.get("dispatch"))
         bind_local_device(self.device)  # before the first collective: NCCL binds to the current GPU
         init_process_group(self.device, self.timeout_s)
@@ -229,7 +228,7 @@ class ParallelModule(PipelineBuild, Startup, CpEpBuild):
         self._adopt_plan(self._make_plan(names, values, has_target))
         dp, tp = self.plan.mesh["dp"], self.plan.mesh["tp"]
         # (every rank has the same plan: all raise alike)
-        check_cp_runnable(self.cp, ep=self.ep, compile=self.compile)
+        check_cp_runnable(self.cp, compile=self.compile)
         device = self.device
         pp = self.plan.mesh["pp"]
         mesh_text = " x ".join(f"{a}={self.plan.mesh[a]}" for a in ("pp", "dp", "tp"))

@@ -47,7 +47,8 @@ from torch import fx
 
 from autopar.passes import meta_keys as mk
 
-__all__ = ["SequenceMixing", "sequence_mixing", "position_collisions", "numbering_aranges", "labels_shifted_outside"]
+__all__ = ["SequenceMixing", "sequence_mixing", "described", "position_collisions", "numbering_aranges",
+           "labels_shifted_outside"]
 
 _aten = torch.ops.aten
 Factor = tuple[str | None, int]  # (what it indexes: "B", "T" or None, size)
@@ -330,6 +331,11 @@ def _follow(node: fx.Node, env: dict, ins: list[Dims], shapes: list, plain: list
     same = next((d for d in ins if out is not None and tuple(math.prod(s for _, s in dim) for dim in d)
                  == tuple(out)), None)
     return [same if same is not None else plain[0]] + plain[1:]
+
+
+def described(found: list[SequenceMixing]) -> str:
+    """The first op found, and how many more, for an error or a plan."""
+    return f"{found[0]}" + (f" (and {len(found) - 1} more such ops)" if len(found) > 1 else "")
 
 
 def labels_shifted_outside(gm: fx.GraphModule) -> frozenset[str]:

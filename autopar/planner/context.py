@@ -41,7 +41,7 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import ContextAttentionCost, context_attention_cost, torch_context_attention_cost
 from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
-from autopar.passes.sequence_mixing import labels_shifted_outside, position_collisions, sequence_mixing
+from autopar.passes.sequence_mixing import described, labels_shifted_outside, position_collisions, sequence_mixing
 
 __all__ = ["AttentionSite", "find_attention", "sequence_length", "check_cp", "cp_options", "cp_not_weighed",
            "attention_costs",
@@ -167,8 +167,7 @@ def check_cp(cp: int | None, gm: fx.GraphModule, *, cluster: Cluster, dp: int | 
     if seq is not None:
         mixing = sequence_mixing(gm, seq, untagged=labels_shifted_outside(gm))
         if mixing:
-            more = f" (and {len(mixing) - 1} more such ops)" if len(mixing) > 1 else ""
-            problems.append(f"{mixing[0]}{more}: under cp each rank holds chunks of every sequence and only "
+            problems.append(f"{described(mixing)}: under cp each rank holds chunks of every sequence and only "
                             f"attention and positions are made whole-sequence, so this op would compute on chunks "
                             f"what the model computes on sequences; compute it over all tokens (or per token), "
                             f"or drop cp")
@@ -203,10 +202,7 @@ def cp_not_weighed(gm: fx.GraphModule) -> str | None:
     if seq is None or seq < MIN_SEQUENCE or not find_attention(gm):
         return None
     found = sequence_mixing(gm, seq, untagged=labels_shifted_outside(gm))
-    if not found:
-        return None
-    more = f" (and {len(found) - 1} more such ops)" if len(found) > 1 else ""
-    return f"{found[0]}{more}, which cp would run on chunks as if they were sequences"
+    return f"{described(found)}, which cp would run on chunks as if they were sequences" if found else None
 
 
 def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index: dict[str, int], cp: int,

@@ -77,8 +77,8 @@ _PASS_THROUGH = {_aten.view.default, _aten._unsafe_view.default, _aten.detach.de
                  _aten.reshape.default, _aten.clone.default, _aten.contiguous.default}
 
 
-def check_cp_runnable(cp: int | None, *, ep: int | None, compile: bool, variants=()) -> None:
-    """What ``parallelize`` runs under cp > 1 (no ep, the compiled step program, autopar's own K/V
+def check_cp_runnable(cp: int | None, *, compile: bool, variants=()) -> None:
+    """What ``parallelize`` runs under cp > 1 (the compiled step program, autopar's own K/V
     exchange: ``variants``, the pinned one or the plan's, among :data:`VARIANTS`): a clear error
     before any collective for the rest."""
     if not cp or cp == 1:

@@ -35,18 +35,17 @@ class CpEpBuild:
     def _check_cp_graph(self, gm) -> None:
         """cp > 1: refuse, on every rank alike, a traced step (rows of ``S / cp`` tokens) with an op
         that works along each sequence apart, which would run on the rank's chunks (the planner
-        refuses cp for such a model; this holds for a plan made for another model, or loaded)."""
+        refuses cp for such a model; this holds a plan made before it did, or edited)."""
         if self.cp == 1:
             return
         from autopar.errors import PlanError
-        from autopar.passes.sequence_mixing import sequence_mixing
+        from autopar.passes.sequence_mixing import described, sequence_mixing
 
         found = sequence_mixing(gm, self.plan.context["sequence"] // self.cp)
         if found:
-            more = f" (and {len(found) - 1} more such ops)" if len(found) > 1 else ""
-            raise PlanError(f"cp={self.cp}: {found[0]}{more}, which would run on this rank's chunks as if they were "
-                            f"sequences; the plan was not made for this model (the planner refuses cp for it): "
-                            f"plan it again, or drop cp")
+            raise PlanError(f"cp={self.cp}: {described(found)}, which would run on this rank's chunks as if they were "
+                            f"sequences; the planner refuses cp for this model (a plan made before it did, or edited): "
+                            f"plan it again, or compute that op over all tokens")
 
     def _cp_program(self, program) -> None:
         """cp > 1: this rank's step program (before it is cut into pipeline pieces) rewritten for its cp group."""
