@@ -8,10 +8,10 @@ whole, and the experts op exchanges tokens over the tp ranks of ``ep / tp`` dp r
 
 - the MoE example (``small``: attention split Megatron-style over tp, a shared expert that stays
   tensor-parallel, the per-sequence balance loss, whose statistics are summed over the tp ranks'
-  shares of each sequence): ep=4 over tp=2 x dp=2 with sp; ep=2 = tp (one dp rank's tp pair, two
-  replicas of each expert half); ep=4 without sp at ZeRO-1 with 2 micro-batches; pp=2 x tp=2
-  with ep=2 (each stage's tp pair); ep=4 over tp=2 x dp=2 beside cp=2 (each sequence split over
-  the two dp ranks, without the balance loss, which the planner refuses under cp);
+  shares of each sequence): ep=4 over tp=2 x dp=2 with sp, beside cp=2 (each sequence split over
+  the two dp ranks; without the balance loss there, which the planner refuses under cp); ep=2 =
+  tp (one dp rank's tp pair, two replicas of each expert half); ep=4 without sp at ZeRO-1 with 2
+  micro-batches; pp=2 x tp=2 with ep=2 (each stage's tp pair);
 - Hugging Face Mixtral (tiny, 4 experts; its stacked gate/up weight, whose gradient is assembled
   by slice-backward ops on the rank's experts): ep=4 over tp=2 x dp=2 with sp.
 
@@ -37,12 +37,11 @@ EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 STEPS = 3
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down", "gate_up_proj", "down_proj")
 CONFIGS = [
-    ("fold_ep4_sp", "moe", {"dp": 2, "tp": 2, "ep": 4, "etp": 1, "sp": True, "microbatches": 1}),
+    ("fold_ep4_sp_cp2", "moe", {"dp": 2, "tp": 2, "ep": 4, "etp": 1, "sp": True, "cp": 2, "microbatches": 1}),
     ("fold_ep2", "moe", {"dp": 2, "tp": 2, "ep": 2, "etp": 1, "sp": True, "microbatches": 1}),
     ("fold_ep4_zero1", "moe", {"dp": 2, "tp": 2, "ep": 4, "etp": 1, "sp": False, "zero": 1, "microbatches": 2}),
     ("fold_pp2", "moe", {"pp": 2, "dp": 1, "tp": 2, "ep": 2, "etp": 1, "sp": True, "microbatches": 2}),
     ("mixtral_fold_ep4", "mixtral", {"dp": 2, "tp": 2, "ep": 4, "etp": 1, "sp": True, "microbatches": 1}),
-    ("fold_ep4_cp2", "moe", {"dp": 2, "tp": 2, "ep": 4, "etp": 1, "sp": True, "cp": 2, "microbatches": 1}),
 ]
 
 

@@ -10,15 +10,15 @@ whose blocks add a gated shared expert, under ep=2 on 2 ranks):
 - ep=2 on 2 ranks (both models): each rank holds half the experts of a block, tokens
   dispatched and combined by all-to-all over the ep group;
 - on 4 ranks (both models), ep=2 folded over dp=4 (two replicas of each expert half, expert
-  gradients summed over the replica group; and under ZeRO-3 (the example, 2 micro-batches) and
+  gradients summed over the replica group; the example's beside cp=2, its sequences split over
+  pairs of dp ranks, each rank dispatching the tokens of its two chunks, without the balance
+  loss, which is taken per sequence; and under ZeRO-3 (the example, 2 micro-batches) and
   ZeRO-1 (Mixtral), whose expert state is in chunks over the replica group, everything else
   over dp), ep=4, and ep=2 x tp=2 with etp=2 pinned (ep over dp, each expert split over tp; the
   layout with ep folded over tp is ``test_expert_folding_run.py``'s) (the example's "small"
   size; attention sharded Megatron-style over tp, on a cluster where that pays; each expert's
   hidden width split over tp (Mixtral: down_proj only, its gate and up halves are stacked in
-  one tensor), and each tp rank exchanges tokens with its ep peers in its tp column); and ep=2
-  beside cp=2 (the example's sequences split over pairs of dp ranks: each rank dispatches the
-  tokens of its two chunks).
+  one tensor), and each tp rank exchanges tokens with its ep peers in its tp column).
 
 Every step's loss, the last gradients and the parameters must be as accurate as one fp32
 process (``parallel_compare``; the optimizer is ``test_parallel.py``'s, which explains
@@ -147,15 +147,14 @@ def _train(rank, world, configs):
 TWO = [("dp_zero3", "moe", {"dp": 2, "zero": 3}), ("ep2", "moe", {"dp": 2, "ep": 2, "microbatches": 1}),
        ("mixtral_ep2", "mixtral", {"dp": 2, "ep": 2, "microbatches": 1}),
        ("qwen2_moe_ep2", "qwen2_moe", {"dp": 2, "ep": 2, "microbatches": 1})]
-FOUR = [("ep2_replicas2", "moe", {"dp": 4, "ep": 2, "microbatches": 1}),
+FOUR = [("ep2_replicas2_cp2", "moe", {"dp": 4, "cp": 2, "ep": 2, "microbatches": 1}),
         ("ep2_replicas2_zero3", "moe", {"dp": 4, "ep": 2, "zero": 3, "microbatches": 2}),
         ("mixtral_ep2_replicas2_zero1", "mixtral", {"dp": 4, "ep": 2, "zero": 1, "microbatches": 1}),
         ("ep4", "moe", {"dp": 4, "ep": 4, "microbatches": 1}),
         ("ep2_tp2", "moe", {"dp": 2, "tp": 2, "ep": 2, "etp": 2, "microbatches": 1}),
         ("mixtral_ep2_replicas2", "mixtral", {"dp": 4, "ep": 2, "microbatches": 1}),
         ("mixtral_ep4", "mixtral", {"dp": 4, "ep": 4, "microbatches": 1}),
-        ("mixtral_ep2_tp2", "mixtral", {"dp": 2, "tp": 2, "ep": 2, "etp": 2, "microbatches": 1}),
-        ("cp2_ep2", "moe", {"dp": 4, "cp": 2, "ep": 2, "microbatches": 1})]
+        ("mixtral_ep2_tp2", "mixtral", {"dp": 2, "tp": 2, "ep": 2, "etp": 2, "microbatches": 1})]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["two_ranks", "four_ranks"])
