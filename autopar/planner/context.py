@@ -43,7 +43,7 @@ from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
 from autopar.passes.sequence_mixing import described, labels_shifted_outside, position_collisions, sequence_mixing
 
-__all__ = ["AttentionSite", "find_attention", "sequence_length", "check_cp", "cp_options", "cp_not_weighed",
+__all__ = ["AttentionSite", "find_attention", "sequence_length", "check_cp", "cp_options", "cp_weighing",
            "attention_costs",
            "cp_costs", "cp_decision", "apply_cp", "cp_kernel_ratio", "cp_working_sets", "repeat_savings",
            "context_record", "CP_DEGREES", "MIN_SEQUENCE", "MIN_TOKENS_PER_RANK"]
@@ -186,23 +186,23 @@ def check_cp(cp: int | None, gm: fx.GraphModule, *, cluster: Cluster, dp: int | 
 
 
 def cp_options(gm: fx.GraphModule, world: int) -> tuple[int, ...]:
-    """The cp degrees > 1 the search weighs for ``gm``: none for short sequences or a model
-    without attention (see :data:`MIN_SEQUENCE`, :data:`MIN_TOKENS_PER_RANK`)."""
-    seq = sequence_length(gm)
-    if seq is None or seq < MIN_SEQUENCE or not find_attention(gm) or cp_not_weighed(gm):
-        return ()
-    return tuple(c for c in CP_DEGREES if world % c == 0 and seq % (2 * c) == 0 and seq // c >= MIN_TOKENS_PER_RANK
-                 and not position_collisions(gm, seq, c))
+    """The cp degrees > 1 the search weighs for ``gm`` (:func:`cp_weighing`)."""
+    return cp_weighing(gm, world)[0]
 
 
-def cp_not_weighed(gm: fx.GraphModule) -> str | None:
-    """Why the search does not weigh cp for a model whose sequences are long enough: the first op
-    that works along each sequence apart (:func:`sequence_mixing`), said in the plan's context."""
+def cp_weighing(gm: fx.GraphModule, world: int) -> tuple[tuple[int, ...], str | None]:
+    """The cp degrees > 1 the search weighs for ``gm``, none for short sequences or a model
+    without attention (see :data:`MIN_SEQUENCE`, :data:`MIN_TOKENS_PER_RANK`); and, for long
+    sequences, why none: the first op that works along each sequence apart
+    (:func:`sequence_mixing`), which the plan's context says."""
     seq = sequence_length(gm)
     if seq is None or seq < MIN_SEQUENCE or not find_attention(gm):
-        return None
+        return (), None
     found = sequence_mixing(gm, seq, untagged=labels_shifted_outside(gm))
-    return f"{described(found)}, which cp would run on chunks as if they were sequences" if found else None
+    if found:
+        return (), f"{described(found)}, which cp would run on chunks as if they were sequences"
+    return tuple(c for c in CP_DEGREES if world % c == 0 and seq % (2 * c) == 0 and seq // c >= MIN_TOKENS_PER_RANK
+                 and not position_collisions(gm, seq, c)), None
 
 
 def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index: dict[str, int], cp: int,

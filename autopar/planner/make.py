@@ -34,7 +34,7 @@ from autopar.passes.strategies import StrategyGraph, build_strategy_graph, strat
 from autopar.plan import Plan
 from autopar.precision import Precision, plan_precision, resolve_precision
 from autopar.planner.cuts import CutTable
-from autopar.planner.context import apply_cp, check_cp, cp_costs, cp_decision, cp_not_weighed, cp_options, \
+from autopar.planner.context import apply_cp, check_cp, cp_costs, cp_decision, cp_weighing, \
     cp_working_sets, find_attention, repeat_savings, sequence_length
 from autopar.planner.experts import apply_ep, check_dispatch, check_ep, ep_options, find_experts, runnable_sites
 from autopar.planner.frontend import trace_pair
@@ -244,7 +244,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     eps = ep_options(experts)
     check_cp(fixed.cp, gm, cluster=cluster, dp=fixed.dp)
     # cp is weighed where sequences are long (unless pinned)
-    cps = () if fixed.cp else cp_options(gm, cluster.world_size)
+    cps, not_weighed = ((), None) if fixed.cp else cp_weighing(gm, cluster.world_size)
     attention = find_attention(gm) if (fixed.cp and fixed.cp > 1) or cps else []
     if ep_runnable_only and not runnable_sites(experts):  # grouped-matmul experts: planned, not run, under ep
         if (fixed.ep and fixed.ep > 1) or fixed.etp == 1:
@@ -366,9 +366,9 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                     timings={"solve_s": t1 - t0, "search_s": t2 - t1}, async_tp=async_tp)
     if cps:
         plan.context.update(cp_decision(best, other, cps, seq=sequence_length(gm)))
-    elif not fixed.cp and (why := cp_not_weighed(gm)):
+    elif not_weighed:
         seq = sequence_length(gm)
-        plan.context.update(cp=1, sequence=seq, tokens_per_rank=seq, considered=[], not_weighed=why)
+        plan.context.update(cp=1, sequence=seq, tokens_per_rank=seq, considered=[], not_weighed=not_weighed)
     return plan
 
 

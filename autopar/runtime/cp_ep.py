@@ -33,10 +33,11 @@ class CpEpBuild:
         return cp_group(mesh.mesh, self.cp, dist.get_rank())
 
     def _check_cp_graph(self, gm) -> None:
-        """cp > 1: refuse, on every rank alike, a traced step (rows of ``S / cp`` tokens) with an op
-        that works along each sequence apart, which would run on the rank's chunks (the planner
-        refuses cp for such a model; this holds a plan made before it did, or edited)."""
-        if self.cp == 1:
+        """cp > 1 under a given plan: refuse, on every rank alike, a traced step (rows of ``S / cp``
+        tokens) with an op that works along each sequence apart, which would run on the rank's
+        chunks. The planner refuses cp for such a model, so a plan made here has been checked; a
+        given one may have been made before the planner did, or edited."""
+        if self.cp == 1 or self._given_plan is None:
             return
         from autopar.errors import PlanError
         from autopar.passes.sequence_mixing import described, sequence_mixing
