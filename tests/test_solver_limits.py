@@ -53,8 +53,10 @@ def _plan_bytes_in_subprocess() -> bytes:
 @pytest.fixture(autouse=True)
 def solve_afresh(monkeypatch):
     """These tests watch SCIP solve: no answers from the suite's on-disk MIP cache (the tests
-    of that cache below turn it back on in a directory of their own)."""
+    of that cache below turn it back on in a directory of their own), and a fresh interpreter traces
+    afresh (no trace loaded from the suite's shared directory, autopar.passes.trace_store)."""
     monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "0")
+    monkeypatch.setenv("AUTOPAR_TRACE_CACHE_DIR", "")
 
 
 def test_plan_made_under_load_is_byte_identical_to_a_quiet_one():

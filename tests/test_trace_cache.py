@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from autopar.passes import meta_keys as mk
-from autopar.passes import trace_cache
+from autopar.passes import trace_cache, trace_store
 from autopar.passes.trace import trace_joint
 
 
@@ -54,7 +54,8 @@ def _signature(gm):
 
 
 @pytest.fixture
-def cache():
+def cache(monkeypatch):
+    monkeypatch.delenv(trace_store.ENV, raising=False)  # (this process's cache alone: tests/test_trace_store.py)
     trace_cache.set_enabled(True)
     trace_cache.clear()
     yield trace_cache
@@ -76,7 +77,7 @@ def test_an_equal_model_built_again_hits_and_gets_the_same_graph(cache):
     fresh = _trace(Net())
     torch.manual_seed(123)  # other weights: values never enter the trace
     hit = _trace(Net())
-    assert cache.stats() == {"hits": 1, "misses": 1, "unkeyable": 0}
+    assert cache.stats() == {"hits": 1, "misses": 1, "unkeyable": 0, "loaded": 0}
     assert _signature(hit) == _signature(fresh)
     assert hit.meta[mk.GRAPH] == fresh.meta[mk.GRAPH]
     assert hit is not fresh and hit.graph is not fresh.graph
@@ -150,7 +151,7 @@ def test_hooks_and_unreadable_values_are_never_cached(cache):
     odd = Net()
     odd.blocks[0].thing = iter([1])  # an iterator: neither __dict__ nor __slots__ to read
     _trace(odd)
-    assert cache.stats() == {"hits": 0, "misses": 0, "unkeyable": 3}
+    assert cache.stats() == {"hits": 0, "misses": 0, "unkeyable": 3, "loaded": 0}
     slotted = Net()
     slotted.blocks[0].thing = Opaque()  # empty __slots__: readable, and equal to any other Opaque
     _trace(slotted)

@@ -35,7 +35,7 @@ from torch import fx, nn
 
 from autopar.errors import InputError, LossError
 from autopar.passes import meta_keys as mk
-from autopar.passes import trace_cache
+from autopar.passes import trace_cache, trace_store
 from autopar.passes.hf_paths import hf_training_paths
 from autopar.passes.train_checks import check_trainable, checked_loss
 from autopar.passes.trace_errors import CACHE_OBJECT, trace_error
@@ -91,6 +91,19 @@ def trace_joint(
             log.info("traced %s: reused the trace of an identical model, inputs and loss (%s)",
                      type(model).__name__, trace_cache.ENV)
             return gm
+    with trace_cache.shared(key) as claim:
+        if claim.found is not None:
+            log.info("traced %s: loaded the trace another process made of an identical model, inputs and loss "
+                     "(%s)", type(model).__name__, trace_store.ENV)
+            return claim.found
+        gm = _trace_new(model, names, flat, kw_names, loss_fn, example_target, collapse_repeats, param_dtype,
+                        fake_device)
+        claim.keep(gm)
+    return gm
+
+
+def _trace_new(model, names, flat, kw_names, loss_fn, example_target, collapse_repeats, param_dtype,
+               fake_device) -> fx.GraphModule:
     repeats = _find_repeats(model) if collapse_repeats else ()
     n_params = sum(p.numel() for p in model.parameters())
     wrapper = _TrainStep(model, loss_fn, n_pos=len(flat) - len(kw_names) - (example_target is not None),
@@ -128,7 +141,6 @@ def trace_joint(
         module_classes={name: type(m).__name__ for name, m in model.named_modules()})
     log.info("traced %s: %d nodes, %d params, repeats=%s", type(model).__name__,
              len(gm.graph.nodes), n_params, [(r.container, r.count) for r in repeats])
-    trace_cache.store(key, gm)
     return gm
 
 

@@ -31,6 +31,7 @@ bytecode, but dynamo's export capture and AOTAutograd's joint export bypass its 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
 import hashlib
@@ -39,18 +40,20 @@ import sys
 import types
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx, nn
 
-__all__ = ["enabled", "set_enabled", "lookup", "store", "trace_key", "clear", "stats"]
+from autopar.passes import trace_store
+
+__all__ = ["enabled", "set_enabled", "lookup", "store", "shared", "Claim", "trace_key", "clear", "stats"]
 
 ENV = "AUTOPAR_TRACE_CACHE"
 _MAX_ENTRIES = 16
 _MAX_DEPTH = 12
 _ENTRIES: OrderedDict[Any, fx.GraphModule] = OrderedDict()
-_STATS = {"hits": 0, "misses": 0, "unkeyable": 0}
+_STATS = {"hits": 0, "misses": 0, "unkeyable": 0, "loaded": 0}
 _forced: bool | None = None
 
 
@@ -74,7 +77,8 @@ def clear() -> None:
 
 
 def stats() -> dict[str, int]:
-    """Hits, misses and untraceable-key counts since the last :func:`clear`."""
+    """Hits, misses and untraceable-key counts since the last :func:`clear`, and misses answered from
+    the shared directory (``loaded``, :mod:`.trace_store`)."""
     return dict(_STATS)
 
 
@@ -99,6 +103,32 @@ def store(key: Any, gm: fx.GraphModule) -> None:
     _ENTRIES[key] = _copy(gm)
     while len(_ENTRIES) > _MAX_ENTRIES:
         _ENTRIES.popitem(last=False)
+
+
+class Claim:
+    """A miss's turn at a key across processes (:func:`shared`): ``found`` is the trace another process
+    stored, else the caller traces and hands the graph to :meth:`keep`."""
+
+    def __init__(self, key: Any, path, found: fx.GraphModule | None):
+        self.key, self.path, self.found = key, path, found
+
+    def keep(self, gm: fx.GraphModule) -> None:
+        store(self.key, gm)
+        if self.path is not None:
+            trace_store.save(self.path, gm)
+
+
+@contextlib.contextmanager
+def shared(key: Any) -> Iterator[Claim]:
+    """After a miss: with ``AUTOPAR_TRACE_CACHE_DIR`` set, hold the key's lock across processes for the
+    block and offer what another process stored (see :mod:`.trace_store`); else a plain claim."""
+    name = trace_store.digest(key) if key is not None and trace_store.directory() is not None else None
+    with trace_store.claimed(name) as path:
+        found = trace_store.load(path) if path is not None and path.exists() else None
+        if found is not None:
+            _STATS["loaded"] += 1
+            store(key, found)
+        yield Claim(key, path if found is None else None, found)
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
