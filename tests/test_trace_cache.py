@@ -100,6 +100,18 @@ def test_the_caller_owns_the_graph_it_gets(cache):
     assert _signature(third) == before and cache.stats()["hits"] == 2
 
 
+def test_a_model_on_meta_hits_the_trace_of_the_same_model_on_cpu(cache):
+    """Both are traced on fake CPU tensors (a meta-started run and its CPU-started twin, one process)."""
+    on_cpu = _trace(Net(depth=3))
+    with torch.device("meta"):
+        on_meta = Net(depth=3)
+    hit = _trace(on_meta)
+    assert cache.stats()["hits"] == 1
+    trace_cache.set_enabled(False)
+    fresh = _trace(on_meta)
+    assert _signature(hit) == _signature(fresh) == _signature(on_cpu) and hit.code == fresh.code
+
+
 @pytest.mark.parametrize("change", [
     "width", "eps", "attribute", "constant", "tie", "frozen", "eval", "batch", "loss_closure", "dtype",
     "uncollapsed", "depth",

@@ -12,8 +12,9 @@ The fingerprint (:func:`trace_key`):
 - every module (by path, ties included): its class, ``training``, and every other instance
   attribute that is not a parameter, buffer or submodule (configuration values, recursively:
   a Hugging Face config is read field by field);
-- parameters and buffers: names, shapes, dtypes, devices, ``requires_grad``, which names
-  are the same tensor; their values do not enter the trace (it runs on fake tensors);
+- parameters and buffers: names, shapes, dtypes, devices (``meta`` as ``cpu``: both are traced
+  as fake CPU tensors), ``requires_grad``, which names are the same tensor; their values do not
+  enter the trace (it runs on fake tensors);
 - tensors kept as plain attributes: their values too (the trace bakes them in as constants);
 - inputs and target: structure, tensor shapes, strides, dtypes, devices; other values;
 - the loss function: its code, defaults and closure values, or its object state;
@@ -198,8 +199,9 @@ class _Fingerprint:
                         own.append((kind, name, None))
                         continue
                     tie = tensors.setdefault(id(t), f"{path}.{name}")
-                    own.append((kind, name, tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type,
-                                t.requires_grad, tie))
+                    # (a meta parameter is traced as a fake CPU one, trace._to_fake: the same trace)
+                    device = "cpu" if t.device.type == "meta" else t.device.type
+                    own.append((kind, name, tuple(t.shape), tuple(t.stride()), t.dtype, device, t.requires_grad, tie))
             attrs = tuple((k, self.value(v, 1)) for k, v in sorted(vars(mod).items())
                           if k not in _SKIPPED and not isinstance(v, nn.Module))
             out.append((path, type(mod), mod.training, tuple(own), tuple(mod._modules), attrs))

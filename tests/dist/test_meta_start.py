@@ -126,13 +126,13 @@ def _run(rank, world, configs):
             pm = autopar.parallelize(model, cluster=cluster, loss_fn=loss_fn, optimizer=_optimizer, init_fn=init_fn,
                                      fixed=fixed, init_seed=SEED if start == "meta" else None,
                                      plan=plan)  # (the meta run checks the CPU run's plan: no second solve)
-            tracker = _allocation_tracker()
+            tracker = _allocation_tracker() if start == "meta" else None  # (only the meta start's is bounded)
 
             def compile_tracked(self, *a, tracker=tracker):
                 with tracker:
                     return compile_original(self, *a)
 
-            ParallelModule._compile = compile_tracked
+            ParallelModule._compile = compile_tracked if tracker is not None else compile_original
             try:
                 losses = [pm.train_step(idx, target)]
             finally:
@@ -145,7 +145,7 @@ def _run(rank, world, configs):
             runs[start] = {"losses": losses,
                            "grads": {k: v.detach().numpy() for k, v in pm.full_gradients().items()},
                            "state": {k: v.detach().numpy() for k, v in pm.state_dict().items()},
-                           "peak": tracker.live.peak, "own": own, "held": sorted(pm.params.entries),
+                           "peak": tracker.live.peak if tracker is not None else None, "own": own, "held": sorted(pm.params.entries),
                            "materialized": getattr(pm, "materialized", None)}
         whole = model_bytes = sum(p.numel() * p.element_size() for p in on_meta().parameters())
         largest = max(sum(t.numel() * t.element_size() for t in m.parameters(recurse=False))
