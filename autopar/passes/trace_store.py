@@ -107,7 +107,7 @@ def _feed(h, v: Any, files: set[str]) -> None:
         if getattr(module, "__file__", None):
             files.add(module.__file__)
     elif isinstance(v, types.CodeType):
-        h.update(f"code:{v.co_filename}:{v.co_qualname}:{v.co_firstlineno}:".encode())
+        h.update(f"code:{v.co_filename}:{getattr(v, 'co_qualname', v.co_name)}:{v.co_firstlineno}:".encode())
         h.update(v.co_code)
         _feed(h, v.co_names, files)
         _feed(h, v.co_consts, files)
