@@ -145,7 +145,8 @@ def _run(rank, world, configs):
             runs[start] = {"losses": losses,
                            "grads": {k: v.detach().numpy() for k, v in pm.full_gradients().items()},
                            "state": {k: v.detach().numpy() for k, v in pm.state_dict().items()},
-                           "peak": tracker.live.peak if tracker is not None else None, "own": own, "held": sorted(pm.params.entries),
+                           "peak": tracker.live.peak if tracker is not None else None, "own": own,
+                           "held": sorted(pm.params.entries),
                            "materialized": getattr(pm, "materialized", None)}
         whole = model_bytes = sum(p.numel() * p.element_size() for p in on_meta().parameters())
         largest = max(sum(t.numel() * t.element_size() for t in m.parameters(recurse=False))
