@@ -68,6 +68,10 @@ BODIES = {  # name -> (body, the op found and why, or None)
     "position table sliced": (lambda m, x: x * m.cos[: x.shape[1]], "meets the sequence with a position table"),
     "learned positions sliced": (lambda m, x: x + m.pos[:, : x.shape[1]], "meets the sequence with a position table"),
     "positions from arange": (lambda m, x: x * torch.cos(torch.arange(x.shape[1])[:, None] / 4.0), None),
+    "positions counted over ones": (lambda m, x: x + torch.ones(x.shape[:2]).cumsum(1)[..., None],
+                                    "counts positions with a cumulative sum along a constant"),
+    "a mask of ones": (lambda m, x: x * torch.ones(x.shape[:2])[..., None] + torch.zeros(x.shape[:2]).cumsum(1)[
+        ..., None], None),  # (ones per token; zeros count nothing)
 }
 
 
@@ -115,6 +119,19 @@ def test_hugging_face_labels_are_shifted_outside_the_chunks():
     model, inputs, _, _ = hf.build(model="bert", batch=4, seq=SEQ)
     found = sequence_mixing(_graph(model, inputs), SEQ)
     assert [(f.op, f.module_path) for f in found] == [("add.Tensor", "bert.embeddings")], found
+
+
+def test_positions_counted_over_a_mask_of_ones_are_found():
+    # OPT numbers positions cumsum(attention_mask, 1) - 1, over torch.ones(B, T) when no mask is passed:
+    # each rank would number its chunks from 0
+    transformers = pytest.importorskip("transformers")
+    config = transformers.OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                                    num_attention_heads=2, max_position_embeddings=4 * SEQ, word_embed_proj_dim=16)
+    ids = torch.randint(0, 64, (4, SEQ))
+    gm = _graph(transformers.OPTForCausalLM(config), {"input_ids": ids, "labels": ids})
+    found = sequence_mixing(gm, SEQ, untagged=labels_shifted_outside(gm))
+    assert [(f.op, f.module_path) for f in found] == [("cumsum.default", "model.decoder")], [str(f) for f in found]
+    assert "number positions with torch.arange(T)" in str(found[0])
 
 
 def test_an_arange_as_long_as_a_ranks_chunk_is_a_collision():

@@ -24,7 +24,10 @@ sequence when the dims it reduces, scans, sorts, contracts, concatenates, pads o
 along carry ``T`` but not ``B``; along ``B`` and ``T`` together (a merged ``(B T)`` dim, or
 both) it is a reduction over all the rank's tokens, which dp sums correctly. A slice from 0 to
 the sequence length of a tensor that indexes no tokens is a position table (``P``): an
-elementwise op that aligns it with ``T`` is flagged. Attention ops
+elementwise op that aligns it with ``T`` is flagged. A tensor of one nonzero value made at the
+sequence length (``torch.ones(B, T)``: the padding mask a Hugging Face model builds when none is
+passed) has that dim tagged ``C``; a cumulative op along it counts positions (OPT's
+``cumsum(mask, 1) - 1``), from 0 on every rank's chunks under cp, and is flagged. Attention ops
 are left out (cp runs them), and so is the scatter-add of an embedding's backward (a weight
 gradient by token value). Unknown ops keep the tags of a same-shaped input (else none): the
 analysis errs towards missing an op, never towards refusing a model for an op it cannot read.
@@ -51,7 +54,7 @@ __all__ = ["SequenceMixing", "sequence_mixing", "described", "position_collision
            "labels_shifted_outside"]
 
 _aten = torch.ops.aten
-Factor = tuple[str | None, int]  # (what it indexes: "B", "T" or None, size)
+Factor = tuple[str | None, int]  # (what it indexes: "B", "T", "P", "C" or None, size)
 Dims = tuple[tuple[Factor, ...], ...]
 
 
@@ -117,10 +120,16 @@ def _broadcast(values: list[Dims], shape) -> Dims:
         best = ((None, int(shape[k])),)
         for d in values:
             j = k - (n - len(d))
-            if 0 <= j < len(d) and len(_tags(d[j])) > len(_tags(best)):
+            if 0 <= j < len(d) and _weight(d[j]) > _weight(best):
                 best = d[j]
         out.append(best)
     return tuple(out)
+
+
+def _weight(dim: tuple[Factor, ...]) -> tuple[int, int]:
+    """Which of two aligned dims an elementwise result keeps: tokens and tables before constants."""
+    tags = _tags(dim)
+    return len(tags - {"C"}), len(tags)
 
 
 def _val_shapes(node: fx.Node) -> list:
@@ -158,6 +167,11 @@ _ALONG = {  # ops along one dim (their "dim" argument), as the error says it
     _aten.select.int: "a select", _aten.split.Tensor: "a split", _aten.split_with_sizes.default: "a split",
     _aten.unbind.int: "an unbind", _aten.cat.default: "a concatenation", _aten.slice.Tensor: "a slice"}
 _LEFT_OUT = {"scaled_dot_product", "embedding_dense_backward", "cp_attention"}
+_SCANS = {_aten.cumsum.default, _aten.cumprod.default, _aten.logcumsumexp.default, _aten.cummax.default,
+          _aten.cummin.default}
+_CONSTANTS = {_aten.ones.default: None, _aten.new_ones.default: None, _aten.full.default: 1,
+              _aten.new_full.default: 2}
+"""Factories of one value -> the position of that value's argument (None: it is 1)."""
 
 
 def _flows(node: fx.Node, env: dict[fx.Node, list[Dims | None]]) -> list[Dims]:
@@ -204,6 +218,8 @@ def sequence_mixing(gm: fx.GraphModule, seq: int, *, untagged: frozenset[str] = 
             continue
         ins = _flows(node, env)
         table = _position_table(node, ins, shapes[0], seq)
+        if table is None:
+            table = _constant_along(node, shapes[0], seq)
         if table is not None:
             env[node] = [table]
             continue
@@ -226,6 +242,17 @@ def _position_table(node: fx.Node, ins: list[Dims], out, seq: int) -> Dims | Non
     if d >= len(x) or start not in (None, 0) or out[d] != seq or math.prod(s for _, s in x[d]) <= seq:
         return None
     return tuple(x[k] if k != d else (("P", seq),) for k in range(len(x)))
+
+
+def _constant_along(node: fx.Node, out, seq: int) -> Dims | None:
+    """A tensor of one nonzero value made with a dim of the sequence length (``torch.ones(B, T)``):
+    its dims, those of that length tagged ``C``; else None. (Zeros count nothing.)"""
+    if node.target not in _CONSTANTS or out is None or seq not in out:
+        return None
+    k = _CONSTANTS[node.target]
+    if k is not None and (len(node.args) <= k or not isinstance(node.args[k], (int, float)) or node.args[k] == 0):
+        return None
+    return tuple((("C", seq),) if s == seq else ((None, int(s)),) for s in out)
 
 
 def _follow(node: fx.Node, env: dict, ins: list[Dims], shapes: list, plain: list, flag) -> list[Dims | None]:
@@ -288,6 +315,10 @@ def _follow(node: fx.Node, env: dict, ins: list[Dims], shapes: list, plain: list
         whole = out is not None and d < len(out) and out[d] == math.prod(s for _, s in x[d])
         if any(k < len(x) and _per_sequence(_tags(x[k])) for k in along) and not (t is _aten.slice.Tensor and whole):
             flag(node, f"runs {_ALONG[t]} along each sequence's positions")
+        elif t in _SCANS and d < len(x) and _tags(x[d]) == {"C"}:
+            flag(node, f"counts positions with {_ALONG[t]} along a constant made at the sequence length "
+                       f"(cumsum(ones(B, T))), which every rank would count from 0 on its chunks; number "
+                       f"positions with torch.arange(T), which cp renumbers per rank")
         if t is _aten.cat.default:
             return [_broadcast(ins, out)]
         return [tuple(x[k] if k != d else ((None, int(s[k])),) for k in range(len(x)))
