@@ -28,6 +28,8 @@ or a value the fingerprint cannot read (an object with neither ``__dict__`` nor
 
 Why written here: torch.compile's guards answer "may I reuse this graph" for one frame of
 bytecode, but dynamo's export capture and AOTAutograd's joint export bypass its cache.
+Between processes (the ranks of a world, the test suite's workers): :mod:`.trace_store`, with
+``AUTOPAR_TRACE_CACHE_DIR``.
 """
 
 from __future__ import annotations
