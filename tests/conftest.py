@@ -14,28 +14,28 @@ import pytest
 # tests/test_trace_cache.py checks what may and may not hit.
 os.environ.setdefault("AUTOPAR_TRACE_CACHE", "1")
 
+
+def _fresh_dir(env: str, prefix: str) -> None:
+    """``env`` names a new directory for this run (inherited by xdist workers and spawned ranks),
+    removed at exit; unless the caller set ``env`` already."""
+    if env not in os.environ:
+        import atexit
+        import shutil
+        import tempfile
+
+        os.environ[env] = path = tempfile.mkdtemp(prefix=prefix)
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+
+
 # Solved sharding MIPs are shared between the suite's processes (xdist workers, spawned ranks) through
 # one fresh directory per run (autopar.planner.solve_cache): a world's rank 0 does not solve again what
 # another world solved, and no run is faster or slower for what an earlier run left in ~/.cache.
-if "AUTOPAR_CACHE_DIR" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
-
-    os.environ["AUTOPAR_CACHE_DIR"] = _CACHE_DIR = tempfile.mkdtemp(prefix="autopar-test-cache-")
-    atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
-
+_fresh_dir("AUTOPAR_CACHE_DIR", "autopar-test-cache-")
 # Traces are shared the same way (autopar.passes.trace_store): each rank of a world traces the step it
 # runs, the same graph on every rank, and most worlds train the same few example models; with a shared
 # directory one process traces and the others load (about 0.05 s against 2 s for a tiny model).
 # A fresh directory per run, whatever AUTOPAR_CACHE_DIR says: an entry trusts that the code is the same.
-if "AUTOPAR_TRACE_CACHE_DIR" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
-
-    os.environ["AUTOPAR_TRACE_CACHE_DIR"] = _TRACE_DIR = tempfile.mkdtemp(prefix="autopar-test-traces-")
-    atexit.register(shutil.rmtree, _TRACE_DIR, ignore_errors=True)
+_fresh_dir("AUTOPAR_TRACE_CACHE_DIR", "autopar-test-traces-")
 
 _CPU_LOG = os.environ.get("AUTOPAR_TEST_CPU")
 """A file to append each test phase's CPU seconds to (this process, its reaped children and the
