@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from autopar.testing import spawn_world, tp_friendly_cluster
-from parallel_compare import Reference, assert_matches, errors, train_alongside
+from parallel_compare import Reference, assert_matches, train_judged
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -32,14 +32,13 @@ def _first_step(rank, world, weights):
     import hf
 
     saved, inputs, _, _ = hf.build(model="llama", batch=8, seed=0)
-    reference = Reference(saved, _optimizer)
+    reference = Reference(saved, _optimizer) if rank == 0 else None  # (judged on rank 0: train_judged)
     other, _, _, _ = hf.build(model="llama", batch=8, seed=1)
     pm = autopar.parallelize(other, cluster=tp_friendly_cluster("1x4xcpu"), fixed={"dp": 2, "tp": 2, "zero": 1},
                              optimizer=_optimizer, resume_from=weights)
-    losses = train_alongside(pm, reference, steps=1, run=lambda pm: pm.train_step(inputs),
-                             run_reference=lambda ref, like: ref(**like(inputs)).loss)
-    grad_err, param_err = errors(pm, reference)
-    return losses, grad_err, param_err, pm.plan.mesh
+    raw, losses, grad_err, param_err = train_judged(pm, reference, steps=1, run=lambda pm: pm.train_step(inputs),
+                                                    run_reference=lambda ref, like: ref(**like(inputs)).loss)
+    return raw, losses, grad_err, param_err, pm.plan.mesh
 
 
 def test_save_pretrained_weights_load_into_four_ranks(tmp_path):
@@ -49,7 +48,10 @@ def test_save_pretrained_weights_load_into_four_ranks(tmp_path):
     model, *_ = hf.build(model="llama", batch=8, seed=0)
     model.save_pretrained(tmp_path, safe_serialization=True)
     assert list(tmp_path.glob("*.safetensors"))
-    for rank, (losses, grad_err, param_err, mesh) in enumerate(spawn_world(_first_step, 4, str(tmp_path))):
+    ranks = spawn_world(_first_step, 4, str(tmp_path))
+    raw, losses, grad_err, param_err, _ = ranks[0]  # rank 0 trained the reference (train_judged)
+    assert len(grad_err) == len(list(model.parameters()))
+    assert_matches(losses, grad_err, param_err, "rank 0")
+    for rank, (rank_raw, _, _, _, mesh) in enumerate(ranks):
         assert (mesh["dp"], mesh["tp"]) == (2, 2)
-        assert len(grad_err) == len(list(model.parameters()))
-        assert_matches(losses, grad_err, param_err, f"rank {rank}")
+        assert rank_raw == raw, f"rank {rank}'s loss {rank_raw} != rank 0's {raw}"

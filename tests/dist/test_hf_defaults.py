@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from autopar.testing import spawn_world, tp_friendly_cluster
-from parallel_compare import Reference, assert_matches, errors, train_alongside
+from parallel_compare import Reference, assert_matches, train_judged
 
 pytest.importorskip("transformers")
 
@@ -56,7 +56,7 @@ def _train(rank, world, models, configs):
     for model_name in models:
         for name, cluster, fixed in configs:
             model, inputs, _, _ = hf.build(model=model_name, defaults=1, batch=4, seq=16)
-            reference = Reference(model, _optimizer)
+            reference = Reference(model, _optimizer) if rank == 0 else None  # (judged on rank 0: train_judged)
             pm = autopar.parallelize(model, cluster=cluster, fixed=fixed, optimizer=_optimizer)
             step = iter(range(10**6))
             seeds = {}
@@ -70,11 +70,11 @@ def _train(rank, world, models, configs):
                 torch.manual_seed(seeds["now"])
                 return ref(**like(inputs)).loss  # labels are in the inputs
 
-            losses = train_alongside(pm, reference, steps=STEPS, run=run, run_reference=run_reference)
-            grad_err, param_err = errors(pm, reference)
+            raw, losses, grad_err, param_err = train_judged(pm, reference, steps=STEPS, run=run,
+                                                            run_reference=run_reference)
             report[model_name, name] = {
-                "losses": losses, "grad_err": grad_err, "param_err": param_err, "mesh": pm.plan.mesh,
-                "missing": sorted(set(dict(reference.fp32.named_parameters())) - set(grad_err)),
+                "raw": raw, "losses": losses, "grad_err": grad_err, "param_err": param_err, "mesh": pm.plan.mesh,
+                "missing": sorted({k for k, _ in model.named_parameters()} - set(grad_err or {})),
                 "dropout": sum(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()),
             }
     return report
@@ -88,12 +88,14 @@ def results(request):
 @pytest.mark.parametrize("config", [c[0] for c in CONFIGS])
 def test_default_config_trains_equal_to_one_process(results, config):
     model_name, per_rank = results
-    for rank_result in per_rank:
+    judged = per_rank[0][model_name, config]  # rank 0 trained the references (train_judged)
+    where = f"{model_name} {config} (default config)"
+    assert not judged["missing"], f"{where}: no gradient for {judged['missing']}"
+    assert_matches(judged["losses"], judged["grad_err"], judged["param_err"], where)
+    for rank, rank_result in enumerate(per_rank):
         r = rank_result[model_name, config]
-        where = f"{model_name} {config} (default config)"
         assert r["mesh"][config] == 2, (where, r["mesh"])
-        assert not r["missing"], f"{where}: no gradient for {r['missing']}"
-        assert_matches(r["losses"], r["grad_err"], r["param_err"], where)
+        assert r["raw"] == judged["raw"], f"{where}: rank {rank}'s losses {r['raw']} != rank 0's {judged['raw']}"
 
 
 def test_dropout_is_on_where_the_config_has_it(results):
