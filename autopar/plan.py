@@ -102,8 +102,8 @@ class Plan:
     zero: int
     """ZeRO stage on the dp axis (0-3)."""
     recompute: str
-    """Activation recompute: "none", "selective" (FLOP-free ops), "full", or "sac" (pinned only:
-    "selective" plus every second matmul of a layer, torchtitan's op-level SAC)."""
+    """Activation recompute: "none", "selective" (FLOP-free ops), "sac" ("selective" plus every second
+    matmul of a layer, torchtitan's op-level SAC) or "full"."""
     sequence_parallel: bool = False
     """Sequence parallelism on the tp axis (which norms run on token shards: ``layers[...]["sequence_parallel"]``)."""
     stages: tuple[dict[str, Any], ...]

@@ -1,6 +1,6 @@
 """Cost-model physics of how the programs run: the local copy of a collective along a tensor dim
 other than 0 (autopar.planner.ilp.reshard_s), and torchtitan's op-level selective checkpointing
-("sac", pinned only: selective recompute plus every second matmul of a layer)."""
+("sac": selective recompute plus every second matmul of a layer), pinned and chosen by the search."""
 
 import sys
 from pathlib import Path
@@ -17,6 +17,7 @@ from autopar.planner.evaluation import evaluate
 from autopar.planner.fixed import RECOMPUTE, Fixed
 from autopar.planner.frontend import trace_pair
 from autopar.planner.ilp import build_problem, node_cost_s, reshard_s, solve
+from autopar.planner.infeasible import MEMORY_RESERVE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import llama  # noqa: E402
@@ -71,11 +72,24 @@ def test_sac_recomputes_every_second_matmul_of_a_block(llama_tp2):
     assert 0 < cost.sac_activation_bytes < cost.activation_bytes - cost.cheap_activation_bytes
 
 
-def test_sac_is_priced_when_pinned_and_never_chosen():
-    model, inputs, loss_fn, target = llama.build(size="small", batch=8, device="meta")
-    plans = {r: autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
-                             fixed={"tp": 1, "pp": 1, "dp": 8, "zero": 3, "microbatches": 1, "recompute": r})
-             for r in ("selective", "sac", "full")}
+PINNED = {"tp": 1, "pp": 1, "dp": 8, "zero": 3, "microbatches": 1}
+
+
+@pytest.fixture(scope="module")
+def small_llama():
+    return llama.build(size="small", batch=8, device="meta")
+
+
+@pytest.fixture(scope="module")
+def pinned_plans(small_llama):
+    model, inputs, loss_fn, target = small_llama
+    return {r: autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
+                            fixed={**PINNED, "recompute": r})
+            for r in ("none", "selective", "sac", "full")}
+
+
+def test_sac_is_priced_between_selective_and_full(pinned_plans):
+    plans = {r: pinned_plans[r] for r in ("selective", "sac", "full")}
     step = {r: p.predicted["step_time_s"] for r, p in plans.items()}
     acts = {r: p.stages[0]["predicted"]["memory_bytes"]["activations"] for r, p in plans.items()}
     assert step["selective"] < step["sac"] < step["full"]  # it recomputes more than selective, less than full
@@ -91,11 +105,29 @@ def test_sac_is_priced_when_pinned_and_never_chosen():
     ffn = cfg.ffn_hidden
     assert hw["selective"] == model_flops < hw["sac"] < hw["full"]
     assert hw["sac"] - model_flops == pytest.approx(2 * 8 * 64 * cfg.dim * (kv + cfg.dim + ffn) * cfg.n_layers)
-    assert "sac" not in RECOMPUTE and Fixed.from_dict({"recompute": "sac"}).recompute == "sac"
-    free = autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target)
-    assert free.recompute in RECOMPUTE
+    assert Fixed.from_dict({"recompute": "sac"}).recompute == "sac"
     with pytest.raises(PlanError, match="recompute='some'"):
         Fixed.from_dict({"recompute": "some"})
+
+
+def test_the_search_chooses_sac_where_selective_does_not_fit(small_llama, pinned_plans):
+    """On a device whose memory holds the plan under sac but not under selective, the search picks
+    sac: full fits too, but recomputes the whole forward (slower). With memory for selective, it
+    picks selective (sac recomputes matmuls selective keeps)."""
+    model, inputs, loss_fn, target = small_llama
+    need = {r: p.predicted["peak_memory_bytes"] for r, p in pinned_plans.items()}
+    step = {r: p.predicted["step_time_s"] for r, p in pinned_plans.items()}
+    assert need["none"] > need["selective"] > need["sac"] > need["full"]
+    assert step["none"] < step["selective"] < step["sac"] < step["full"]
+    chosen = {}
+    for between in (("selective", "sac"), ("none", "selective")):
+        room = (need[between[0]] + need[between[1]]) / 2  # more than the second needs, less than the first
+        cluster = H100.with_overrides(hbm_bytes=round(room / (1 - MEMORY_RESERVE)))
+        plan = autopar.plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=PINNED)
+        chosen[between[1]] = plan.recompute
+        assert plan.predicted["step_time_s"] == step[plan.recompute]
+    assert chosen == {"sac": "sac", "selective": "selective"}
+    assert RECOMPUTE == ("none", "selective", "sac", "full")  # (the order the search breaks ties in)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -7,7 +7,7 @@ joint graph do exactly that, so the step program holds what the plan says it hol
 
 - ``selective``: the layer's FLOP-free forward ops (norms, activations, rotary embeddings,
   casts, views) are dropped; the outputs of its GEMMs and attention are kept.
-- ``sac`` (torchtitan's op-level SAC, pinned only): as selective, and every second forward GEMM of
+- ``sac`` (torchtitan's op-level SAC): as selective, and every second forward GEMM of
   the layer in graph order is dropped too (:func:`~autopar.planner.recompute_keep.sac_recomputed_matmuls`
   counts the same ones).
 - ``full``: every forward op of the layer is dropped; the layer keeps its inputs.

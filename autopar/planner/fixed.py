@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from autopar.errors import PlanError
 
-__all__ = ["Fixed", "FIXED_KEYS", "EP_DISPATCHES", "check_cuts", "SCHEDULES", "RECOMPUTE", "PINNED_RECOMPUTE"]
+__all__ = ["Fixed", "FIXED_KEYS", "EP_DISPATCHES", "check_cuts", "SCHEDULES", "RECOMPUTE"]
 
 CP_VARIANTS = ("ring", "allgather")  # (autopar.context.VARIANTS, without importing the runtime op)
 PINNED_CP_VARIANTS = (*CP_VARIANTS, "torch")
@@ -25,11 +25,10 @@ prices them: autopar's (what ``parallelize`` runs), and, pinned only for
 comparison with runs made with them, Megatron-LM's all-to-all dispatcher (torchtitan's all-to-all
 runs the same exchanges) and DeepEP's normal kernels (under uniform routing)."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
-RECOMPUTE = ("none", "selective", "full")
-PINNED_RECOMPUTE = (*RECOMPUTE, "sac")
-"""Recompute policies a plan may pin: the searched ones, and "sac" (torchtitan's op-level
-selective checkpointing: "selective" plus every second matmul of a layer), priced for runs made
-that way (``bench/fidelity.py``) and never chosen by the search."""
+RECOMPUTE = ("none", "selective", "sac", "full")
+"""Recompute policies, from the one that recomputes least (and keeps most) to the one that recomputes
+most: "sac" is torchtitan's op-level selective checkpointing, "selective" plus every second matmul of a
+layer (:func:`autopar.passes.recompute.dropped_ops`). The search weighs each; a plan may pin any."""
 FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
               "virtual_stages", "ep", "etp", "moe_imbalance", "cp", "cp_variant", "cuts", "ep_dispatch")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -126,7 +125,7 @@ class Fixed:
                 values[key] = names
                 continue
             if key in ("schedule", "recompute", "cp_variant", "ep_dispatch"):
-                allowed = {"schedule": SCHEDULES, "recompute": PINNED_RECOMPUTE, "cp_variant": PINNED_CP_VARIANTS,
+                allowed = {"schedule": SCHEDULES, "recompute": RECOMPUTE, "cp_variant": PINNED_CP_VARIANTS,
                            "ep_dispatch": EP_DISPATCHES}[key]
                 if value not in allowed:
                     problems.append(f"{key}={value!r} is not one of {', '.join(allowed)}")

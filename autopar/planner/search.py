@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from autopar.cluster import Cluster
 from autopar.cost.simulate import SimResult, StepResult
 from autopar.cost.step import GroupCost, StageCost, StepSpec, estimate_exposed_s, group_dp_s
-from autopar.planner.fixed import FIXED_KEYS, PINNED_RECOMPUTE, RECOMPUTE, SCHEDULES, Fixed  # noqa: F401 (re-exported)
+from autopar.planner.fixed import FIXED_KEYS, RECOMPUTE, SCHEDULES, Fixed  # noqa: F401 (re-exported)
 from autopar.planner.infeasible import MEMORY_RESERVE, _infeasible, _largest_op, _min_memory
 from autopar.planner.partition import _partition
 from autopar.planner.pipeline_states import _inflight, rank_states, zero_bubble_moments
@@ -487,7 +487,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
 def _rank_key(time_of):
     def key(c: Candidate):
         cfg = c.config
-        return (float(f"{time_of(c):.6g}"), cfg.zero, PINNED_RECOMPUTE.index(cfg.recompute), -cfg.dp, cfg.pp,
+        return (float(f"{time_of(c):.6g}"), cfg.zero, RECOMPUTE.index(cfg.recompute), -cfg.dp, cfg.pp,
                 cfg.tp, cfg.ep, float(f"{c.peak_memory_bytes:.6g}"),  # equal times: the schedule holding less (1F1B, not GPipe)
                 SCHEDULES.index(cfg.schedule) if cfg.schedule in SCHEDULES else 0, cfg.microbatch_size)
     return key

@@ -4,8 +4,9 @@ Train the GPT example (4 blocks, tied embedding) 3 AdamW steps under plan A, sav
 under plan B into a model built from another seed, train 2 more steps: every loss, the
 last gradients and the final parameters must be as accurate as 5 uninterrupted steps of
 one process (the ``parallel_compare`` rule; rank 0 trains the reference alongside across both
-plans and judges, the other ranks' losses must equal its). AdamW's state must come along: restarted moments would move every parameter by
-about lr on the 4th step, thousands of times the tolerance. Pairs: DP4 -> TP2xDP2,
+plans and judges, the other ranks' losses must equal its). AdamW's state must come along:
+restarted moments would move every parameter by about lr on the 4th step, thousands of times
+the tolerance. Pairs: DP4 -> TP2xDP2,
 ZeRO-3 DP4 -> PP2xDP2 (ZeRO-1), TP2xDP2 -> ZeRO-1 DP4 and, for the MoE example, ep=2 over
 dp=4 at ZeRO-3 -> ep=4 (each rank loads other experts' rows than it saved) and ep=4 -> ep=2 at
 ZeRO-2 (expert state in chunks over the replicas), and ep=4 folded over tp=2 x dp=2 (etp=1, ZeRO-1)

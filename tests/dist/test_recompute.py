@@ -61,10 +61,10 @@ WORLDS = [
     ("llama-tp2-sp", "llama", {"dp": 1, "tp": 2, "pp": 1, "sp": True}, POLICIES),
     ("llama-dp2-zero3", "llama", {"dp": 2, "tp": 1, "pp": 1, "zero": 3, "microbatches": 2}, ("none", "full")),
     ("llama-pp2-zbh1", "llama", {"dp": 1, "tp": 1, "pp": 2, "schedule": "zb-h1", "microbatches": 4},
-     ("none", "selective", "full")),
+     ("none", "selective", "sac", "full")),
     ("gpt-dropout-dp2", "gpt-dropout", {"dp": 2, "tp": 1, "pp": 1}, ("none", "full", "full-interpreted")),
     ("llama-cp2-ring", "llama", {"dp": 2, "tp": 1, "pp": 1, "cp": 2, "cp_variant": "ring"}, ("none", "full")),
-    ("moe-ep2", "moe", {"dp": 2, "tp": 1, "pp": 1, "ep": 2}, ("none", "selective", "full")),
+    ("moe-ep2", "moe", {"dp": 2, "tp": 1, "pp": 1, "ep": 2}, ("none", "selective", "sac", "full")),
 ]
 
 
@@ -79,6 +79,9 @@ def test_recompute_trains_exactly_as_without(name):
             assert copies > 0, (rank, policy)  # (the backward re-runs something)
             assert got == losses, (rank, policy, got, losses)
             assert len(differences) > 0 and all(d == 0.0 for d in differences.values()), (rank, policy, differences)
+        copies = {p: out[p][3] for p in policies}
+        if "sac" in copies:  # (every second matmul of a layer made again besides selective's ops)
+            assert copies["selective"] < copies["sac"] < copies["full"], (rank, copies)
 
 
 def _measure(rank, world):
