@@ -40,6 +40,14 @@ def _span(devices: list[int]) -> str:
     return f"{devices[0]}-{devices[-1]}" if len(devices) > 1 else str(devices[0])
 
 
+_RECOMPUTE_WORDS = {  # what each policy makes again in a layer's backward (autopar/passes/recompute.py)
+    "none": "",
+    "selective": " (norms, activations and other FLOP-free ops made again in the backward)",
+    "sac": " (FLOP-free ops and every second matmul of a layer made again in the backward)",
+    "full": " (each layer's whole forward made again in its backward)",
+}
+
+
 def mesh_words(plan: Plan) -> list[str]:
     """The mesh and the data-parallel treatment of the training state, in words."""
     m = plan.mesh
@@ -57,7 +65,8 @@ def mesh_words(plan: Plan) -> list[str]:
         f"mesh pp={m['pp']} x dp={m['dp']} x tp={m['tp']} = {world} devices "
         f"(tp groups are consecutive ranks, then dp, then pp)",
         f"data parallel: dp={m['dp']}, {zero if m['dp'] > 1 else 'no data parallelism'}; "
-        f"activation recompute: {plan.recompute}; sequence parallelism: {'on' if plan.sequence_parallel else 'off'}",
+        f"activation recompute: {plan.recompute}{_RECOMPUTE_WORDS[plan.recompute]}; "
+        f"sequence parallelism: {'on' if plan.sequence_parallel else 'off'}",
         f"pipeline: {sched['kind']} over {len(plan.stages)} stage(s) on pp={m['pp']} rank(s)"
         + (f" ({len(plan.stages) // m['pp']} per rank, stage s on rank s mod {m['pp']})"
            if len(plan.stages) > m["pp"] else "")

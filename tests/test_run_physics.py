@@ -96,6 +96,7 @@ def test_sac_is_priced_between_selective_and_full(pinned_plans):
     assert acts["sac"] < acts["selective"]  # and keeps less (full keeps a block's input per block, plus
     # one block's working set while it recomputes: on 4 small blocks that is more than either)
     assert plans["sac"].recompute == "sac"
+    assert "activation recompute: sac (FLOP-free ops and every second matmul of a layer" in plans["sac"].summary()
     # hardware FLOPs count what is recomputed: sac's wk, wo and w3 forwards (2 T d (kv + d + ffn)
     # per block at T = 8 x 64 tokens), full's whole forward; selective's FLOP-free ops add none
     hw = {r: p.predicted["hardware_flops_per_step"] for r, p in plans.items()}
