@@ -33,7 +33,7 @@ __all__ = ["Plan", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
 
-RECOMPUTE_POLICIES = ("none", "selective", "full", "sac")
+RECOMPUTE_POLICIES = ("none", "selective", "sac", "full")  # (autopar.planner.fixed.RECOMPUTE: the same, in order)
 
 _DICT_KEYS = ("mesh", "schedule", "layers", "ops", "predicted", "solver", "communication", "cluster", "model", "fixed",
               "experts", "context")

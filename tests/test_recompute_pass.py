@@ -112,5 +112,5 @@ def test_random_masks_are_kept_never_drawn_again():
 
 def test_an_unknown_policy_is_refused():
     gm, _ = _graph("llama")
-    with pytest.raises(ValueError, match="recompute='partial' is not one of none, selective, full, sac"):
+    with pytest.raises(ValueError, match="recompute='partial' is not one of none, selective, sac, full"):
         recompute_in_backward(gm, "partial")
