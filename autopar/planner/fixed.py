@@ -28,7 +28,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 RECOMPUTE = ("none", "selective", "sac", "full")
 """Recompute policies, from the one that recomputes least (and keeps most) to the one that recomputes
 most: "sac" is torchtitan's op-level selective checkpointing, "selective" plus every second matmul of a
-layer (:func:`autopar.passes.recompute.dropped_ops`). The search weighs each; a plan may pin any."""
+layer (:func:`autopar.passes.recompute.dropped_ops`). The search weighs each (sac without a pipeline
+only: :func:`autopar.planner.search.search`'s ``policies``); a plan may pin any."""
 FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
               "virtual_stages", "ep", "etp", "moe_imbalance", "cp", "cp_variant", "cuts", "ep_dispatch")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
