@@ -72,7 +72,7 @@ def _stages(rank, world, schedule, virtual):
     import autopar
 
     out = {}
-    for policy in ("none", "selective", "full"):
+    for policy in POLICIES:
         torch.manual_seed(0)
         model, inputs, loss_fn, target = llama.build(size="tiny", batch=8, seq=256, n_layers=4)
         fixed = {"dp": 1, "tp": 1, "pp": world, "schedule": schedule, "microbatches": 4, "zero": 0,

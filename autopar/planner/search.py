@@ -283,11 +283,11 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
         """The recompute policies weighed at ``pp``: sac only without a pipeline (pinned, it is
         planned and run under one too). A stage's memory counts the micro-batch in its backward at
         what its layers keep plus the largest op's working set, and under sac the running layer also
-        holds the matmul outputs it makes again: measured (pp=2 1F1B, Llama tiny, 4 micro-batches)
-        the first stage peaks 19.4% over its plan under sac (9.8% under selective, -3.7% without
-        recompute), and counting the running layer's whole activations instead over-counts by 14.8%
-        there and by 17% at pp = 1, where the present count is within 10%
-        (``tests/dist/test_recompute.py``)."""
+        holds the matmul outputs it makes again: measured (``python bench/recompute.py --pp 1f1b``:
+        pp=2, Llama tiny, 4 micro-batches) the first stage peaks 19.4% over its plan under sac (9.8%
+        under selective, -3.7% without recompute), and counting the running layer's whole
+        activations instead over-counts by 14.8% there and by 17% at pp = 1, where the present count
+        is within 10% (``tests/dist/test_recompute.py``)."""
         return recomputes if fixed.recompute or pp == 1 else [r for r in recomputes if r != "sac"]
 
     def zeros(dp: int):
