@@ -28,12 +28,13 @@ from typing import Any
 
 from autopar.cost.schedule import SCHEDULE_KINDS
 from autopar.errors import PlanError
+from autopar.planner.fixed import RECOMPUTE
 
 __all__ = ["Plan", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
 
-RECOMPUTE_POLICIES = ("none", "selective", "sac", "full")  # (autopar.planner.fixed.RECOMPUTE: the same, in order)
+RECOMPUTE_POLICIES = RECOMPUTE  # (the search's policies, in its order: one list for plans, the pass and the search)
 
 _DICT_KEYS = ("mesh", "schedule", "layers", "ops", "predicted", "solver", "communication", "cluster", "model", "fixed",
               "experts", "context")

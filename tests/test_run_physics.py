@@ -1,6 +1,7 @@
 """Cost-model physics of how the programs run: the local copy of a collective along a tensor dim
 other than 0 (autopar.planner.ilp.reshard_s), and torchtitan's op-level selective checkpointing
-("sac": selective recompute plus every second matmul of a layer), pinned and chosen by the search."""
+("sac": selective recompute plus every second matmul of a layer), pinned, and chosen by the search
+for plans without a pipeline."""
 
 import sys
 from pathlib import Path
