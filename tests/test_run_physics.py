@@ -141,7 +141,7 @@ def test_recompute_keeps_what_the_dropped_ops_are_recomputed_from(tp):
     dropped norms and rotary embeddings are recomputed from. Checked as bytes per device; each
     is more than counting only the saved outputs a policy does not drop (0.44 and 0.47 GB of a
     1.04 and 1.55 GB block at 2 x 8192 tokens). The head keeps the logits under SAC; the loss,
-    which reads them, does not count them again."""
+    which reads them, does not count them again. The head keeps the final norm's output."""
     batch, seq = 1, 1024
     model, inputs, loss_fn, target = llama.build(size="8b", batch=batch, seq=seq, n_layers=2, device="meta")
     gm, gm2 = trace_pair(model, inputs, cluster=H100, loss_fn=loss_fn, example_target=target)
@@ -179,5 +179,8 @@ def test_recompute_keeps_what_the_dropped_ops_are_recomputed_from(tp):
         assert sac == 2 * t * (d + d + kv + ffn + d + d) + t * heads * 4
     head = cost["output"]
     assert head.activation_bytes - head.cheap_activation_bytes - head.sac_activation_bytes >= t * 128256 * 2 / tp
+    # and, under both, the final norm's output (replicated here), which the head's weight gradient reads: the
+    # recompute pass makes copies for the norm's own backward only, so the head reads the original
+    assert head.activation_bytes - head.cheap_activation_bytes == t * d * 2
     loss = cost["<loss>"]
     assert loss.activation_bytes - loss.cheap_activation_bytes - loss.sac_activation_bytes == 0

@@ -52,6 +52,19 @@ def _unit_times(u: Unit, recompute: str) -> tuple[float, float, float, float]:
     return u.f_s, u.b_s, u.w_s, u.act_bytes
 
 
+def running_bytes(u: Unit, recompute: str) -> float:
+    """What a micro-batch holds for unit ``u`` while ``u``'s backward runs (beside what the units
+    before it keep): under full recompute its activations made again; under selective and sac
+    what it kept, the copies its backward makes again at their peak and the largest op's working
+    set (:attr:`Unit.remade_extra_bytes`); without recompute its activations. Each beside the
+    unit's largest op's working set."""
+    if recompute == "selective":
+        return _unit_times(u, recompute)[3] + u.transient_bytes + u.remade_extra_bytes[0]
+    if recompute == "sac":
+        return _unit_times(u, recompute)[3] + u.transient_bytes + u.remade_extra_bytes[1]
+    return u.act_bytes + u.transient_bytes
+
+
 def w_held_bytes(u: Unit) -> float:
     """What a micro-batch holds for unit ``u`` between its B and its W (:attr:`Unit.w_held_bytes`)."""
     return u.act_bytes if u.w_held_bytes is None else u.w_held_bytes
@@ -63,14 +76,17 @@ def stage_activation_bytes(chunk: Sequence[Unit], recompute: str, inflight: int,
     """Activation bytes a stage of units ``chunk`` holds at its peak, ``inflight`` micro-batches in
     flight: what each keeps for its backward, plus the largest op's working set once.
 
-    Under full recompute a micro-batch keeps each unit's input (the boundary of the unit before)
-    and, while one unit's backward runs, that unit's forward activations again
-    (:mod:`autopar.passes.recompute` re-runs them there) beside the working set of its ops; the
-    units after it have freed theirs, those before it still hold their inputs. So the peak is the
-    other micro-batches' kept inputs plus the largest, over units k, of the inputs kept before k,
-    k's activations and k's largest op's working set. (Until 2026-12-06 every unit's input, the
-    largest unit's activations and the largest working set were added, each from any unit: 38%
-    over the measured peak for Llama tiny, ``tests/dist/test_recompute.py``.)
+    Under recompute a micro-batch keeps what the policy keeps of each unit (under full its input,
+    the boundary of the unit before) and, while one unit's backward runs, what :func:`running_bytes`
+    counts for that unit (:mod:`autopar.passes.recompute` re-runs the dropped ops there); the units
+    after it have freed theirs, those before it still hold what they kept. So the peak is the
+    other micro-batches' kept bytes plus the largest, over units k, of what the units before k
+    keep and k's running bytes. (Until 2026-12-06 every unit's input, the largest unit's
+    activations and the largest working set were added, each from any unit: 38% over the measured
+    peak for Llama tiny under full, ``tests/dist/test_recompute.py``. Until the twenty-third session selective
+    and sac counted every unit's kept bytes and the largest working set, nothing made again:
+    ``python bench/recompute.py --pp 1f1b`` measured the first of two stages 9.8% (selective) and
+    19.4% (sac) over that count; -1.0% and -10.2% under this one.)
 
     Zero-bubble schedules run a micro-batch's W passes apart from its B, and ``moments`` (from
     :func:`autopar.planner.pipeline_states.zero_bubble_moments`) say how many micro-batches a stage holds
@@ -78,8 +94,8 @@ def stage_activation_bytes(chunk: Sequence[Unit], recompute: str, inflight: int,
     besides the micro-batch in its B while one does. Between B and W a micro-batch holds what its
     weight gradients read (:func:`w_held_bytes`; under recompute what B made again for them too,
     so the policy saves nothing there); in its B, the units before the running one keep what
-    their forward kept, the running one holds its activations (under full recompute, made again)
-    and its largest op's working set, and the units after it what their W will read. (Until
+    their forward kept, the running one its running bytes, and the units after it what their W
+    will read. (Until
     2026-12-06 these schedules were counted as 1F1B's, every micro-batch keeping what its forward
     kept until its W: ZB-H1's last stage under full recompute measured 3.1 times that count,
     ``bench/recompute.py --pp zb-h1``.)"""
@@ -91,18 +107,18 @@ def stage_activation_bytes(chunk: Sequence[Unit], recompute: str, inflight: int,
         after = total_held
         for k, u in enumerate(chunk):  # before: kept by the units before k; after: held by those after it
             after -= held[k]
-            in_b = max(in_b, before + (u.act_bytes if recompute == "full" else kept[k]) + u.transient_bytes + after)
+            in_b = max(in_b, before + running_bytes(u, recompute) + after)
             before += kept[k]
         largest = max(u.transient_bytes for u in chunk)
         idle, running = moments
         return max([a * total_kept + b * total_held + largest for a, b in idle]
                    + [a * total_kept + b * total_held + in_b for a, b in running])
-    if recompute != "full":
-        return inflight * sum(_unit_times(u, recompute)[3] for u in chunk) + max(u.transient_bytes for u in chunk)
+    if recompute == "none":
+        return inflight * sum(u.act_bytes for u in chunk) + max(u.transient_bytes for u in chunk)
     kept = worst = 0.0
     for u in chunk:
-        worst = max(worst, kept + u.act_bytes + u.transient_bytes)
-        kept += u.boundary_bytes
+        worst = max(worst, kept + running_bytes(u, recompute))
+        kept += _unit_times(u, recompute)[3]
     return (inflight - 1) * kept + worst
 
 

@@ -7,6 +7,7 @@ the outer search with it, and tests check each MIP's objective against it."""
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
@@ -14,7 +15,7 @@ from autopar.cost.compute import GEMM_KINDS
 from autopar.cost.step import OVERLAP_SLOWDOWN
 from autopar.planner.ilp import (Problem, Solution, _edge_link, _param_bytes, _tensor_groups, inner_reduce_s, node_cost_s,
                                  reshard_s)
-from autopar.planner.recompute_keep import kept_bytes, sac_recomputed_matmuls
+from autopar.planner.recompute_keep import kept_bytes, remade_extra_bytes, sac_recomputed_matmuls
 
 # fx names of autopar's experts ops (autopar.experts: moe_experts, moe_experts_backward, and their
 # numbered repeats), whose batch-independent outputs are the experts' weight gradients
@@ -49,6 +50,9 @@ class LayerCost:
     sac_activation_bytes: float = 0.0
     """What op-level SAC frees beyond selective recompute: selective's kept bytes less what
     SAC stores (:mod:`autopar.planner.recompute_keep`)."""
+    remade_extra_bytes: tuple[float, float] = (0.0, 0.0)
+    """(selective, sac): what the copies the layer's backward makes again add, at their peak, to
+    ``transient_bytes`` (:func:`autopar.planner.recompute_keep.remade_extra_bytes`)."""
     weight_gradient_input_bytes: float = 0.0
     """What a micro-batch holds between this layer's B and W passes (zero-bubble schedules):
     the values its weight-gradient ops read (:func:`_weight_gradient_inputs`)."""
@@ -277,13 +281,16 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
             collectives[kind]["count"] += weight
             collectives[kind]["bytes"] += weight * sent
             collectives[kind]["time_s"] += weight * t
-    keep = kept_bytes(problem, solution, lambda v, o: _local_out_bytes(problem, solution, v, o))
+    local = functools.partial(_local_out_bytes, problem, solution)
+    keep = kept_bytes(problem, solution, local)
+    remade = remade_extra_bytes(problem, local, sets, aliases[1])
     w_inputs = _weight_gradient_inputs(problem, solution, aliases)
     layers = {name: LayerCost(compute_s=dict(comp[name]), comm_s=dict(com[name]), param_bytes=params[name],
                               n_params_local=nparams[name], activation_bytes=acts[name],
                               cheap_activation_bytes=acts[name] - keep[name][0], cheap_forward_s=cheap_f[name],
                               sac_forward_s=sac_f[name], sac_activation_bytes=keep[name][0] - keep[name][1],
-                              transient_bytes=transient[name], weight_gradient_input_bytes=w_inputs[name],
+                              transient_bytes=transient[name], remade_extra_bytes=remade.get(name, (0.0, 0.0)),
+                              weight_gradient_input_bytes=w_inputs[name],
                               expert_transient=(other[name], tuple(sorted(expert_ws[name]))))
               for name in dict.fromkeys(n.layer for n in g.nodes)}
     return CostBreakdown(total_s=total_comp + total_comm, compute_s=total_comp, comm_s=total_comm,

@@ -311,6 +311,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
                         cheap_act_bytes=lc.cheap_activation_bytes if lc else 0.0,
                         sac_f_s=lc.sac_forward_s if lc else 0.0, sac_act_bytes=lc.sac_activation_bytes if lc else 0.0,
                         transient_bytes=lc.transient_bytes if lc else 0.0,
+                        remade_extra_bytes=lc.remade_extra_bytes if lc else (0.0, 0.0),
                         w_held_bytes=lc.weight_gradient_input_bytes if lc else 0.0,
                         expert_transient=lc.expert_transient if lc else (0.0, ()),
                         boundary_bytes=boundary,

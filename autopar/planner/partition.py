@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from autopar.planner.bounds import _unit_times, w_held_bytes
+from autopar.planner.bounds import _unit_times, running_bytes, w_held_bytes
 from autopar.planner.pipeline_states import (_inflight, _least_counts, _upper_right_hull, inflight_of,  # noqa: F401
                                              moments_of, rank_states, states_of, zero_bubble_moments)
 from autopar.zero_def import MAX_INFLIGHT_REDUCES, PREFETCH_GROUPS
@@ -32,12 +32,12 @@ __all__ = []  # internal to the planner
 class _Layers:
     """A unit list's running sums under one recompute policy, for stage sums and the memory
     rule in O(1): time, activation bytes, parameters, and range maxima (sparse tables) of
-    the working set (the largest op's; under full recompute with the activations a unit
-    re-makes in its backward). Built once per (units, recompute) in a search
+    the working set (the largest op's; under recompute with what a unit holds in its backward,
+    :func:`~autopar.planner.bounds.running_bytes`). Built once per (units, recompute) in a search
     (:func:`_partition`'s memo) instead of per cut."""
 
     def __init__(self, units: Sequence[Unit], recompute: str):
-        self.n, self.full = len(units), recompute == "full"
+        self.n, self.remakes = len(units), recompute != "none"
         self.units = units
         self.times, pre_t, pre_a, pre_p, pre_e = [], [0.0], [0.0], [0.0], [0.0]
         for u in units:
@@ -49,11 +49,14 @@ class _Layers:
             pre_p.append(pre_p[-1] + u.n_params)
             pre_e.append(pre_e[-1] + u.expert_params)
         self.pre_t, self.pre_a, self.pre_p, self.pre_e = pre_t, pre_a, pre_p, pre_e
-        # the working set: the largest op's; under full recompute, the peak over units k of the inputs kept
-        # before k (pre_a: under full a unit keeps its input, the unit before's boundary) + k's recomputed
-        # activations + k's largest op (bounds.stage_activation_bytes; the stage's pre_a[i] is taken off)
-        self.transient = _sparse_max([pre_a[k] + u.act_bytes + u.transient_bytes if self.full else u.transient_bytes
+        # the working set: the largest op's; under recompute, the peak over units k of what the units before k
+        # keep (pre_a: under full a unit keeps its input, the unit before's boundary) + what k holds in its
+        # backward (bounds.running_bytes: under full its activations made again, under selective and sac what
+        # it kept and the copies alive at their peak) (bounds.stage_activation_bytes; the stage's pre_a[i] is
+        # taken off)
+        self.transient = _sparse_max([pre_a[k] + running_bytes(u, recompute) if self.remakes else u.transient_bytes
                                       for k, u in enumerate(units)])
+        self.recompute = recompute
         self.windows = {w: _sparse_max(window_sums([u.n_params for u in units], w))
                         for w in {1 + PREFETCH_GROUPS, MAX_INFLIGHT_REDUCES}}
         self._zero_bubble = None
@@ -78,7 +81,7 @@ class _Layers:
             for u in self.units:
                 pre_h.append(pre_h[-1] + w_held_bytes(u))
             kept = [a1 - a0 for a0, a1 in zip(self.pre_a, self.pre_a[1:])]
-            in_b = [self.pre_a[k] + (u.act_bytes if self.full else kept[k]) + u.transient_bytes - pre_h[k + 1]
+            in_b = [self.pre_a[k] + running_bytes(u, self.recompute) - pre_h[k + 1]
                     for k, u in enumerate(self.units)]
             self._zero_bubble = (pre_h, _sparse_max(in_b), self.largest_op,
                                  sum(min(k, h1 - h0) for k, h0, h1 in zip(kept, pre_h, pre_h[1:])))
@@ -89,9 +92,9 @@ class _Layers:
         """Stage ``s`` = layers ``[i, j)`` within ``cap``: training state (``expert_per_param``: what
         an expert parameter's state holds beyond ``state_per_param``, ZeRO sharding it over fewer
         ranks, :func:`autopar.planner.state_memory.state_per_param`) + activations of the
-        micro-batches in flight + the largest op's working set (under full recompute: the micro-batch
-        whose backward runs holds the inputs before one unit and that unit's activations again,
-        :func:`~autopar.planner.bounds.stage_activation_bytes`) + ZeRO's collective buffers
+        micro-batches in flight + the largest op's working set (under recompute: the micro-batch
+        whose backward runs holds what the units before one unit keep and that unit's running
+        bytes, :func:`~autopar.planner.bounds.stage_activation_bytes`) + ZeRO's collective buffers
         (``buffers``: bytes per parameter of the fullest window of gathered groups and of gradient
         buckets in flight,
         :func:`autopar.zero_def.buffer_bytes_per_param`). Zero-bubble schedules (``moments``, per
@@ -107,7 +110,7 @@ class _Layers:
         if cap == math.inf:  # (the search's cuts without memory: 30% of its checks, all true)
             return _fits_any
         pre_p, pre_a, pre_e = self.pre_p, self.pre_a, self.pre_e
-        transient, full = self.transient, self.full
+        transient, remakes = self.transient, self.remakes
         gathered, sends = buffers
         gathered_w, sends_w = self.windows[1 + PREFETCH_GROUPS], self.windows[MAX_INFLIGHT_REDUCES]
         zero_bubble = moments or (None,) * len(inflight)
@@ -121,7 +124,7 @@ class _Layers:
             states = zero_bubble[s]
             if states is None:
                 mem += inflight[s] * (pre_a[j] - pre_a[i])
-                if full:  # the micro-batch in its backward: counted in the working set below
+                if remakes:  # the micro-batch in its backward: counted in the working set below
                     mem -= pre_a[j]
             if j > i:  # _range_max(transient, i, j), inlined
                 k = (j - i).bit_length() - 1
@@ -285,10 +288,10 @@ def _ranks_fit(layers: _Layers, cuts: Sequence[tuple[int, int]], cfg: Config, *,
         # rank_activation_shares' sum from the running sums (the 1T search asks this 27k times, 0.6 s
         # in all; summing each stage's units per call would cost seconds; tests/test_search.py holds
         # the two equal): what each stage keeps per micro-batch; beyond that, a stage in its backward
-        # holds its working set (under full recompute its activations made again too), else the
+        # holds its working set (under recompute what its unit makes again too), else the
         # rank's largest op's working set counts once
         kept = [pre_a[j] - pre_a[i] for i, j in mine]
-        extra = [_range_max(layers.transient, i, j) - (pre_a[j] if layers.full else 0.0) for i, j in mine]
+        extra = [_range_max(layers.transient, i, j) - (pre_a[j] if layers.remakes else 0.0) for i, j in mine]
         idle = max(_range_max(layers.largest_op, i, j) for i, j in mine)
         mem += max(sum(n * k for n, k in zip(counts, kept)) + (extra[running] if running >= 0 else idle)
                    for counts, running in states)

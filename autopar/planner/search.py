@@ -155,6 +155,9 @@ class Unit:
     part): ZeRO shards their state over the ``dp / ep`` replicas of that part, not over dp."""
     transient_bytes: float = 0.0
     """Largest single-op working set beyond saved activations (``evaluation.LayerCost.transient_bytes``)."""
+    remade_extra_bytes: tuple[float, float] = (0.0, 0.0)
+    """(selective, sac): what the copies made again in the unit's backward add to ``transient_bytes``
+    at their peak (``evaluation.LayerCost.remade_extra_bytes``)."""
     w_held_bytes: float | None = None
     """What a micro-batch holds for this unit between its B and its W, the two apart under a
     zero-bubble schedule (``evaluation.LayerCost.weight_gradient_input_bytes``); None: as much as
@@ -281,13 +284,14 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
 
     def policies(pp: int):
         """The recompute policies weighed at ``pp``: sac only without a pipeline (pinned, it is
-        planned and run under one too). A stage's memory counts the micro-batch in its backward at
-        what its layers keep plus the largest op's working set, and under sac the running layer also
-        holds the matmul outputs it makes again: measured (``python bench/recompute.py --pp 1f1b``:
-        pp=2, Llama tiny, 4 micro-batches) the first stage peaks 19.4% over its plan under sac (9.8%
-        under selective, -3.7% without recompute), and counting the running layer's whole
-        activations instead over-counts by 14.8% there and by 17% at pp = 1, where the present count
-        is within 10% (``tests/dist/test_recompute.py``)."""
+        planned and run under one too). Its memory under pipelines is counted right since the
+        twenty-third session (the copies alive in a unit's backward, :func:`~autopar.planner.bounds.
+        running_bytes`; ``python bench/recompute.py --pp 1f1b``: the stages' peaks -6.3% and +3.2%
+        from their plans), but weighing it there made the search a third slower for the same plans
+        (``bench/planner_speed.py --targets``: Llama 70B on 64x8xH100 2.5 -> 3.6 s, GPT 1T 10.7 ->
+        13.9 s; 3.3 and 11.6 s with sac skipped wherever selective's cut without a memory cap fits,
+        a rule tried and not kept). Sac pays where selective does not fit, and a pipeline is the
+        search's other way to fit."""
         return recomputes if fixed.recompute or pp == 1 else [r for r in recomputes if r != "sac"]
 
     def zeros(dp: int):
