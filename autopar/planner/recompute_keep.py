@@ -66,11 +66,14 @@ def sac_recomputed_matmuls(g) -> frozenset[int]:
     return frozenset(out)
 
 
-def kept_bytes(problem: Problem, solution: Solution, local) -> dict[str, tuple[float, float]]:
+def kept_bytes(problem: Problem, solution: Solution, local, source) -> dict[str, tuple[float, float]]:
     """Per layer: (bytes kept under selective recompute, bytes kept under op-level SAC), per
     device for one micro-batch, one instance of the layer. ``local(v, o)``: the bytes of output
-    ``o`` of node ``v`` one device holds under ``solution``."""
+    ``o`` of node ``v`` one device holds under ``solution``; ``source(v, o)``: the value an output
+    really is, through views (:func:`autopar.planner.evaluation._aliases`)."""
     g = problem.graph
+    cheap_ops = frozenset(v for v, node in enumerate(g.nodes) if node.kind == "op" and node.flops(problem.batch) == 0)
+    cheap = cheap_ops.__contains__
     inputs: dict[int, list[tuple[int, int]]] = defaultdict(list)  # op -> its (producer, output) inputs
     readers: dict[tuple[int, int], set[str]] = defaultdict(set)  # value -> layers whose forward reads it
     for e in g.edges:
@@ -81,21 +84,6 @@ def kept_bytes(problem: Problem, solution: Solution, local) -> dict[str, tuple[f
         if dst.kind == "op" and dst.phase == "F":
             readers[e.src, e.src_out].add(dst.layer)
 
-    def cheap(v: int) -> bool:
-        node = g.nodes[v]
-        return node.kind == "op" and node.flops(problem.batch) == 0
-
-    def alias(v: int) -> bool:  # (a view: it holds nothing of its own, as evaluation._aliases counts it)
-        return cheap(v) and g.nodes[v].bytes_moved(problem.batch) == 0
-
-    def base(value: tuple[int, int]) -> tuple[int, int]:
-        """The value a view chain reads from (the first input of each view)."""
-        for _ in range(len(g.nodes)):
-            if not alias(value[0]) or not inputs[value[0]]:
-                break
-            value = inputs[value[0]][0]
-        return value
-
     def layer_input(value: tuple[int, int], layer: str) -> bool:
         src = g.nodes[value[0]]
         return src.layer != layer and src.kind in ("op", "input") and readers[value] == {layer}
@@ -104,7 +92,12 @@ def kept_bytes(problem: Problem, solution: Solution, local) -> dict[str, tuple[f
     for e in g.edges:
         dst = g.nodes[e.dst]
         if not e.virtual and dst.kind == "op" and dst.phase in ("B", "W"):
-            backward_readers[base((e.src, e.src_out))].add(dst.layer)
+            backward_readers[source(e.src, e.src_out)].add(dst.layer)
+    read_back: dict[int, set[str]] = {}  # a FLOP-free forward op -> layers whose backward reads its outputs
+    for v in cheap_ops:
+        if g.nodes[v].phase == "F":
+            read_back[v] = set().union(*(backward_readers.get(source(v, o), ())
+                                         for o in range(len(g.nodes[v].out_bytes))))
 
     by_layer: dict[str, list[int]] = defaultdict(list)
     for v, node in enumerate(g.nodes):
@@ -113,8 +106,7 @@ def kept_bytes(problem: Problem, solution: Solution, local) -> dict[str, tuple[f
     recomputed = sac_recomputed_matmuls(g)
     for layer, members in by_layer.items():
         selective[layer] = _selective(g, layer, members, inputs, cheap, layer_input,
-                                      lambda v, layer=layer: any(layer in backward_readers[base((v, o))]
-                                                                 for o in range(len(g.nodes[v].out_bytes))))
+                                      lambda v, layer=layer: layer in read_back[v])
         sac[layer] = _sac(g, layer, members, inputs, layer_input, recomputed)
     # what another layer's backward reads is kept: autopar.passes.recompute makes copies for the backward
     # of the dropping layer only (the final norm's output, read by the head's weight gradient). By the
@@ -140,7 +132,7 @@ def kept_bytes(problem: Problem, solution: Solution, local) -> dict[str, tuple[f
                 memo[value] = False  # (a cycle: not derivable)
                 v = value[0]
                 memo[value] = value in kept[g.nodes[v].layer] or (
-                    alias(v) and g.nodes[v].phase == "F" and bool(inputs[v]) and derivable(inputs[v][0]))
+                    g.nodes[v].phase == "F" and source(*value) != value and derivable(source(*value)))
             return memo[value]
 
         # a layer's input that another layer keeps (or a view of it) is counted there
