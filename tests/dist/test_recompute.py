@@ -100,8 +100,9 @@ def _measure(rank, world):
 
 
 def test_each_policy_holds_what_the_plan_predicts():
-    # the plan's activation bytes: what the forward keeps, plus (full) one layer's activations made
-    # again and the largest op's working set; the program's peak of live intermediate bytes measures it
+    # the plan's activation bytes: what the forward keeps, plus the running layer's copies made again
+    # (full: its whole activations; selective, sac: those alive at once) and the largest op's working
+    # set; the program's peak of live intermediate bytes measures it
     out = spawn_world(_measure, 1)[0]
     kept = [out[p][0]["activation_bytes"] for p in POLICIES]
     assert kept == sorted(kept, reverse=True) and len(set(kept)) == len(kept), kept  # each keeps less
@@ -109,7 +110,11 @@ def test_each_policy_holds_what_the_plan_predicts():
     for policy in POLICIES:
         got, planned = out[policy]
         assert got["loss"] == out["none"][0]["loss"], policy
-        assert abs(got["peak_bytes"] - planned) <= 0.1 * planned, (policy, got, planned)
+        # (selective and sac within 5%: what the running layer holds is counted by its copies' liveness
+        # since the twenty-third session; they were +6.0% and +2.0%, full is -8.5%: its count is torch
+        # checkpoint's, the whole layer made again at once, which autopar's copies are not)
+        tolerance = 0.05 if policy in ("selective", "sac") else 0.1
+        assert abs(got["peak_bytes"] - planned) <= tolerance * planned, (policy, got, planned)
 
 
 def _measure_pipeline(rank, world, runs):
