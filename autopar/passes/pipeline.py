@@ -16,7 +16,10 @@ output is, per stage, three graph modules:
   only feeds parameter gradients, so a schedule may defer it into a bubble
   (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec. 2). For a linear
   layer B holds ``dX = dY W`` and W holds ``dW = dY^T X``; ``dY`` is one of the
-  values B hands to W.
+  values B hands to W. Except a forward op the backward makes again
+  (:mod:`autopar.passes.recompute`, tagged :data:`RECOMPUTED_KEY`) from values B
+  made: it runs in B even where only W reads it, as the planner prices recompute
+  (in B), so W holds what it reads rather than what it would remake that from.
 
 Every value a piece reads or writes has a name (the program node's name); a
 runtime keeps, per stage and micro-batch, a store from names to tensors and
@@ -49,11 +52,12 @@ from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
 from autopar.passes.backward_split import split_backward, tied_gradient_sums
 
-__all__ = ["STAGE_KEY", "BACKWARD_KEY", "Piece", "Message", "StageProgram", "PipelineProgram",
+__all__ = ["STAGE_KEY", "BACKWARD_KEY", "RECOMPUTED_KEY", "Piece", "Message", "StageProgram", "PipelineProgram",
            "stage_of_layers", "tag_stages", "split_tied_gradients", "split_program", "boundary_tensors"]
 
 STAGE_KEY = "autopar_stage"
 BACKWARD_KEY = "autopar_backward"
+RECOMPUTED_KEY = "autopar_recomputed"
 PARAM_PREFIX = "param:"
 _aten = torch.ops.aten
 PARAM_VIEWS = frozenset({
@@ -167,6 +171,7 @@ def tag_stages(gm: fx.GraphModule, layer_stage: dict[str, int]) -> dict[fx.Node,
     layer missing from ``layer_stage`` is a plan for another model: PlanError.
     """
     stages: dict[fx.Node, int] = {}
+    recomputed = gm.meta.get(mk.RECOMPUTED, {})  # copy name -> original's (autopar.passes.recompute)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -176,7 +181,8 @@ def tag_stages(gm: fx.GraphModule, layer_stage: dict[str, int]) -> dict[fx.Node,
                             f"for another model: re-plan for this one")
         stages[node] = layer_stage[layer]
         backward = node.meta[mk.TRACE].role is mk.Role.BACKWARD
-        node.meta["custom"] = {**node.meta.get("custom", {}), STAGE_KEY: stages[node], BACKWARD_KEY: backward}
+        node.meta["custom"] = {**node.meta.get("custom", {}), STAGE_KEY: stages[node], BACKWARD_KEY: backward,
+                               **({RECOMPUTED_KEY: True} if node.name in recomputed else {})}
     for node in gm.graph.find_nodes(op="placeholder"):  # the loss tangent seeds the last stage's backward
         if node.meta[mk.TRACE].role is mk.Role.TANGENT:
             node.meta["custom"] = {**node.meta.get("custom", {}), STAGE_KEY: max(layer_stage.values()),
@@ -298,6 +304,16 @@ def split_program(gm: fx.GraphModule, *, n_stages: int, placeholder_keys: list[s
     # B/W: a stage's backward nodes that what earlier stages read depends on are B (the planner
     # prices its layers by the same rule).
     b_nodes = split_backward({n: s for n, (s, b) in tags.items() if b}, stage_of)
+    # a forward op made again for the backward whose backward inputs B makes runs in B (the module
+    # docstring): ZB-H1's last stage under full recompute held the copies of silu's and w3's outputs for
+    # w2's weight gradient, which remade their product in W, 0.79 MB a micro-batch more than that
+    # product (Llama tiny): 11.1% over its plan. (Not one made from forward values only: a first stage's
+    # B is empty, and such a copy in it would be held from B to W.)
+    for n, (_, b) in tags.items():  # (in graph order: a copy's inputs come before it)
+        if b and n not in b_nodes and (n.meta.get("custom") or {}).get(RECOMPUTED_KEY):
+            made = [u for u in n.all_input_nodes if u in tags and tags[u][1]]
+            if made and all(u in b_nodes for u in made):
+                b_nodes.add(n)
     piece: dict[fx.Node, tuple[str, int]] = {
         n: ("B" if n in b_nodes else "W", s) if b else ("F", s) for n, (s, b) in tags.items()}
 

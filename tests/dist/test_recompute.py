@@ -144,18 +144,20 @@ def test_pipeline_stages_hold_what_the_plan_predicts():
     # store when its last reader starts, so it dies inside that piece.
     # ZB-H1 runs the last stage's W one micro-batch late, and what B made again under full recompute
     # waits for it: that stage holds as much as without recompute (the plan counted 1/3 of it until
-    # 2026-12-06); the first stage's B is empty, its W the whole backward. Interleaved, 2 stages per
-    # rank: the rank holds its stages' micro-batches at its fullest moment (their own peaks, added,
-    # were 22% over rank 0's). Selective and sac: the running layer holds its copies made again, a
-    # stretch of its backward each (the plan counted none of them until the twenty-third session: the first stage
-    # measured 9.8% and 19.4% over it); sac's count keeps every matmul output torchtitan's policy
-    # stores, of which the runtime frees those nothing reads (w2's), so it may count up to 15% over
+    # 2026-12-06; and until the twenty-third session the copies only W read were made in W from copies
+    # B made and held, +11.1%, before they ran in B: autopar.passes.pipeline); the first stage's B is
+    # empty, its W the whole backward. Interleaved, 2 stages per rank: the rank holds its stages'
+    # micro-batches at its fullest moment (their own peaks, added, were 22% over rank 0's). Selective
+    # and sac: the running layer holds its copies made again, a stretch of its backward each (the plan
+    # counted none of them until the twenty-third session: the first stage measured 9.8% and 19.4%
+    # over it); sac's count keeps every matmul output torchtitan's policy stores, of which the runtime
+    # frees those nothing reads (w2's), so it may count up to 15% over
     runs = (("1f1b", "none"), ("1f1b", "selective"), ("1f1b", "sac"), ("1f1b", "full"), ("zb-h1", "full"),
             ("interleaved", "none"))
     ranks = spawn_world(_measure_pipeline, 2, runs)
     for stage, out in enumerate(ranks):
         assert out["1f1b", "full"][0]["peak_bytes"] < 0.5 * out["1f1b", "none"][0]["peak_bytes"], (stage, out)
         for run, (got, planned) in out.items():
-            low, high = (0.15, 0.15) if run[0] == "zb-h1" else (0.15, 0.1) if run[1] == "sac" else (0.1, 0.1)
+            low, high = (0.15, 0.1) if run[1] == "sac" else (0.1, 0.1)
             assert -low * planned <= got["peak_bytes"] - planned <= high * planned, (stage, run, got, planned)
     assert ranks[1]["zb-h1", "full"][0]["peak_bytes"] > ranks[1]["1f1b", "none"][0]["peak_bytes"]
