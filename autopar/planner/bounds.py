@@ -53,11 +53,11 @@ def _unit_times(u: Unit, recompute: str) -> tuple[float, float, float, float]:
 
 
 def running_bytes(u: Unit, recompute: str) -> float:
-    """What a micro-batch holds for unit ``u`` while ``u``'s backward runs (beside what the units
-    before it keep): under full recompute its activations made again; under selective and sac
-    what it kept, the copies its backward makes again at their peak and the largest op's working
-    set (:attr:`Unit.remade_extra_bytes`); without recompute its activations. Each beside the
-    unit's largest op's working set."""
+    """What a micro-batch holds for unit ``u`` while ``u``'s backward runs, beside what the units
+    before it keep: the unit's largest op's working set, plus under full recompute its
+    activations made again, under selective and sac what it kept and what the copies its
+    backward makes again add at their peak (:attr:`Unit.remade_extra_bytes`), and without
+    recompute its activations."""
     if recompute == "selective":
         return _unit_times(u, recompute)[3] + u.transient_bytes + u.remade_extra_bytes[0]
     if recompute == "sac":
@@ -83,10 +83,10 @@ def stage_activation_bytes(chunk: Sequence[Unit], recompute: str, inflight: int,
     other micro-batches' kept bytes plus the largest, over units k, of what the units before k
     keep and k's running bytes. (Until 2026-12-06 every unit's input, the largest unit's
     activations and the largest working set were added, each from any unit: 38% over the measured
-    peak for Llama tiny under full, ``tests/dist/test_recompute.py``. Until the twenty-third session selective
-    and sac counted every unit's kept bytes and the largest working set, nothing made again:
-    ``python bench/recompute.py --pp 1f1b`` measured the first of two stages 9.8% (selective) and
-    19.4% (sac) over that count; -1.0% and -10.2% under this one.)
+    peak for Llama tiny under full, ``tests/dist/test_recompute.py``. Until the twenty-third
+    session selective and sac counted every unit's kept bytes and the largest working set, nothing
+    made again: ``python bench/recompute.py --pp 1f1b`` measured the first of two stages 9.8%
+    (selective) and 19.4% (sac) over that count; +2.7% and -6.3% under this one.)
 
     Zero-bubble schedules run a micro-batch's W passes apart from its B, and ``moments`` (from
     :func:`autopar.planner.pipeline_states.zero_bubble_moments`) say how many micro-batches a stage holds
@@ -95,10 +95,9 @@ def stage_activation_bytes(chunk: Sequence[Unit], recompute: str, inflight: int,
     weight gradients read (:func:`w_held_bytes`; under recompute what B made again for them too,
     so the policy saves nothing there); in its B, the units before the running one keep what
     their forward kept, the running one its running bytes, and the units after it what their W
-    will read. (Until
-    2026-12-06 these schedules were counted as 1F1B's, every micro-batch keeping what its forward
-    kept until its W: ZB-H1's last stage under full recompute measured 3.1 times that count,
-    ``bench/recompute.py --pp zb-h1``.)"""
+    will read. (Until 2026-12-06 these schedules were counted as 1F1B's, every micro-batch keeping
+    what its forward kept until its W: ZB-H1's last stage under full recompute measured 3.1 times
+    that count, ``bench/recompute.py --pp zb-h1``.)"""
     if moments is not None:
         kept = [_unit_times(u, recompute)[3] for u in chunk]
         held = [w_held_bytes(u) for u in chunk]

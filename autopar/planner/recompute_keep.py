@@ -183,7 +183,9 @@ def remade_extra_bytes(problem: Problem, local, working: dict[int, float], sourc
     """Per layer: (under selective recompute, under op-level SAC) what the copies the backward
     makes again add to the layer's largest working set, per device for one micro-batch: the
     peak over the layer's backward ops of the copies alive while each runs plus its own working
-    set, less the layer's largest working set (never below 0).
+    set, less the forward values its backward (or a copy) has read for the last time (they die
+    then, as the runtime frees a value after its last reader), less the layer's largest working
+    set (never below 0).
 
     :mod:`autopar.passes.recompute` makes a copy of a dropped forward op right before the first
     backward op of its layer that reads it (the copies it is made from at the same moment), and
