@@ -287,11 +287,11 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
         planned and run under one too). Its memory under pipelines is counted right since the
         twenty-third session (the copies alive in a unit's backward,
         :func:`~autopar.planner.bounds.running_bytes`; ``python bench/recompute.py --pp 1f1b``: the
-        stages' peaks -6.3% and +3.2% from their plans), but weighing it there made the search a third slower for the same plans
-        (``bench/planner_speed.py --targets``: Llama 70B on 64x8xH100 2.5 -> 3.6 s, GPT 1T 10.7 ->
-        13.9 s; 3.3 and 11.6 s with sac skipped wherever selective's cut without a memory cap fits,
-        a rule tried and not kept). Sac pays where selective does not fit, and a pipeline is the
-        search's other way to fit."""
+        stages' peaks -6.3% and +3.2% from their plans), but weighing it there made the search a
+        third slower for the same plans (``bench/planner_speed.py --targets``: Llama 70B on
+        64x8xH100 2.5 -> 3.6 s, GPT 1T 10.7 -> 13.9 s; 3.3 and 11.6 s with sac skipped wherever
+        selective's cut without a memory cap fits, a rule tried and not kept). Sac pays where
+        selective does not fit, and a pipeline is the search's other way to fit."""
         return recomputes if fixed.recompute or pp == 1 else [r for r in recomputes if r != "sac"]
 
     def zeros(dp: int):
