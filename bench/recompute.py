@@ -5,6 +5,7 @@ measured beside the plan's predictions.
     python bench/recompute.py --size tiny --steps 6
     python bench/recompute.py --pp 1f1b                # 2 pipeline ranks: each one's peak against its plan
     python bench/recompute.py --pp interleaved --virtual 2
+    python bench/recompute.py --pp zb-h1 --model gpt   # GPT tiny (tied head), 16 x 64 tokens
 
 One process on CPU (a world of 1, so the figures are the runtime's, not gloo's) builds the same
 model four times, pinned to each policy (``none``, ``selective``, ``sac``, ``full``; the rest of
@@ -64,17 +65,22 @@ def _run(rank, world, size, batch, seq, steps):
     return out
 
 
-def _stages(rank, world, schedule, virtual):
+PIPELINE_MODELS = {"llama": ("Llama tiny, 4 layers, 8 x 256 tokens", dict(size="tiny", batch=8, seq=256, n_layers=4)),
+                   "gpt": ("GPT tiny, tied head, 16 x 64 tokens", dict(size="tiny", batch=16, seq=64))}
+
+
+def _stages(rank, world, schedule, virtual, model_name="llama"):
     """Each pipeline rank's measured peak against its stages' plan, per policy (``--pp``)."""
     sys.path.insert(0, str(ROOT / "examples"))
-    import llama
+    import importlib
 
     import autopar
 
+    example = importlib.import_module(model_name)
     out = {}
     for policy in POLICIES:
         torch.manual_seed(0)
-        model, inputs, loss_fn, target = llama.build(size="tiny", batch=8, seq=256, n_layers=4)
+        model, inputs, loss_fn, target = example.build(**PIPELINE_MODELS[model_name][1])
         fixed = {"dp": 1, "tp": 1, "pp": world, "schedule": schedule, "microbatches": 4, "zero": 0,
                  "recompute": policy, **({"virtual_stages": virtual} if virtual > 1 else {})}
         pm = autopar.parallelize(model, cluster=f"1x{world}xcpu", loss_fn=loss_fn, fixed=fixed)
@@ -85,9 +91,9 @@ def _stages(rank, world, schedule, virtual):
     return out
 
 
-def pipeline_main(schedule: str, virtual: int) -> None:
-    ranks = spawn_world(_stages, 2, schedule, virtual)
-    print(f"Llama tiny, 4 layers, 8 x 256 tokens, pp=2 {schedule} (stages per rank {virtual}), 4 micro-batches; "
+def pipeline_main(schedule: str, virtual: int, model_name: str = "llama") -> None:
+    ranks = spawn_world(_stages, 2, schedule, virtual, model_name)
+    print(f"{PIPELINE_MODELS[model_name][0]}, pp=2 {schedule} (stages per rank {virtual}), 4 micro-batches; "
           f"torch {torch.__version__}")
     print("| rank | recompute | peak MB | planned MB | error |")
     print("|---|---|---|---|---|")
@@ -105,9 +111,10 @@ def main() -> None:
     ap.add_argument("--pp", metavar="SCHEDULE", help="instead: 2 pipeline ranks under SCHEDULE (1f1b, zb-h1, "
                     "interleaved, ...), each rank's measured peak against its stages' plan")
     ap.add_argument("--virtual", type=int, default=1, help="with --pp: stages per rank")
+    ap.add_argument("--model", choices=sorted(PIPELINE_MODELS), default="llama", help="with --pp: the example model")
     a = ap.parse_args()
     if a.pp:
-        return pipeline_main(a.pp, a.virtual)
+        return pipeline_main(a.pp, a.virtual, a.model)
     out = spawn_world(_run, 1, a.size, a.batch, a.seq, a.steps)[0]
     base = out["none"]
     print(f"Llama {a.size}, batch {a.batch} x {a.seq} tokens, 1 process, {a.steps} steps per policy "
