@@ -244,6 +244,26 @@ def test_split_backward_by_dataflow_on_a_hand_built_graph():
     assert split_backward(backward, backward) == {a, b, c, w}  # the sum read as an ordinary reader
 
 
+def test_split_backward_runs_a_copy_made_from_b_in_b():
+    """A forward op the backward makes again (recompute's copy) goes to B where B makes all it reads,
+    even if only W reads it; a copy made from forward values only stays in W."""
+    from autopar.passes.backward_split import split_backward
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    silu = g.call_function(torch.sigmoid, (x,))  # group 2, a copy B reads (the input gradient needs it)
+    grad_in = g.call_function(torch.mul, (silu, x))  # group 2: read by group 1 (B)
+    up = g.call_function(torch.neg, (grad_in,))  # group 1
+    product = g.call_function(torch.mul, (silu, silu))  # group 2, a copy made from B's: only W reads it
+    plain = g.call_function(torch.neg, (x,))  # group 2, a copy made from a forward value: only W reads it
+    dw = g.call_function(torch.add, (product, plain))  # group 2: a weight gradient
+    g.output((up, dw))
+    backward = {silu: 2, grad_in: 2, up: 1, product: 2, plain: 2, dw: 2}
+    copies = {silu, product, plain}
+    assert split_backward(backward, backward) == {silu, grad_in}
+    assert split_backward(backward, backward, remade=copies) == {silu, grad_in, product}
+
+
 @pytest.mark.parametrize("example", ["gpt", "llama"])
 def test_planner_cut_table_names_what_the_runtime_sends(example):
     """The planner prices a cut's messages from the values :class:`CutTable` says cross it; with one

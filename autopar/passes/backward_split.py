@@ -44,7 +44,7 @@ _ADDS = (torch.ops.aten.add.Tensor,)
 
 
 def split_backward(backward: Mapping[fx.Node, int], group_of: Mapping[fx.Node, int], *,
-                   ignore_readers: Collection[fx.Node] = ()) -> set[fx.Node]:
+                   ignore_readers: Collection[fx.Node] = (), remade: Collection[fx.Node] = ()) -> set[fx.Node]:
     """The B nodes among ``backward`` (backward node -> its group, in graph order); the others are W.
 
     A backward node is B when a node of an earlier group depends on it: reads it, or
@@ -52,6 +52,14 @@ def split_backward(backward: Mapping[fx.Node, int], group_of: Mapping[fx.Node, i
     gives the group of every node that may read a backward value; other readers (the
     output) do not count, nor do readers in ``ignore_readers`` (the tied-gradient sums
     of :func:`tied_gradient_sums`), which are not followed either.
+
+    ``remade``: forward ops the backward makes again (:mod:`autopar.passes.recompute`; only the
+    runtime's graph has them). One whose backward inputs are all B is B too, even where only W
+    reads it: the planner prices recompute in B, and W then holds what it reads, not what it
+    would remake that from (ZB-H1's last stage under full recompute held the copies of silu's and
+    w3's outputs for w2's weight gradient, which remade their product in W: 0.79 MB a micro-batch
+    more, 11.1% over its plan on Llama tiny). One made from forward values only stays W: a first
+    stage's B is empty, and such a copy there would be held from B to W.
     """
     # ``backward`` is in graph order, so a node's users come after it: one sweep from the last
     # node back gives each node the earliest group among the nodes that depend on it
@@ -66,7 +74,13 @@ def split_backward(backward: Mapping[fx.Node, int], group_of: Mapping[fx.Node, i
             if u in lowest:
                 low = min(low, lowest[u])
         lowest[n] = low
-    return {n for n, g in backward.items() if lowest[n] < g}
+    b_nodes = {n for n, g in backward.items() if lowest[n] < g}
+    for n in backward:  # (in graph order: a copy's inputs come before it)
+        if n in remade and n not in b_nodes:
+            made = [u for u in n.all_input_nodes if u in backward]
+            if made and all(u in b_nodes for u in made):
+                b_nodes.add(n)
+    return b_nodes
 
 
 def tied_gradient_sums(gm: fx.GraphModule, group_of: Mapping[fx.Node, int]

@@ -302,18 +302,10 @@ def split_program(gm: fx.GraphModule, *, n_stages: int, placeholder_keys: list[s
 
     stage_of = {n: s for n, (s, _) in tags.items()}
     # B/W: a stage's backward nodes that what earlier stages read depends on are B (the planner
-    # prices its layers by the same rule).
-    b_nodes = split_backward({n: s for n, (s, b) in tags.items() if b}, stage_of)
-    # a forward op made again for the backward whose backward inputs B makes runs in B (the module
-    # docstring): ZB-H1's last stage under full recompute held the copies of silu's and w3's outputs for
-    # w2's weight gradient, which remade their product in W, 0.79 MB a micro-batch more than that
-    # product (Llama tiny): 11.1% over its plan. (Not one made from forward values only: a first stage's
-    # B is empty, and such a copy in it would be held from B to W.)
-    for n, (_, b) in tags.items():  # (in graph order: a copy's inputs come before it)
-        if b and n not in b_nodes and (n.meta.get("custom") or {}).get(RECOMPUTED_KEY):
-            made = [u for u in n.all_input_nodes if u in tags and tags[u][1]]
-            if made and all(u in b_nodes for u in made):
-                b_nodes.add(n)
+    # prices its layers by the same rule), and the forward ops made again from what B makes (the
+    # module docstring)
+    b_nodes = split_backward({n: s for n, (s, b) in tags.items() if b}, stage_of,
+                             remade={n for n in tags if (n.meta.get("custom") or {}).get(RECOMPUTED_KEY)})
     piece: dict[fx.Node, tuple[str, int]] = {
         n: ("B" if n in b_nodes else "W", s) if b else ("F", s) for n, (s, b) in tags.items()}
 

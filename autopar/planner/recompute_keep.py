@@ -76,6 +76,7 @@ def kept_bytes(problem: Problem, solution: Solution, local, source) -> dict[str,
     cheap = cheap_ops.__contains__
     inputs: dict[int, list[tuple[int, int]]] = defaultdict(list)  # op -> its (producer, output) inputs
     readers: dict[tuple[int, int], set[str]] = defaultdict(set)  # value -> layers whose forward reads it
+    backward_readers: dict[tuple[int, int], set[str]] = defaultdict(set)  # value -> layers whose backward reads it
     for e in g.edges:
         if e.virtual:
             continue
@@ -83,16 +84,13 @@ def kept_bytes(problem: Problem, solution: Solution, local, source) -> dict[str,
         dst = g.nodes[e.dst]
         if dst.kind == "op" and dst.phase == "F":
             readers[e.src, e.src_out].add(dst.layer)
+        elif dst.kind == "op" and dst.phase in ("B", "W"):
+            backward_readers[source(e.src, e.src_out)].add(dst.layer)
 
     def layer_input(value: tuple[int, int], layer: str) -> bool:
         src = g.nodes[value[0]]
         return src.layer != layer and src.kind in ("op", "input") and readers[value] == {layer}
 
-    backward_readers: dict[tuple[int, int], set[str]] = defaultdict(set)  # value -> layers whose backward reads it
-    for e in g.edges:
-        dst = g.nodes[e.dst]
-        if not e.virtual and dst.kind == "op" and dst.phase in ("B", "W"):
-            backward_readers[source(e.src, e.src_out)].add(dst.layer)
     read_back: dict[int, set[str]] = {}  # a FLOP-free forward op -> layers whose backward reads its outputs
     for v in cheap_ops:
         if g.nodes[v].phase == "F":
