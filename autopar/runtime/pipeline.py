@@ -13,7 +13,15 @@ with stages sending to each other in both directions.
 Each message is one buffer per dtype (the named tensors flattened and
 concatenated) sent with ``isend`` and received with ``irecv`` into a buffer sized
 from the program's shapes; the peer is the rank with the same dp and tp
-coordinates on the neighbouring stage. Where the plan says so for a message (its
+coordinates on the neighbouring stage. A receive is posted where the list has it
+and waited for only when the piece that reads it starts (as torch's pipeline
+runtime does): the lists put a receive at its peer's send, often before this
+rank's own action of the same moment (``1RECV_F1 1F0``: stage 1 would wait for
+stage 0's second forward before running its first), and waiting there made the
+two ranks take turns instead of overlapping. Posted in the lists' order and
+waited for later, the receives still match the sends in order, and no rank waits
+on a send that its peer has not already posted or will post before waiting
+itself (each wait is for a send earlier in the one global order). Where the plan says so for a message (its
 ``tp_gather_bytes`` in ``communication["p2p"]["pp"]["cuts"]``), the values every
 tp rank holds whole (replicated on tp: rotary tables, a block output when the
 residual stream is not split) are not sent tp times over: tp rank ``t`` sends
@@ -117,6 +125,9 @@ class PipelineRunner:
         self._store: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._grads: dict[str, torch.Tensor] = {}
         self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
+        self._arriving: dict[tuple[int, int, str], list[tuple[torch.Tensor, Callable[[], None]]]] = {}
+        """(stage, micro-batch, channel) -> the posted receives of its message, each as (its
+        buffer, what waits for it and puts the values in the store), until the piece that reads them."""
         self._loss: torch.Tensor | None = None
         self._sent_b: set[tuple[int, int]] = set()
         self._done_w: set[tuple[int, int]] = set()
@@ -139,7 +150,11 @@ class PipelineRunner:
                     work.wait()
         finally:
             leftover = {k: sorted(v) for k, v in self._store.items() if v}
-            self._store, self._pending = {}, []
+            unread = sorted(self._arriving)
+            self._store, self._pending, self._arriving = {}, [], {}
+        if unread:
+            raise AssertionError(f"pipeline receives posted and never read this step (stage, micro-batch, "
+                                 f"channel): {unread}")
         if leftover:
             raise AssertionError(f"values left in the pipeline store after the step: {leftover}")
         return self._loss, self._grads
@@ -174,6 +189,8 @@ class PipelineRunner:
     def _compute(self, stage: int, kind: str, mb: int) -> None:
         st = self.program.stages[stage]
         piece = {"F": st.forward, "B": st.backward_input, "W": st.backward_weight, "BW": st.backward}[kind]
+        for _, finish in self._arriving.pop((stage, mb, "F" if kind == "F" else "B"), ()):
+            finish()
         store = self._store.setdefault((stage, mb), {})
         what = f"stage {stage} {kind} of micro-batch {mb} (tp collectives over ranks {self.tp_ranks})"
         if self.begin_microbatch is not None:
@@ -218,6 +235,9 @@ class PipelineRunner:
     def _stored(self) -> dict[int, int]:
         """The storages the rank's stores hold, each once: data pointer -> bytes."""
         seen: dict[int, int] = {}
+        for posted in self._arriving.values():  # (posted receives hold their buffers)
+            for buf, _ in posted:
+                seen[storage_key(buf)] = buf.untyped_storage().nbytes()
         for store in self._store.values():
             for t in tree_leaves(list(store.values())):  # (an op with several outputs stores a tuple)
                 if isinstance(t, torch.Tensor):
@@ -270,16 +290,20 @@ class PipelineRunner:
                     f"(stage {peer_stage})")
             with self.guard(what, [peer]):
                 work = dist.irecv(buf, peer, tag=self._tag(channel, cut, mb, part))
-                if self.timeout_s is None:
-                    work.wait()
-                else:
-                    work.wait(timedelta(seconds=self.timeout_s))
-            chunks = buf.split(sizes + [sum(pieces)])
-            for name, chunk in zip(whole, chunks):
-                store[name] = chunk.view(shapes[name])
-            if split:
-                self._gather(chunks[-1], split, pieces, shapes, store,
-                             f"{_WHAT[channel]} for micro-batch {mb} of stage {stage}")
+
+            def finish(work=work, buf=buf, what=what, whole=whole, sizes=sizes, split=split, pieces=pieces):
+                with self.guard(what, [peer]):
+                    if self.timeout_s is None:
+                        work.wait()
+                    else:
+                        work.wait(timedelta(seconds=self.timeout_s))
+                chunks = buf.split(sizes + [sum(pieces)])
+                for name, chunk in zip(whole, chunks):
+                    store[name] = chunk.view(shapes[name])
+                if split:
+                    self._gather(chunks[-1], split, pieces, shapes, store,
+                                 f"{_WHAT[channel]} for micro-batch {mb} of stage {stage}")
+            self._arriving.setdefault((stage, mb, channel), []).append((buf, finish))
 
     def _pieces(self, cut: int, channel: str) -> frozenset[str]:
         return self.tp_pieces.get((cut, channel), frozenset()) if self.tp > 1 else frozenset()

@@ -174,3 +174,50 @@ def test_pipelines_compose_with_dp_and_tp(four_ranks):
     if torch_version() < (2, 14):  # (torch 2.14's rules give GPT a cheaper cut: the block output split on tp)
         assert r["gpt_pp2xtp2_pieces_zb-h1"]["tp_pieces"] == ["float32", "float32"]  # forward and back
     assert r["pp4_m8_interleaved"]["n_stages"] == 8
+
+
+HANDSHAKE_S = 120.0  # only the failing runtime waits this long: a correct one never waits on the handshake
+
+
+def _overlapping_stages(rank, world):
+    """pp = 2, 1F1B: stage 0 starts its second forward only once stage 1 has run its first. The
+    action lists put stage 1's receive of micro-batch 1 before its forward of micro-batch 0 (the
+    receive sits at its peer's send); a runner that waited for each receive where the list posts
+    it would make stage 1 wait for stage 0's second forward first, and the two would take turns
+    (here: stage 0 gives up on the handshake). The runner waits where the data is read."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, EXAMPLES)
+    import autopar
+    import gpt
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn, target = gpt.build(size="tiny", batch=8, **GPT4)
+    reference = loss_fn(model(*inputs), target).item()
+    pm = autopar.parallelize(model, cluster="1x2xcpu", loss_fn=loss_fn,
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),  # (both steps see the same model)
+                             fixed={"pp": 2, "dp": 1, "tp": 1, "microbatches": 4, "schedule": "1f1b"})
+    pm.train_step(inputs, target)  # (compiles; the step under test is the second)
+    store = dist.distributed_c10d._get_default_store()  # (the world's rendezvous store)
+    compute, order = pm.runner._compute, []
+
+    def handshake(stage, kind, mb):
+        if (rank, stage, kind, mb) == (0, 0, "F", 1):
+            store.wait(["stage 1 ran F0"], timedelta(seconds=HANDSHAKE_S))
+        compute(stage, kind, mb)
+        order.append(f"{stage}{kind}{mb}")
+        if (rank, stage, kind, mb) == (1, 1, "F", 0):
+            store.set("stage 1 ran F0", "1")
+
+    pm.runner._compute = handshake
+    loss = pm.train_step(inputs, target)
+    return {"loss": loss, "reference": reference, "order": order}
+
+
+def test_a_stage_does_not_wait_for_a_receive_it_reads_later():
+    results = spawn_world(_overlapping_stages, 2)
+    for r in results:
+        assert r["loss"] == pytest.approx(r["reference"], rel=1e-5), r
+    assert results[0]["order"][:2] == ["0F0", "0F1"] and results[1]["order"][0] == "1F0", results
