@@ -283,6 +283,56 @@ def test_zero_bubble_moments_are_the_full_lists():
     assert P.zero_bubble_moments("1f1b", 4, 8) is None
 
 
+def _held_from_comm_lists(kind, pp, m, v):
+    """held_messages read off the runtime's own lists (with_comm's strings, RECVs where they are
+    posted): a second way to the same counts."""
+    from autopar.cost.schedule import make_schedule, parse_action, with_comm
+
+    n = pp * v
+    lists = with_comm(make_schedule(kind, n_stages=pp, n_micro=m, n_virtual=v), n)
+    out = []
+    for r in range(pp):
+        held, seen = [0] * v, set()
+        for text in lists.get(r, ()):
+            if "RECV_" in text:
+                held[int(text.split("RECV_")[0]) // pp] += 1
+            elif "SEND_" not in text:
+                a = parse_action(text)
+                held[a.stage // pp] -= a.stage > 0 if a.kind == "F" else a.kind in ("B", "BW") and a.stage < n - 1
+                seen.add(tuple(held))
+        out.append(tuple(sorted(c for c in seen if not any(d != c and all(x >= y for x, y in zip(d, c))
+                                                          for d in seen))))
+    return tuple(out)
+
+
+def test_received_messages_held_match_the_runtime_lists():
+    """A receive is posted at its peer's send and read by a later piece: what each stage holds
+    received and unread, from the lists the runtime runs. Interleaved: exactly (read at 2 pp
+    micro-batches); one stage per rank: by rule, never fewer than the lists, equal but for ZB-H2
+    below 2 pp micro-batches."""
+    from autopar.cost.schedule import make_schedule
+    from autopar.planner.pipeline_states import messages_of
+
+    for pp, v in [(2, 2), (3, 2), (4, 3), (4, 2)]:
+        for m in range(pp, 6 * pp + 1, pp):
+            full = _held_from_comm_lists("interleaved", pp, m, v)
+            assert messages_of(make_schedule("interleaved", n_stages=pp, n_micro=m, n_virtual=v), pp, v) == full
+            assert P.held_messages("interleaved", pp, m, v) == full, (pp, v, m)
+    for kind in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
+        for pp in range(1, 7):
+            for m in range(1, 4 * pp + 1):
+                full = _held_from_comm_lists(kind, pp, m, 1)
+                rule = P.held_messages(kind, pp, m)
+                if kind == "zb-h2" and m < 2 * pp:
+                    assert all(max(a)[0] >= max(b)[0] for a, b in zip(rule, full)), (kind, pp, m, rule, full)
+                else:
+                    assert rule == full, (kind, pp, m, rule, full)
+    # 1F1B: a stage after the first holds the next micro-batch's input while its backward runs;
+    # interleaved, 2 ranks x 2 stages, 4 micro-batches: rank 1's first stage holds 3 at once
+    assert P.held_counts("1f1b", 4, 8) == (0, 1, 1, 1)
+    assert P.held_counts("interleaved", 2, 4, 2) == (0, 3, 0, 2)
+
+
 def test_interleaved_rank_holds_its_fullest_state_not_each_stages_peak():
     """An interleaved rank's stages peak at different moments: its activations are those of its
     fullest state, shared out to its stages, not each stage's own peak added up."""

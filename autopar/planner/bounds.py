@@ -144,6 +144,29 @@ def rank_activation_shares(chunks: Sequence[Sequence[Unit]], recompute: str,
     return max((shares(c, r) for c, r in states), key=sum)
 
 
+def message_bytes(u: Unit) -> float:
+    """Per micro-batch, the larger of the two messages across a cut right after unit ``u``
+    (its activations forward, their gradients back; replicated values counted whole)."""
+    fwd = u.boundary_bytes if u.send_forward is None else sum(msg[1] for msg in u.send_forward)
+    back = u.boundary_bytes if u.send_backward is None else sum(msg[1] for msg in u.send_backward)
+    return max(fwd, back)
+
+
+def held_message_shares(cut_bytes: Sequence[float], vectors: Sequence[tuple[int, ...]]) -> list[float]:
+    """Bytes of each of a rank's stages' received and unread messages in the rank's fullest
+    count (``vectors``: :func:`autopar.planner.pipeline_states.held_messages`), each weighed by
+    the larger message at the stage's cuts (``cut_bytes``: :func:`stage_cut_bytes`)."""
+    best = max(vectors, key=lambda c: sum(n * b for n, b in zip(c, cut_bytes)))
+    return [n * b for n, b in zip(best, cut_bytes)]
+
+
+def stage_cut_bytes(msgs: Sequence[float], i: int, j: int) -> float:
+    """The larger message at the cuts of the stage of units ``[i, j)``: into it (after unit
+    ``i - 1``) and out of it (after unit ``j - 1``; none after the last). ``msgs``: per unit,
+    :func:`message_bytes`."""
+    return max(msgs[i - 1] if i > 0 else 0.0, msgs[j - 1] if j < len(msgs) else 0.0)
+
+
 # Lower bounds on a configuration's step time, for pruning. They must never exceed what
 # _simulate returns (tests/test_search.py checks this on every configuration of a small
 # search): a bound that did would prune the optimum. They read the same terms as the time

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 from autopar.cluster import Cluster
 from autopar.errors import InfeasibleError, PlanError
-from autopar.planner.bounds import rank_activation_shares, stage_activation_bytes
-from autopar.planner.pipeline_states import rank_states, zero_bubble_moments
+from autopar.planner.bounds import (held_message_shares, message_bytes, rank_activation_shares,
+                                    stage_activation_bytes, stage_cut_bytes)
+from autopar.planner.pipeline_states import held_messages, rank_states, zero_bubble_moments
 from autopar.planner.fixed import Fixed
 from autopar.planner.state_memory import zero_buffer_bytes
 
@@ -47,14 +48,19 @@ def _min_memory(units: list[Unit], cfg: Config, per_param: tuple[float, float], 
         return (per_param[0] * sum(u.n_params for u in chunk) + per_param[1] * sum(u.expert_params for u in chunk)
                 + zero_buffer_bytes(chunk, buffers))
 
+    msgs = [message_bytes(u) for u in units]
+    cut_bytes = [stage_cut_bytes(msgs, i, j) for i, j in zip(points, points[1:])]
+    received = held_messages(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
     if cfg.virtual_stages > 1:
         worst = 0.0
         for r, states in enumerate(rank_states(cfg.pp, cfg.microbatches, cfg.virtual_stages)):
             mine = chunks[r::cfg.pp]
-            worst = max(worst, sum(map(held, mine)) + sum(rank_activation_shares(mine, cfg.recompute, states)))
+            worst = max(worst, sum(map(held, mine)) + sum(rank_activation_shares(mine, cfg.recompute, states))
+                        + sum(held_message_shares(cut_bytes[r::cfg.pp], received[r])))
         return worst
     moments = zero_bubble_moments(cfg.schedule, cfg.pp, cfg.microbatches)
     return max(held(chunk) + stage_activation_bytes(chunk, cfg.recompute, inflight[s], moments and moments[s])
+               + (sum(held_message_shares([cut_bytes[s]], received[s])) if s < len(received) else 0.0)
                for s, chunk in enumerate(chunks))
 
 

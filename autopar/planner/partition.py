@@ -18,9 +18,10 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from autopar.planner.bounds import _unit_times, running_bytes, w_held_bytes
-from autopar.planner.pipeline_states import (_inflight, _least_counts, _upper_right_hull, inflight_of,  # noqa: F401
-                                             moments_of, rank_states, states_of, zero_bubble_moments)
+from autopar.planner.bounds import _unit_times, message_bytes, running_bytes, stage_cut_bytes, w_held_bytes
+from autopar.planner.pipeline_states import (_inflight, _least_counts, _upper_right_hull, held_counts,  # noqa: F401
+                                             held_messages, inflight_of, moments_of, rank_states, states_of,
+                                             zero_bubble_moments)
 from autopar.zero_def import MAX_INFLIGHT_REDUCES, PREFETCH_GROUPS
 
 if TYPE_CHECKING:
@@ -59,6 +60,11 @@ class _Layers:
         self.recompute = recompute
         self.windows = {w: _sparse_max(window_sums([u.n_params for u in units], w))
                         for w in {1 + PREFETCH_GROUPS, MAX_INFLIGHT_REDUCES}}
+        # the messages a stage has received and not yet read (pipeline_states.held_messages), each
+        # counted at the largest cut of the stage (its two and those inside it: a bound that grows
+        # with the stage, as the packing needs) from position i - 1 to j - 1
+        self.msgs = [message_bytes(u) for u in units]
+        self.msg_max = _sparse_max(self.msgs[:-1] + [0.0])
         self._zero_bubble = None
         self._largest_op = None
 
@@ -88,7 +94,8 @@ class _Layers:
         return self._zero_bubble
 
     def fits(self, i: int, j: int, s: int, *, cap: float, state_per_param: float, inflight: Sequence[int],
-             buffers: tuple[float, float] = (0.0, 0.0), expert_per_param: float = 0.0, moments=None) -> bool:
+             buffers: tuple[float, float] = (0.0, 0.0), expert_per_param: float = 0.0, moments=None,
+             held: Sequence[int] | None = None) -> bool:
         """Stage ``s`` = layers ``[i, j)`` within ``cap``: training state (``expert_per_param``: what
         an expert parameter's state holds beyond ``state_per_param``, ZeRO sharding it over fewer
         ranks, :func:`autopar.planner.state_memory.state_per_param`) + activations of the
@@ -98,12 +105,14 @@ class _Layers:
         (``buffers``: bytes per parameter of the fullest window of gathered groups and of gradient
         buckets in flight,
         :func:`autopar.zero_def.buffer_bytes_per_param`). Zero-bubble schedules (``moments``, per
-        stage :func:`zero_bubble_moments`) count activations by their states instead of ``inflight``."""
+        stage :func:`zero_bubble_moments`) count activations by their states instead of ``inflight``;
+        ``held`` (per stage, :func:`held_counts`) adds the messages received and not yet read."""
         return self.rule(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
-                         expert_per_param=expert_per_param, moments=moments)(i, j, s)
+                         expert_per_param=expert_per_param, moments=moments, held=held)(i, j, s)
 
     def rule(self, *, cap: float, state_per_param: float, inflight: Sequence[int],
-             buffers: tuple[float, float] = (0.0, 0.0), expert_per_param: float = 0.0, moments=None):
+             buffers: tuple[float, float] = (0.0, 0.0), expert_per_param: float = 0.0, moments=None,
+             held: Sequence[int] | None = None):
         """:meth:`fits` with the memory rule bound: ``(i, j, s) -> bool``. The search asks it
         about a million times for Llama 70B; as a closure over local names it takes half the
         time of the method call with keywords."""
@@ -114,6 +123,8 @@ class _Layers:
         gathered, sends = buffers
         gathered_w, sends_w = self.windows[1 + PREFETCH_GROUPS], self.windows[MAX_INFLIGHT_REDUCES]
         zero_bubble = moments or (None,) * len(inflight)
+        msg_max = self.msg_max
+        received = held if held is not None and any(held) else None
         if moments is not None:
             pre_h, in_b, largest, _ = self.zero_bubble()
 
@@ -158,6 +169,12 @@ class _Layers:
                     level = sends_w[k]
                     a, b = level[i], level[j - (1 << k)]
                     mem += sends * (a if a >= b else b)
+                if received is not None and received[s] and mem <= cap:
+                    lo = i - 1 if i else 0  # (the cuts i - 1 .. j - 1)
+                    k = (j - lo).bit_length() - 1
+                    level = msg_max[k]
+                    a, b = level[lo], level[j - (1 << k)]
+                    mem += received[s] * (a if a >= b else b)
             return mem <= cap
         return fits
 
@@ -216,14 +233,15 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     # 1/v of the device at their own peaks may still fit the rank at its fullest state
     joint = dict(cap=cap * cfg.virtual_stages, state_per_param=state_per_param, buffers=buffers,
                  expert_per_param=expert_per_param)
+    held = held_counts(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
     if memo is None and starts is None:
         layers = _Layers(units, cfg.recompute)
         if cfg.virtual_stages > 1:  # (as the memo's way below: the cut without a cap, if the ranks hold it)
             free = _cut(layers, cfg, cap=math.inf, state_per_param=0.0, inflight=(0,) * cfg.n_stages)[0]
             if free is not None and _ranks_fit(layers, free, cfg, **joint):
                 return free
-        return _cut(layers, cfg, cap=cap, state_per_param=state_per_param,
-                    inflight=inflight, buffers=buffers, expert_per_param=expert_per_param, moments=moments)[0]
+        return _cut(layers, cfg, cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
+                    expert_per_param=expert_per_param, moments=moments, held=held)[0]
     layers_key = (cfg.tp, cfg.sp, cfg.microbatch_size, cfg.recompute, cfg.ep, cfg.cp, cfg.ep_tp)
     layers = memo.get(layers_key) if memo is not None else None
     if layers is None:
@@ -233,7 +251,7 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     if starts is not None:
         points = [0, *starts, len(units)]
         fits = layers.rule(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
-                           expert_per_param=expert_per_param, moments=moments)
+                           expert_per_param=expert_per_param, moments=moments, held=held)
         cuts = list(zip(points, points[1:]))
         if all(fits(i, j, s) for s, (i, j) in enumerate(cuts)) or _ranks_fit(layers, cuts, cfg, **joint):
             return cuts
@@ -245,7 +263,7 @@ def _partition(units: list[Unit], cfg: Config, *, cap: float, state_per_param: f
     if free is None:
         return None  # too few layers for the stages: no cap changes that
     rule = dict(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
-                expert_per_param=expert_per_param, moments=moments)
+                expert_per_param=expert_per_param, moments=moments, held=held)
     fits = layers.rule(**rule)
     if all(fits(i, j, s) for s, (i, j) in enumerate(free)) or _ranks_fit(layers, free, cfg, **joint):
         return list(free)
@@ -279,6 +297,7 @@ def _ranks_fit(layers: _Layers, cuts: Sequence[tuple[int, int]], cfg: Config, *,
     gathered, sends = buffers
     gathered_w, sends_w = layers.windows[1 + PREFETCH_GROUPS], layers.windows[MAX_INFLIGHT_REDUCES]
     pre_p, pre_e, pre_a = layers.pre_p, layers.pre_e, layers.pre_a
+    received, msgs = held_messages(cfg.schedule, pp, cfg.microbatches, v), layers.msgs
     for r, states in enumerate(rank_states(pp, cfg.microbatches, v)):
         mine = cuts[r::pp]
         mem = 0.0
@@ -295,6 +314,8 @@ def _ranks_fit(layers: _Layers, cuts: Sequence[tuple[int, int]], cfg: Config, *,
         idle = max(_range_max(layers.largest_op, i, j) for i, j in mine)
         mem += max(sum(n * k for n, k in zip(counts, kept)) + (extra[running] if running >= 0 else idle)
                    for counts, running in states)
+        cut_bytes = [stage_cut_bytes(msgs, i, j) for i, j in mine]  # (held_message_shares' sum, inlined)
+        mem += max(sum(n * b for n, b in zip(c, cut_bytes)) for c in received[r])
         if mem > cap:
             return False
     return True
@@ -302,7 +323,8 @@ def _ranks_fit(layers: _Layers, cuts: Sequence[tuple[int, int]], cfg: Config, *,
 
 def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, inflight: tuple[int, ...],
          lo: float = 0.0, buffers: tuple[float, float] = (0.0, 0.0),
-         expert_per_param: float = 0.0, moments=None) -> tuple[list[tuple[int, int]] | None, float]:
+         expert_per_param: float = 0.0, moments=None,
+         held: Sequence[int] | None = None) -> tuple[list[tuple[int, int]] | None, float]:
     """:func:`_partition` without the memo; also a time bound below which no cut fits (``lo``,
     if given, is one already known)."""
     times, pre_t = layers.times, layers.pre_t
@@ -311,7 +333,7 @@ def _cut(layers: _Layers, cfg: Config, *, cap: float, state_per_param: float, in
         return None, math.inf
 
     fits = layers.rule(cap=cap, state_per_param=state_per_param, inflight=inflight, buffers=buffers,
-                       expert_per_param=expert_per_param, moments=moments)
+                       expert_per_param=expert_per_param, moments=moments, held=held)
 
     def greedy(bound: float) -> tuple[list[tuple[int, int]] | None, float]:
         """(the cuts, or None), and the smallest stage time above ``bound`` that the packing

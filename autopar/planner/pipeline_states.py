@@ -1,8 +1,9 @@
 """What a pipeline stage holds under each schedule, read off the schedules' actions: the peak
 micro-batches in flight per stage (:func:`_inflight`), a zero-bubble stage's states (micro-batches
 between F and B, and between B and W, which hold different bytes: :func:`zero_bubble_moments`),
-and an interleaved rank's states (micro-batches in flight on each of its stages:
-:func:`rank_states`). The partitioner's memory rule (:mod:`autopar.planner.partition`) and the
+an interleaved rank's states (micro-batches in flight on each of its stages:
+:func:`rank_states`), and the messages a stage has received and not yet read
+(:func:`held_messages`). The partitioner's memory rule (:mod:`autopar.planner.partition`) and the
 plan's stage memory (:func:`autopar.planner.bounds.stage_activation_bytes`) weigh them.
 """
 
@@ -177,3 +178,94 @@ def inflight_of(sched, n_stages: int) -> tuple[int, ...]:
             elif a.kind in ("W", "BW"):
                 live[a.stage] -= 1
     return tuple(peaks)
+
+
+def held_messages(kind: str, pp: int, m: int, v: int = 1) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per rank, the most messages each of its stages holds received and not yet read: the
+    runtime (:mod:`autopar.runtime.pipeline`) posts a receive where its action list has it, at
+    the peer's send (:func:`autopar.cost.schedule.with_comm`), and its buffer lives until the
+    piece that reads it, so a stage after the first holds the next micro-batch's input while it
+    runs its backward (1F1B), and an interleaved rank several inputs and gradients at once (up
+    to ``pp / 2`` on one of its stages). Each rank's counts (activations and gradients together,
+    per stage: ``v`` numbers) at every moment one of its pieces runs, the message that piece
+    reads taken as read, only those no other moment holds at least as many of on every stage.
+    The plan weighs them with the larger message at the stage's two cuts
+    (:func:`autopar.planner.bounds.held_message_shares`) and adds the fullest to the rank's peak
+    (a bound: the moment with the most messages need not be the one with the most activations).
+
+    Interleaved: read off the lists at ``min(m, 2 * pp)`` micro-batches, as :func:`rank_states`.
+    The schedules with one stage per rank, which the search sizes by the hundreds, by rule
+    (their lists give the same or, for ZB-H2 below ``2 pp`` micro-batches, up to one message
+    fewer on some stages): a stage after the first holds one input received ahead (ZB-H2: two, its
+    forwards run further ahead) once there are two micro-batches, and ZB-H1's first stage one
+    gradient once ``m > pp``. ``tests/test_search.py`` checks both against the full lists."""
+    if pp == 1:
+        return (((0,) * v,),)
+    if v == 1 and kind in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
+        later = min(2 if kind == "zb-h2" else 1, m - 1)
+        return tuple(((int(kind == "zb-h1" and m > pp) if r == 0 else later,),) for r in range(pp))
+    return _held_messages(kind, pp, min(m, 2 * pp), v)
+
+
+@lru_cache(maxsize=4096)
+def held_counts(kind: str, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
+    """Per stage, the most messages it holds received and not yet read at once (:func:`held_messages`)."""
+    out = [0] * (pp * v)
+    for r, vectors in enumerate(held_messages(kind, pp, m, v)):
+        for k in range(v):
+            out[r + k * pp] = max(c[k] for c in vectors)
+    return tuple(out)
+
+
+@lru_cache(maxsize=1024)
+def _held_messages(kind: str, pp: int, m: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    return messages_of(_schedule(kind, pp, m, v), pp, v)
+
+
+def messages_of(sched, pp: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """:func:`held_messages` of the action lists ``sched``. The moment each receive is posted is
+    the unit-time lockstep run's step of its send, as :func:`autopar.cost.schedule.with_comm`
+    places it (within a step, ranks in order): here each action's step comes from its
+    predecessors' (one pass over the actions, instead of with_comm's scan of every rank at
+    every step and its strings, a third of the search's time on 405B-class interleaved
+    shapes)."""
+    n = pp * v
+    step: dict[tuple[str, int, int], int] = {}
+    at = {r: [] for r in range(pp)}  # rank -> its compute steps, in order
+    pos, events = {r: 0 for r in range(pp)}, {r: [] for r in range(pp)}
+    left = sum(len(a) for a in sched.values())
+    while left:
+        moved = False
+        for r in range(pp):
+            acts, i = sched.get(r, ()), pos[r]
+            while i < len(acts):
+                a = acts[i]
+                s, mb = a.stage, a.microbatch
+                needs = ((("F", s - 1, mb),) if s > 0 else ()) if a.kind == "F" else \
+                    (("B", s, mb),) if a.kind == "W" else (("F", s, mb),) + ((("B", s + 1, mb),) if s + 1 < n else ())
+                if any(k not in step for k in needs):
+                    break
+                t = max([at[r][-1] if at[r] else -1] + [step[k] for k in needs]) + 1
+                at[r].append(t)
+                for kind in ("B", "W") if a.kind == "BW" else (a.kind,):
+                    step[(kind, s, mb)] = t
+                reads = s > 0 if a.kind == "F" else a.kind in ("B", "BW") and s < n - 1
+                events[r].append((t, r, 1, s // pp, reads))
+                peer = s + 1 if a.kind == "F" and s + 1 < n else s - 1 if a.kind in ("B", "BW") and s > 0 else None
+                if peer is not None and peer % pp != r:
+                    events[peer % pp].append((t, r, 0, peer // pp, True))
+                i, left, moved = i + 1, left - 1, True
+            pos[r] = i
+        if not moved:
+            raise ValueError(f"the action lists of {pp} ranks cannot all run (a dependency cycle)")
+    out = []
+    for r in range(pp):
+        held, seen = [0] * v, set()
+        for _, _, compute, k, reads in sorted(events[r]):
+            if not compute:
+                held[k] += 1
+                continue
+            held[k] -= reads
+            seen.add(tuple(held))
+        out.append(tuple(sorted(c for c, _ in _undominated((c, -1) for c in seen))))
+    return tuple(out)

@@ -46,12 +46,13 @@ from autopar.cost.step import GroupCost, StageCost, StepSpec, estimate_exposed_s
 from autopar.planner.fixed import FIXED_KEYS, RECOMPUTE, SCHEDULES, Fixed  # noqa: F401 (re-exported)
 from autopar.planner.infeasible import MEMORY_RESERVE, _infeasible, _largest_op, _min_memory
 from autopar.planner.partition import _partition
-from autopar.planner.pipeline_states import _inflight, rank_states, zero_bubble_moments
+from autopar.planner.pipeline_states import _inflight, held_messages, rank_states, zero_bubble_moments
 from autopar.planner.state_memory import _state, state_per_param, zero_buffer_bytes, zero_buffers  # noqa: F401
 from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _config_bound_s,  # noqa: F401
                                     _cuts_bound_s, _dp_comm_prefix, _grad_elem_bytes, _optimizer_s,
                                     _pipeline_bound_s, _prefix_sums, _schedule, _unit_times, _work_s, lower_bound_s,
-                                    rank_activation_shares, replica_group, stage_activation_bytes)
+                                    held_message_shares, message_bytes, rank_activation_shares, replica_group,
+                                    stage_activation_bytes, stage_cut_bytes)
 from autopar import zero_def
 from autopar.planner.timing import (_simulate, cut_times, grad_sync_s, pipeline_bound_s,  # noqa: F401 (re-exported)
                                     simulate_stages, step_spec)
@@ -553,6 +554,13 @@ def _estimate(units: list[Unit], cuts, cfg: Config, cluster: Cluster, precision:
             acts = rank_activation_shares([units[i:j] for i, j in (cuts[s] for s in mine)], cfg.recompute, states)
             for s, a in zip(mine, acts):
                 stages[s] = replace(stages[s], activations_bytes=a)
+    # and the messages each rank has received and not yet read (pipeline_states.held_messages)
+    msgs = [message_bytes(u) for u in units]
+    for r, vectors in enumerate(held_messages(cfg.schedule, p, m, v)):
+        mine = range(r, len(cuts), p)
+        held = held_message_shares([stage_cut_bytes(msgs, *cuts[s]) for s in mine], vectors)
+        for s, extra in zip(mine, held):
+            stages[s] = replace(stages[s], activations_bytes=stages[s].activations_bytes + extra)
     slowest = max(s.f_s + s.b_s + s.w_s for s in stages)
     critical = max(s.f_s + s.b_s for s in stages)
     if cfg.schedule in ("zb-h1", "zb-h2"):

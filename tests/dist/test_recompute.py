@@ -151,13 +151,17 @@ def test_pipeline_stages_hold_what_the_plan_predicts():
     # and sac: the running layer holds its copies made again, a stretch of its backward each (the plan
     # counted none of them until the twenty-third session: the first stage measured 9.8% and 19.4%
     # over it); sac's count keeps every matmul output torchtitan's policy stores, of which the runtime
-    # frees those nothing reads (w2's), so it may count up to 15% over
+    # frees those nothing reads (w2's), so it may count up to 15% over. Every stage holds the
+    # messages it has received and not yet read (a receive is posted at its peer's send): the plan
+    # counted none until the twenty-fourth session (interleaved rank 1 measured 6.5% over it); now
+    # a bound (the most it holds at any moment), so ZB-H1's first stage under full recompute (whose
+    # count is already the whole layer at once) may count up to 15% over as well
     runs = (("1f1b", "none"), ("1f1b", "selective"), ("1f1b", "sac"), ("1f1b", "full"), ("zb-h1", "full"),
             ("interleaved", "none"))
     ranks = spawn_world(_measure_pipeline, 2, runs)
     for stage, out in enumerate(ranks):
         assert out["1f1b", "full"][0]["peak_bytes"] < 0.5 * out["1f1b", "none"][0]["peak_bytes"], (stage, out)
         for run, (got, planned) in out.items():
-            low, high = (0.15, 0.1) if run[1] == "sac" else (0.1, 0.1)
+            low, high = (0.15, 0.05) if run[1] in ("sac", "full") else (0.1, 0.05)
             assert -low * planned <= got["peak_bytes"] - planned <= high * planned, (stage, run, got, planned)
     assert ranks[1]["zb-h1", "full"][0]["peak_bytes"] > ranks[1]["1f1b", "none"][0]["peak_bytes"]
