@@ -35,9 +35,6 @@ from torch import fx
 
 from autopar.passes.pipeline import PARAM_VIEWS as _VIEWS
 
-_PURE_VIEWS = _VIEWS - {torch.ops.aten.reshape.default}
-"""View ops that never copy (``reshape`` may)."""
-
 __all__ = ["insert_zero_calls"]
 
 
@@ -107,9 +104,16 @@ def _hoist_views(graph: fx.Graph, node: fx.Node) -> None:
     end: every REDUCE_GRAD ran after the whole backward (no overlap) and every layer's
     gradients were alive at once, a full gradient copy at stage 3. A view reads nothing
     but its input and writes nothing, so moving it next to its input changes no value
-    and no storage's lifetime."""
+    and no storage's lifetime.
+
+    The per-rank program turns a ``view`` of a computed tensor into ``reshape``
+    (:func:`autopar.passes.shard._reshape_computed_views`), so the trailing views are
+    ``reshape`` there: they move too. The program is functional (nothing writes into a
+    gradient or its views before REDUCE_GRAD reads it), so a ``reshape`` gives the same values
+    right after its input, whether it views or copies. (Followed through ``view`` only, as
+    before 2026-12-03's reshape pass, every REDUCE_GRAD had gone back to the program's end.)"""
     chain = []
-    while node.op == "call_function" and node.target in _PURE_VIEWS and node.args and isinstance(node.args[0], fx.Node) \
+    while node.op == "call_function" and node.target in _VIEWS and node.args and isinstance(node.args[0], fx.Node) \
             and all(a is node.args[0] for a in node.all_input_nodes):
         chain.append(node)
         node = node.args[0]
@@ -118,7 +122,8 @@ def _hoist_views(graph: fx.Graph, node: fx.Node) -> None:
 
 
 def _view_root(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and node.target in _PURE_VIEWS and node.args and isinstance(node.args[0], fx.Node):
+    """What the chain of views (``reshape`` included, as :func:`_hoist_views` moves them) ends at."""
+    while node.op == "call_function" and node.target in _VIEWS and node.args and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 

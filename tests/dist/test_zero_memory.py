@@ -63,8 +63,18 @@ def _measure(rank, world):
             "by_kind": dict(live.peak_by_kind), "full_params": sum(e.numel * 4 for e in pm.params.entries.values()),
             "zero_buffers": predicted["zero_buffers"], "gathered_window": gathered,
             "sends_window": _window(pm.plan, "reduce_scatter", MAX_INFLIGHT_REDUCES) if zero >= 2 else 0,
+            "matmuls_after_reduce": _matmuls_after_each_reduce(pm.step_program),
         }
     return out
+
+
+def _matmuls_after_each_reduce(program) -> list[int]:
+    """For each REDUCE_GRAD call in the rank's step program, in program order, how many matmuls
+    run after it."""
+    nodes = list(program.graph.nodes)
+    mm = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
+    calls = [i for i, n in enumerate(nodes) if getattr(n.target, "__name__", "") == "grads_ready"]
+    return [sum(j > i for j in mm) for i in calls]
 
 
 def _window(plan, kind: str, window: int) -> float:
@@ -83,6 +93,21 @@ def test_state_peak_within_ten_percent_of_plan(measured, zero):
     for rank, r in enumerate(measured):
         m = r[zero]
         assert abs(m["measured"] - m["predicted"]) <= 0.10 * m["predicted"], (rank, zero, m)
+
+
+@pytest.mark.parametrize("zero", STAGES)
+def test_gradients_are_reduced_while_the_backward_runs(measured, zero):
+    """Each layer group's REDUCE_GRAD sits right after the group's last gradient in the real step
+    program (``reshape`` views and all, as the per-rank program has them), so the dp reductions
+    overlap the rest of the backward and no group's gradients outlive their bucket: of the
+    program's seven REDUCE_GRADs (the head, the final norm, blocks 3 to 0, the embedding: 57, 56,
+    42, 28, 14, 0, 0 matmuls after them), only the first block's and the embedding's, the last
+    two, have none left. (From 2026-12-03 to 2026-12-07 every one of them ran after the last
+    matmul: 0 for all seven.)"""
+    for r in measured:
+        after = r[zero]["matmuls_after_reduce"]
+        assert len(after) >= 6, after
+        assert after == sorted(after, reverse=True) and after[len(after) - 3] > 0, after
 
 
 def test_zero3_never_holds_the_whole_model(measured):
