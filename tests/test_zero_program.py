@@ -88,5 +88,6 @@ def test_values_are_unchanged_and_the_sum_of_addends_is_in_place(reshape):
     got = {fqns[0]: gs[0] for _, fqns, gs in params.calls}
     torch.testing.assert_close(got["w0"], g0, rtol=0, atol=0)
     torch.testing.assert_close(got["w1"], g1, rtol=0, atol=0)
-    adds = [n.target for n in program.graph.nodes if n.target in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)]
+    adding = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+    adds = [n.target for n in program.graph.nodes if n.target in adding]
     assert adds == [torch.ops.aten.add_.Tensor], program.code
