@@ -8,7 +8,8 @@ layer group's reduction waits for the whole backward and every layer's gradient 
 once (a full gradient copy at ZeRO-3; measured 0.6 GB per rank on a 12-block GPT 350m,
 bench/startup_memory.py). From 2026-12-03 to 2026-12-07 the reshapes kept every REDUCE_GRAD at
 the program's end, which these tests, run on ``view`` only, did not see: they run on both now,
-and ``tests/dist/test_zero_overlap.py`` checks a real step program.
+and ``tests/dist/test_zero_memory.py::test_gradients_are_reduced_while_the_backward_runs``
+checks a real step program.
 """
 
 import pytest

@@ -110,8 +110,9 @@ def _hoist_views(graph: fx.Graph, node: fx.Node) -> None:
     (:func:`autopar.passes.shard._reshape_computed_views`), so the trailing views are
     ``reshape`` there: they move too. The program is functional (nothing writes into a
     gradient or its views before REDUCE_GRAD reads it), so a ``reshape`` gives the same values
-    right after its input, whether it views or copies. (Followed through ``view`` only, as
-    before 2026-12-03's reshape pass, every REDUCE_GRAD had gone back to the program's end.)"""
+    right after its input, whether it views or copies. (Until 2026-12-07 the chain stopped at
+    ``reshape``: from 2026-12-03, when that pass came, every REDUCE_GRAD was back at the
+    program's end.)"""
     chain = []
     while node.op == "call_function" and node.target in _VIEWS and node.args and isinstance(node.args[0], fx.Node) \
             and all(a is node.args[0] for a in node.all_input_nodes):
