@@ -211,7 +211,9 @@ def spawn_world(fn: Callable, world: int, *args: Any, timeout_s: float = 900.0,
     Ranks start as multiprocessing's ``start_method`` says: by default forked from a server
     that has torch and autopar imported (each rank then skips seconds of imports; the server's
     imports happen once per calling process), with the caller's environment variables; pass
-    ``"spawn"`` for fresh interpreters (what a start-up benchmark should time).
+    ``"spawn"`` for fresh interpreters (what a start-up benchmark should time). Each rank of a
+    world of more than one runs one intra-op thread unless the caller's environment sets
+    ``OMP_NUM_THREADS``, as torchrun does.
     """
     import torch.distributed as dist
 
