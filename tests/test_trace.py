@@ -347,7 +347,7 @@ def test_latent_attention_traces_the_fused_kernel_and_computes_the_same():
 def test_a_trace_leaves_no_graph_behind():
     """Dynamo installs each capture's compiled graph (its nodes holding FakeTensors) in the traced
     frame's module globals, removed only by a cache entry that export capture never makes: until
-    autopar dropped them, every trace left one more GraphModule alive (torch 2.13), and a process
+    autopar dropped them, every trace left one more GraphModule alive (torch 2.11, 2.13), and a process
     that traces often grew without bound."""
     import gc
 

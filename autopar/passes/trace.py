@@ -331,7 +331,7 @@ def _dynamo_globals_dropped(capture) -> Iterator[None]:
     Dynamo puts each traced frame's compiled graph (``__compiled_fn_*``, a GraphModule whose nodes
     hold the capture's FakeTensors), its scopes and its builtins into the traced frame's module
     globals, to be removed by the hooks of a cache entry that export capture never makes: in
-    torch 2.13 every trace left one more graph in ``torch._dynamo.functional_export``'s namespace,
+    torch 2.11 and 2.13 every trace left one more graph in ``torch._dynamo.functional_export``'s namespace,
     about 2,500 objects for a 2-block GPT and 26,000 for a 4-block Llama with its program, so a
     process that traces again and again (the planner's pair of traces, each start, the tests'
     hundreds) grew without bound and every garbage collection walked the growing heap. The
