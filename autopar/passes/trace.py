@@ -332,7 +332,7 @@ def _dynamo_globals_dropped(capture) -> Iterator[None]:
     hold the capture's FakeTensors), its scopes and its builtins into the traced frame's module
     globals, to be removed by the hooks of a cache entry that export capture never makes: in
     torch 2.11 and 2.13 every trace left one more graph in ``torch._dynamo.functional_export``'s namespace,
-    about 2,500 objects for a 2-block GPT and 26,000 for a 4-block Llama with its program, so a
+    about 2,500 objects for a 2-block GPT and 26,000 for a 16-block Llama with its program, so a
     process that traces again and again (the planner's pair of traces, each start, the tests'
     hundreds) grew without bound and every garbage collection walked the growing heap. The
     graph autopar keeps is the one the capture returns; nothing calls the installed ones."""
