@@ -201,8 +201,37 @@ def _work_s(units: Sequence[Unit], recompute: str) -> float:
     return total
 
 
+def _chain_s(units: Sequence[Unit], recompute: str) -> float:
+    """One micro-batch's F through every layer and then its B back through them (W left out)."""
+    total = 0.0
+    for u in units:
+        f, b, _, _ = _unit_times(u, recompute)
+        total += f + b
+    return total
+
+
+def _unit_loads(units: Sequence[Unit], recompute: str) -> list[float]:
+    """Each layer's F + B + W for one micro-batch, largest first (:func:`_busiest_load_s`)."""
+    return sorted((sum(_unit_times(u, recompute)[:3]) for u in units), reverse=True)
+
+
+def _busiest_load_s(loads: Sequence[float], ranks: int) -> float:
+    """A lower bound on the largest per-micro-batch load any split of the layers ``loads`` (largest
+    first) over ``ranks`` ranks gives one rank: the average, and by pigeonhole, for every ``k``,
+    one rank holds ``k + 1`` of the ``k * ranks + 1`` largest layers, so at least the ``k + 1``
+    smallest of them (``k = 0``: the largest layer). Contiguous or not, interleaved or not: any
+    split. (80 equal blocks on 32 ranks: 3 blocks, against the average's 2.5.)"""
+    best = sum(loads) / ranks
+    k = 0
+    while k * ranks + 1 <= len(loads):
+        best = max(best, sum(loads[k * ranks - k:k * ranks + 1]))
+        k += 1
+    return best
+
+
 def _config_bound_s(work_s: float, n_params: float, *, zero: int, m: int, pp: int, dp: int, link: comm.Link,
-                    precision: str, cluster: Cluster, dp_comm_s: float = 0.0, virtual_stages: int = 1) -> float:
+                    precision: str, cluster: Cluster, dp_comm_s: float = 0.0, virtual_stages: int = 1,
+                    chain_s: float = 0.0, load_s: float = 0.0) -> float:
     """A lower bound for any cut of a configuration, before partitioning: the busiest rank
     runs at least the average share of the F, B and W actions (``m * work / pp``), then at
     least the average share of the tail (collectives and optimizer step over ``n_params /
@@ -213,11 +242,20 @@ def _config_bound_s(work_s: float, n_params: float, *, zero: int, m: int, pp: in
     (:func:`_dp_comm_prefix`'s total): the busiest rank's link carries at least the average
     share of them (:func:`_comm_bound_s`), and with one stage per rank its optimizer step
     follows them; and the compute they slow (:func:`_overlap_bound_s` at the rank averages,
-    below the busiest rank's by convexity)."""
+    below the busiest rank's by convexity).
+
+    ``load_s``: the busiest rank's F + B + W of one micro-batch counted in whole layers
+    (:func:`_busiest_load_s`), above the average where the layers do not split evenly over
+    ``pp`` (80 blocks on 32 or 64 ranks). ``chain_s``: one micro-batch's F through every
+    stage and its B back (:func:`_chain_s`), which no schedule overlaps with itself: with
+    fewer micro-batches than about ``pp``, above ``m * work / pp``. (Both were added when the
+    Llama 70B search on 64x8xH100 partitioned 12,872 configurations to find a pp=1 plan; it now
+    partitions 5,024, and the same plan.)"""
     share = n_params / pp
     opt = _optimizer_s(share / zero_def.state_shards(zero, dp)[2], cluster)
-    return max(m * work_s / pp + opt, dp_comm_s / pp + (opt if virtual_stages == 1 else 0.0),
-               _overlap_bound_s(m * work_s / pp + opt, dp_comm_s / pp))
+    compute = m * max(work_s / pp, load_s)
+    return max(compute + opt, dp_comm_s / pp + (opt if virtual_stages == 1 else 0.0),
+               _overlap_bound_s(m * work_s / pp + opt, dp_comm_s / pp), chain_s)
 
 
 def replica_group(cluster: Cluster, *, dp: int, tp: int, ep: int) -> tuple[int, comm.Link | None]:

@@ -51,8 +51,8 @@ from autopar.planner.state_memory import _state, state_per_param, zero_buffer_by
 from autopar.planner.bounds import (ADAM_BYTES_PER_PARAM, FUSED_BACKWARD, _config_bound_s,  # noqa: F401
                                     _cuts_bound_s, _dp_comm_prefix, _grad_elem_bytes, _optimizer_s,
                                     _pipeline_bound_s, _prefix_sums, _schedule, _unit_times, _work_s, lower_bound_s,
-                                    held_message_shares, message_bytes, rank_activation_shares, replica_group,
-                                    stage_activation_bytes, stage_cut_bytes)
+                                    _busiest_load_s, _chain_s, _unit_loads, held_message_shares, message_bytes,
+                                    rank_activation_shares, replica_group, stage_activation_bytes, stage_cut_bytes)
 from autopar import zero_def
 from autopar.planner.timing import (_simulate, cut_times, grad_sync_s, pipeline_bound_s,  # noqa: F401 (re-exported)
                                     simulate_stages, step_spec)
@@ -267,7 +267,9 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     cp > 1 and splits the batch over dp / cp groups. Branch and bound: mesh shapes (tp, sp, pp,
     dp, micro-batch size) are visited in order of a compute-only lower bound on their step
     time: the busiest rank computes at least the average,
-    ``microbatches * work / pp`` (:func:`_work_s`); once ``keep`` configurations are simulated, a shape or a
+    ``microbatches * work / pp`` (:func:`_work_s`), and at least its whole layers' share
+    (:func:`_busiest_load_s`), and no step is shorter than one micro-batch's F and B through every
+    layer (:func:`_chain_s`); once ``keep`` configurations are simulated, a shape or a
     cut whose bound exceeds the ``keep``-th best time is skipped, and so is every shape
     after it. Every ZeRO stage, recompute policy and schedule of a visited shape is
     partitioned and, unless its own bound rules it out, simulated.
@@ -347,6 +349,15 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
 
     shapes = []  # (bound, tp, sp, pp, dp, mbs, m, ep, cp, ep_tp)
     work: dict[tuple, dict[str, float]] = {}  # (tp, sp, mbs, ep, cp, ep_tp) -> recompute -> compute of one micro-batch
+    chain: dict[tuple, dict[str, float]] = {}  # the same -> one micro-batch's F and B chain (:func:`_chain_s`)
+    loads: dict[tuple, dict[str, list[float]]] = {}  # the same -> the layers' loads, largest first
+    busiest: dict[tuple, float] = {}  # (the same, recompute, pp) -> :func:`_busiest_load_s`
+
+    def busiest_load(key: tuple, recompute: str, pp: int) -> float:
+        if (key, recompute, pp) not in busiest:
+            busiest[key, recompute, pp] = _busiest_load_s(loads[key][recompute], pp)
+        return busiest[key, recompute, pp]
+
     params: dict[tuple, float] = {}  # (tp, sp, mbs, ep, cp, ep_tp) -> parameters per tp rank
     for tp in tp_options:
         for pp in _divisors(world // tp):
@@ -372,13 +383,16 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                             t0 = time.perf_counter()
                             units = units_at(tp, mbs, sp, ep, cp, ept)
                             work[key] = {r: _work_s(units, r) for r in dict.fromkeys((*RECOMPUTE, *recomputes))}
+                            chain[key] = {r: _chain_s(units, r) for r in work[key]}
+                            loads[key] = {r: _unit_loads(units, r) for r in work[key]}
                             params[key] = sum(u.n_params for u in units)
                             clock["units_s"] += time.perf_counter() - t0
                         link = cluster.link_for_group(dp, stride=tp)
                         bound = min(_config_bound_s(work[key][r], params[key], zero=z, m=m,
                                                     pp=pp, dp=dp, link=link, precision=precision, cluster=cluster,
                                                     dp_comm_s=dp_prefix(tp, sp, mbs, z, dp, m, ep, cp, ept)[-1],
-                                                    virtual_stages=2 if pp > 1 else 1)
+                                                    virtual_stages=2 if pp > 1 else 1, chain_s=chain[key][r],
+                                                    load_s=busiest_load(key, r, pp))
                                     for r in policies(pp) for z in zeros(dp))
                         shapes.append((bound, tp, sp, pp, dp, mbs, m, ep, cp, ept))
     shapes.sort(key=lambda x: (float(f"{x[0]:.6g}"), x[1:]))
@@ -488,7 +502,9 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
                                 work[tp, sp, mbs, ep, cp, ept][recompute], params[tp, sp, mbs, ep, cp, ept],
                                 zero=zero, m=m,
                                 pp=pp, dp=dp, link=dp_link, precision=precision, cluster=cluster,
-                                dp_comm_s=dp_prefix(tp, sp, mbs, zero, dp, m, ep, cp, ept)[-1], virtual_stages=v)),
+                                dp_comm_s=dp_prefix(tp, sp, mbs, zero, dp, m, ep, cp, ept)[-1], virtual_stages=v,
+                                chain_s=chain[tp, sp, mbs, ep, cp, ept][recompute],
+                                load_s=busiest_load((tp, sp, mbs, ep, cp, ept), recompute, pp))),
                                 CONFIG, key))
     if not top:
         least = min(((_min_memory(u, c, pp_, inf, zero_buffers(c.zero, precision), pinned_starts(u)), c,
