@@ -356,3 +356,38 @@ def test_every_generator_valid_and_deadlock_free(kind, p, m, v, w, p2p):
         spans = [(a, s, e) for rr, a, s, e in r.timeline if rr == rank]
         assert [a for a, _, _ in spans] == sched[rank]
         assert all(x[2] <= y[1] for x, y in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("kind", SCHEDULE_KINDS)
+@pytest.mark.parametrize("p, m", [(1, 3), (2, 2), (3, 5), (4, 8), (5, 4)])
+def test_timing_order_is_a_dependency_order_with_its_waits(kind, p, m):
+    """Every action of the schedule once, after the one before it on its rank and after the
+    actions it needs; each wait names the needed action, the cut its input crosses (-1 on the
+    same rank) and whether it is a gradient (the timing passes read nothing else)."""
+    from autopar.cost.schedule import cached_schedule, timing_order
+
+    if kind == "interleaved":
+        m += -m % p  # (its micro-batches come in rounds of p)
+    for v in (2, 3) if kind == "interleaved" else (1,):
+        sched = cached_schedule(kind, p, m, v)
+        order = timing_order(kind, p, m, v)
+        stages = p * v
+        assert Counter((r, a) for r, a, _ in order) == Counter((r, a) for r in sched for a in sched[r])
+        index = {}
+        for i, (r, a, waits) in enumerate(order):
+            mine = [x for x, (q, _, _) in enumerate(order[:i]) if q == r]
+            assert [order[x][1] for x in mine] == sched[r][:len(mine)]  # its rank's list, in order
+            needs = []
+            if a.kind == "F" and a.stage:
+                needs.append(("F", a.stage - 1, 0))
+            if a.kind in ("B", "BW"):
+                needs.append(("F", a.stage, 0))
+                if a.stage + 1 < stages:
+                    needs.append(("B", a.stage + 1, 1))
+            if a.kind == "W":
+                needs.append(("B", a.stage, 1))
+            expected = tuple((index[kind_, s, a.microbatch], -1 if s % p == r else min(s, a.stage), back)
+                             for kind_, s, back in needs)
+            assert waits == expected, (kind, p, m, v, a)
+            if a.kind != "W":
+                index["F" if a.kind == "F" else "B", a.stage, a.microbatch] = i
