@@ -443,56 +443,6 @@ def test_interleaved_depth_is_searched():
     assert {c.config.virtual_stages for c in only3} == {3}
 
 
-def test_busiest_load_bound_holds_for_every_split_and_counts_whole_layers():
-    """The pigeonhole bound on the busiest rank's layers is no higher than the best of all
-    assignments of layers to ranks (contiguous or not), and above the average where whole
-    layers do not divide evenly: 80 equal blocks on 32 ranks make 3 on one rank, not 2.5."""
-    import itertools
-    import random
-
-    rng = random.Random(5)
-    for _ in range(60):
-        n, ranks = rng.randint(1, 7), rng.randint(1, 4)
-        loads = sorted((rng.choice((1.0, rng.uniform(0.1, 3.0))) for _ in range(n)), reverse=True)
-        best = min(max(sum(x for x, r in zip(loads, owners) if r == k) for k in range(ranks))
-                   for owners in itertools.product(range(ranks), repeat=n))
-        assert S._busiest_load_s(loads, ranks) <= best * (1 + 1e-12), (loads, ranks)
-    assert S._busiest_load_s([1.0] * 80, 32) == 3.0
-    assert S._busiest_load_s([1.0] * 80, 16) == 5.0
-    assert S._busiest_load_s([4.0, 1.0, 1.0], 2) == 4.0  # one layer can outweigh the average
-
-
-def test_configuration_bound_counts_whole_layers_and_one_micro_batchs_chain():
-    """Before its cuts exist, a configuration's bound counts the busiest rank's whole layers and
-    the chain of one micro-batch's F through every stage and B back (few micro-batches, deep
-    pipelines): below every simulated step, for uneven layers too, and sharper than the average
-    alone on many configurations."""
-    import random
-
-    rng = random.Random(7)
-    cluster = parse_cluster("2x8xH100")
-    units = [replace(u, f_s=u.f_s * rng.uniform(0.3, 2.0)) for u in _units(10)]
-    ranked, _ = _search(units, cluster=cluster, batch=16, keep=10**9, tp=(2,))
-    sharper = 0
-    for c in ranked:
-        cfg = c.config
-        scaled = [replace(u, f_s=u.f_s * cfg.microbatch_size / cfg.tp, b_s=u.b_s * cfg.microbatch_size / cfg.tp,
-                          w_s=u.w_s * cfg.microbatch_size / cfg.tp, n_params=u.n_params / cfg.tp) for u in units]
-        link = cluster.link_for_group(cfg.dp, stride=cfg.tp)
-        args = dict(zero=cfg.zero, m=cfg.microbatches, pp=cfg.pp, dp=cfg.dp, link=link, precision="mixed",
-                    cluster=cluster, dp_comm_s=S._dp_comm_prefix(scaled, zero=cfg.zero, dp=cfg.dp, link=link,
-                                                                 microbatches=cfg.microbatches,
-                                                                 precision="mixed")[-1],
-                    virtual_stages=cfg.virtual_stages)
-        work, n_params = S._work_s(scaled, cfg.recompute), sum(u.n_params for u in scaled)
-        old = S._config_bound_s(work, n_params, **args)
-        new = S._config_bound_s(work, n_params, **args, chain_s=S._chain_s(scaled, cfg.recompute),
-                                load_s=S._busiest_load_s(S._unit_loads(scaled, cfg.recompute), cfg.pp))
-        assert old <= new <= c.step_time_s * (1 + 1e-12), (cfg, new, c.step_time_s)
-        sharper += new > old * 1.05
-    assert sharper > 100, sharper
-
-
 def test_dp_link_bound_is_a_lower_bound_and_binds_when_communication_dominates():
     """Large gradient buckets over a cross-node dp group, little compute: the dp collectives
     outlast the compute, so the link bound is above the compute-only bound, and still no

@@ -34,6 +34,7 @@ recompute, larger dp; then to the one that needs less memory.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import logging
 import math
@@ -351,13 +352,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     work: dict[tuple, dict[str, float]] = {}  # (tp, sp, mbs, ep, cp, ep_tp) -> recompute -> compute of one micro-batch
     chain: dict[tuple, dict[str, float]] = {}  # the same -> one micro-batch's F and B chain (:func:`_chain_s`)
     loads: dict[tuple, dict[str, list[float]]] = {}  # the same -> the layers' loads, largest first
-    busiest: dict[tuple, float] = {}  # (the same, recompute, pp) -> :func:`_busiest_load_s`
-
-    def busiest_load(key: tuple, recompute: str, pp: int) -> float:
-        if (key, recompute, pp) not in busiest:
-            busiest[key, recompute, pp] = _busiest_load_s(loads[key][recompute], pp)
-        return busiest[key, recompute, pp]
-
+    busiest_load = functools.cache(lambda key, recompute, pp: _busiest_load_s(loads[key][recompute], pp))
     params: dict[tuple, float] = {}  # (tp, sp, mbs, ep, cp, ep_tp) -> parameters per tp rank
     for tp in tp_options:
         for pp in _divisors(world // tp):
