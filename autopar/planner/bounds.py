@@ -203,11 +203,7 @@ def _work_s(units: Sequence[Unit], recompute: str) -> float:
 
 def _chain_s(units: Sequence[Unit], recompute: str) -> float:
     """One micro-batch's F through every layer and then its B back through them (W left out)."""
-    total = 0.0
-    for u in units:
-        f, b, _, _ = _unit_times(u, recompute)
-        total += f + b
-    return total
+    return sum(sum(_unit_times(u, recompute)[:2]) for u in units)
 
 
 def _unit_loads(units: Sequence[Unit], recompute: str) -> list[float]:
