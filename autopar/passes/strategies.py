@@ -47,7 +47,7 @@ from autopar.passes.dtensor_rules import op_candidates, tensor_inputs
 from autopar.passes.loss_parallel import LOSS_OPS, REDUCES, row_count
 
 __all__ = ["Affine", "SNode", "SEdge", "Skeleton", "Strategy", "StrategyGraph", "build_strategy_graph",
-           "strategy_skeleton"]
+           "strategy_skeleton", "TwinFacts", "twin_facts"]
 
 
 @dataclass(frozen=True)
@@ -175,14 +175,16 @@ class Skeleton:
     graph: StrategyGraph
     """Ops' and placeholders' ``candidates`` empty (the loss sink's are fixed)."""
     sources: tuple
-    """Per node of ``graph``: (fx node, its twin in the double-batch trace or None), or None (the sink)."""
+    """Per node of ``graph``: (fx node, its twin's :class:`TwinFacts` or None), or None (the sink)."""
     batch_dims: dict
     """fx node -> (batch dims of each output, of each tensor input): dims whose size differs
     between the two traces (empty without a twin)."""
 
 
-def strategy_skeleton(gm: fx.GraphModule, gm_double: fx.GraphModule | None = None) -> Skeleton:
-    """The axis-independent part of :func:`build_strategy_graph` (same contract)."""
+def strategy_skeleton(gm: fx.GraphModule, gm_double: fx.GraphModule | tuple[TwinFacts, ...] | None = None
+                      ) -> Skeleton:
+    """The axis-independent part of :func:`build_strategy_graph` (same contract; ``gm_double``
+    may also be its :func:`twin_facts`)."""
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
     batch = info.global_batch
     counts = {layer.path: layer.count for layer in gm.meta[mk.LAYERS]}
@@ -195,23 +197,17 @@ def strategy_skeleton(gm: fx.GraphModule, gm_double: fx.GraphModule | None = Non
     batch_dims: dict[fx.Node, tuple] = {}
     lines = _line_keys(gm)
 
-    def cost_pair(node, field):
-        a = getattr(node.meta[mk.COST], field)
-        b = getattr(twin[node].meta[mk.COST], field) if twin else 2 * a
-        return _affine(a, b, batch)
-
     for node in gm.graph.nodes:
         role = node.meta[mk.TRACE].role
         if node.op == "output" or node.target is operator.getitem:
             continue
         vals = _vals(node.meta.get("val"))
-        twin_vals = _vals(twin[node].meta.get("val")) if twin else tuple(None for _ in vals)
-        out_bytes = tuple(_affine(tensor_bytes(v), tensor_bytes(w) if twin else 2 * tensor_bytes(v), batch)
-                          for v, w in zip(vals, twin_vals))
+        twin_outs = twin[node].outs if twin else tuple((None, 2 * tensor_bytes(v)) for v in vals)
+        out_bytes = tuple(_affine(tensor_bytes(v), w_bytes, batch) for v, (_, w_bytes) in zip(vals, twin_outs))
         if twin:
-            batch_dims[node] = (tuple(_batch_dims(a, b) for a, b in zip(vals, twin_vals)),
-                                tuple(_batch_dims(a.meta.get("val"), b.meta.get("val"))
-                                      for a, b in zip(tensor_inputs(node), tensor_inputs(twin[node])))
+            batch_dims[node] = (tuple(_batch_dims(a, shape) for a, (shape, _) in zip(vals, twin_outs)),
+                                tuple(_batch_dims(a.meta.get("val"), shape)
+                                      for a, shape in zip(tensor_inputs(node), twin[node].ins))
                                 if node.op == "call_function" else ())
         if node.op == "placeholder":
             kind = {mk.Role.PARAM: "param", mk.Role.BUFFER: "param", mk.Role.TANGENT: "tangent"}.get(role, "input")
@@ -224,14 +220,13 @@ def strategy_skeleton(gm: fx.GraphModule, gm_double: fx.GraphModule | None = Non
             flops = bytes_moved = Affine(0.0, 0.0)
         else:
             kind = "op"
-            flops = cost_pair(node, "flops")
-            bytes_moved = _affine(node.meta[mk.COST].bytes_read + node.meta[mk.COST].bytes_written,
-                                  (twin[node].meta[mk.COST].bytes_read + twin[node].meta[mk.COST].bytes_written)
-                                  if twin else 2 * (node.meta[mk.COST].bytes_read + node.meta[mk.COST].bytes_written),
-                                  batch)
+            cost = node.meta[mk.COST]
+            flops = _affine(cost.flops, twin[node].flops if twin else 2 * cost.flops, batch)
+            moved = cost.bytes_read + cost.bytes_written
+            bytes_moved = _affine(moved, twin[node].moved if twin else 2 * moved, batch)
         saved = _saved_outputs(node)
         layer = node.meta[mk.LAYER]
-        kernel, gemm = ("other", None) if kind != "op" else _gemm_affine(node, twin[node] if twin else None, batch)
+        kernel, gemm = ("other", None) if kind != "op" else _gemm_affine(node, twin[node].gemm if twin else None, batch)
         index[node] = len(nodes)
         sources.append((node, twin[node] if twin else None))
         nodes.append(SNode(
@@ -242,7 +237,7 @@ def strategy_skeleton(gm: fx.GraphModule, gm_double: fx.GraphModule | None = Non
             shape=tuple(int(d) for d in vals[0].shape) if isinstance(vals[0], torch.Tensor) else (),
             kernel=kernel, gemm=gemm, tie=ties.get(node, "") if kind == "op" else "",
             tie_line=lines.get(node, "") if kind == "op" else "",
-            rows=_affine(row_count(node), row_count(twin[node]) if twin else 2 * row_count(node), batch)
+            rows=_affine(row_count(node), twin[node].rows if twin else 2 * row_count(node), batch)
             if kind == "op" and node.target in LOSS_OPS else None))
     edges = _edges(gm, index, nodes)
     sources += [None] * (len(nodes) - len(sources))  # (the loss sink _edges appends)
@@ -251,14 +246,15 @@ def strategy_skeleton(gm: fx.GraphModule, gm_double: fx.GraphModule | None = Non
 
 
 def build_strategy_graph(gm: fx.GraphModule, *, axis_size: int,
-                         gm_double: fx.GraphModule | None = None,
+                         gm_double: fx.GraphModule | tuple[TwinFacts, ...] | None = None,
                          shard_batch: bool = True, skeleton: Skeleton | None = None) -> StrategyGraph:
     """The strategy problem of ``gm`` on a mesh axis of ``axis_size`` devices.
 
     Contract:
       needs: ``meta[TRACE]``, ``meta[COST]``, ``meta[LAYER]`` and ``gm.meta[LAYERS]``
         (trace_joint, annotate_cost, group_layers); ``gm_double``, when given,
-        is the same model traced and annotated at twice the batch, node for node.
+        is the same model traced and annotated at twice the batch, node for node (or
+        that graph's :func:`twin_facts`).
       ``shard_batch=False`` drops every candidate that shards a batch-derived dim
         (a dim whose size differs between the two traces): on a tensor-parallel
         axis the batch belongs to the data-parallel axis.
@@ -359,12 +355,12 @@ def _call_of(node: fx.Node) -> tuple:
     return role, node.meta.get("seq_nr")
 
 
-def _gemm_affine(node: fx.Node, twin: fx.Node | None, batch: int) -> tuple[str, tuple | None]:
-    """The node's kernel kind and, for a GEMM, its shape with each dim affine in the batch."""
+def _gemm_affine(node: fx.Node, other: tuple | None, batch: int) -> tuple[str, tuple | None]:
+    """The node's kernel kind and, for a GEMM, its shape with each dim affine in the batch
+    (``other``: the GEMM's shape in the double-batch trace, if there is one)."""
     kernel, shape = kernel_of(node)
     if shape is None:
         return kernel, None
-    other = kernel_of(twin)[1] if twin is not None else None
     if other is not None:
         dims = tuple(_affine(a, b, batch) for a, b in zip(shape[:3], other[:3]))
     else:  # one trace: m (tokens) scales with the batch, n and k are weights' dims
@@ -394,11 +390,12 @@ def _op_strategies(node: fx.Node, n: int) -> tuple[Strategy, ...]:
     return tuple(found.values())
 
 
-def _batch_dims(a, b) -> frozenset[int]:
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != b.dim():
+def _batch_dims(a, shape: tuple[int, ...] | None) -> frozenset[int]:
+    """The dims of ``a`` whose size differs in ``shape`` (its twin's)."""
+    if not isinstance(a, torch.Tensor) or shape is None or a.dim() != len(shape):
         return frozenset()
-    # each .shape of a FakeTensor goes through subclass dispatch: read both once
-    return frozenset(d for d, (x, y) in enumerate(zip(a.shape, b.shape)) if int(x) != int(y))
+    # each .shape of a FakeTensor goes through subclass dispatch: read it once
+    return frozenset(d for d, (x, y) in enumerate(zip(a.shape, shape)) if int(x) != y)
 
 
 def _shards_any(p: str | None, dims: frozenset[int]) -> bool:
@@ -479,11 +476,56 @@ def _chain_edges(edges: list[SEdge], nodes: list[SNode]) -> list[SEdge]:
     return list(dict.fromkeys(extra))
 
 
-def _twin_nodes(gm: fx.GraphModule, gm_double: fx.GraphModule | None) -> dict[fx.Node, fx.Node] | None:
+@dataclass(frozen=True)
+class TwinFacts:
+    """What :func:`strategy_skeleton` reads of a node's twin in the double-batch trace, as plain
+    numbers and strings (:func:`twin_facts`), so that a trace made in another process
+    (:func:`autopar.planner.frontend.trace_and_twin`) can hand them over."""
+
+    target: str
+    flops: float = 0.0
+    moved: float = 0.0
+    """Bytes read and written."""
+    outs: tuple = ()
+    """Per output value (:func:`_vals`): (its shape, None where not a tensor; its bytes)."""
+    ins: tuple = ()
+    """Per tensor input (:func:`tensor_inputs`): its shape, None where its value is not a tensor."""
+    gemm: tuple | None = None
+    """A GEMM's shape (:func:`kernel_of`)."""
+    rows: int = 0
+    """A loss op's rows (:func:`row_count`)."""
+
+
+def _shape(val) -> tuple[int, ...] | None:
+    return tuple(int(d) for d in val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def twin_facts(gm: fx.GraphModule) -> tuple[TwinFacts, ...]:
+    """Per node of ``gm`` (traced, annotated and grouped), in order, what the skeleton reads of it as
+    a twin."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "output" or node.target is operator.getitem:
+            out.append(TwinFacts(target=str(node.target)))
+            continue
+        cost = node.meta.get(mk.COST)
+        op = node.op == "call_function"
+        out.append(TwinFacts(
+            target=str(node.target), flops=cost.flops if cost else 0.0,
+            moved=cost.bytes_read + cost.bytes_written if cost else 0.0,
+            outs=tuple((_shape(v), tensor_bytes(v)) for v in _vals(node.meta.get("val"))),
+            ins=tuple(_shape(a.meta.get("val")) for a in tensor_inputs(node)) if op else (),
+            gemm=kernel_of(node)[1] if op else None,
+            rows=row_count(node) if op and node.target in LOSS_OPS else 0))
+    return tuple(out)
+
+
+def _twin_nodes(gm: fx.GraphModule, gm_double: fx.GraphModule | tuple[TwinFacts, ...] | None
+                ) -> dict[fx.Node, TwinFacts] | None:
     if gm_double is None:
         return None
-    a, b = list(gm.graph.nodes), list(gm_double.graph.nodes)
-    if len(a) != len(b) or any(x.target != y.target for x, y in zip(a, b)):
+    a, b = list(gm.graph.nodes), twin_facts(gm_double) if isinstance(gm_double, fx.GraphModule) else gm_double
+    if len(a) != len(b) or any(str(x.target) != y.target for x, y in zip(a, b)):
         raise ValueError(f"the two traces differ ({len(a)} vs {len(b)} nodes): the model's graph depends "
                          f"on the batch size, so costs cannot be scaled between micro-batch sizes")
     return dict(zip(a, b))

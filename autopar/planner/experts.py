@@ -50,6 +50,7 @@ from autopar.passes import meta_keys as mk
 from autopar.passes.annotate import DTYPE_NAMES
 from autopar.passes.token_local import op_name
 from autopar.planner.context import sequence_length
+from autopar.planner.fixed import _divisors
 
 __all__ = ["ExpertSite", "find_experts", "runnable_sites", "check_ep", "check_dispatch", "ep_options", "apply_ep",
            "experts_record"]
@@ -196,10 +197,6 @@ def _ranks_per_node(ep: int, tp: int, ep_tp: int, cluster: Cluster) -> int:
 def runnable_sites(sites: list[ExpertSite]) -> bool:
     """Whether :func:`autopar.parallelize` runs these experts under ep (autopar's experts op)."""
     return all(s.op == "autopar::moe_experts" for s in sites)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_ep(ep: int | None, sites: list[ExpertSite], *, cluster: Cluster, dp: int | None, tp: int | None,

@@ -183,3 +183,34 @@ def check_cuts(fixed: Fixed, layers: list[str]) -> tuple[int, ...] | None:
                         f"{'does not divide' if v is None else f'= {fixed.pp * v} does not match'}; "
                         f"name {k} cut{'s' if k != 1 else ''}, or pin pp and virtual_stages to match")
     return starts
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def mesh_shapes(world: int, tp: int, *, global_batch: int, fixed: Fixed, n_units: int, cps):
+    """The (pp, dp, cp, micro-batch size, micro-batches) the search visits at ``tp`` on ``world``
+    ranks, under what ``fixed`` pins: pp no deeper than the ``n_units`` layers, each cp of
+    ``cps(dp)`` folded over the dp ranks (dp / cp groups split the global batch), every
+    micro-batch size that divides a group's sequences. A (pp, dp, cp) whose groups cannot split
+    the batch evenly yields micro-batch size None (the search counts them for its error).
+    One enumeration for the search and for what the planner prepares for it
+    (:func:`autopar.planner.make.plan_graphs`)."""
+    for pp in _divisors(world // tp):
+        dp = world // (tp * pp)
+        if (fixed.pp and pp != fixed.pp) or (fixed.dp and dp != fixed.dp) or pp > n_units \
+                or (fixed.cuts and fixed.n_stages % pp):
+            continue
+        for cp in cps(dp):
+            groups = dp // cp
+            if global_batch % groups:
+                yield pp, dp, cp, None, 0
+                continue
+            local = global_batch // groups
+            for mbs in _divisors(local):
+                m = local // mbs
+                if (fixed.microbatch_size and mbs != fixed.microbatch_size) or \
+                        (fixed.microbatches and m != fixed.microbatches):
+                    continue
+                yield pp, dp, cp, mbs, m

@@ -2,8 +2,9 @@
 
 The steps, in order (each one only reads what the previous produced):
 
-1. ``trace_pair``: the joint graph at the example batch and at twice it,
-   annotated and grouped into layers (repeated blocks traced once).
+1. ``trace_and_twin``: the joint graph at the example batch, annotated and grouped into
+   layers (repeated blocks traced once), and the numbers the planner reads of the same
+   graph at twice the batch (traced side by side in a forked child where that is safe).
 2. For each tensor-parallel degree: the strategy graph (DTensor's rules, batch
    dims left to the dp axis) and its MIP solution at a reference micro-batch.
 3. ``search``: mesh, cuts, micro-batching, ZeRO, recompute, schedule.
@@ -21,29 +22,28 @@ import math
 import os
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Callable
 
-import torch
 from torch import fx, nn
 
 import autopar
 from autopar.cluster import Cluster, parse_cluster
 from autopar.passes import meta_keys as mk
-from autopar.passes.strategies import StrategyGraph, build_strategy_graph, strategy_skeleton
+from autopar.passes.strategies import StrategyGraph, TwinFacts, build_strategy_graph, strategy_skeleton
 from autopar.plan import Plan
 from autopar.precision import Precision, plan_precision, resolve_precision
 from autopar.planner.cuts import CutTable
 from autopar.planner.context import apply_cp, check_cp, cp_costs, cp_decision, cp_weighing, \
     cp_working_sets, find_attention, repeat_savings, sequence_length
 from autopar.planner.experts import apply_ep, check_dispatch, check_ep, ep_options, find_experts, runnable_sites
-from autopar.planner.frontend import trace_pair
+from autopar.planner.frontend import leading_batch, trace_and_twin
 from autopar.planner.evaluation import evaluate
 from autopar.planner.expert_folding import fold_experts
 from autopar.planner.ilp import Solution, build_problem, solve
 from autopar.planner.record import expanded_names, first_value, shared_params, to_plan, token_sharded
 from autopar.planner.search import Fixed, Unit, search
-from autopar.planner.fixed import check_cuts
+from autopar.planner.fixed import check_cuts, mesh_shapes
 from autopar.progress import progress
 
 log = logging.getLogger(__name__)
@@ -85,21 +85,22 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
     fixed_ = Fixed.from_dict(fixed)
     policy, why = resolve_precision(precision, model=model, gpu_cluster=cluster.device.name.lower() != "cpu")
     _tp_options(cluster, fixed_)  # a tp that cannot fit the cluster fails now, not after tracing
-    check_batch_split(_first_batch(example_inputs), fixed_)
+    check_batch_split(leading_batch(example_inputs), fixed_)
     t0 = time.perf_counter()
-    with _fewer_collections():
-        gm, gm2 = trace_pair(model, example_inputs, cluster=cluster, loss_fn=loss_fn,
-                             example_target=example_target, param_dtype=policy.param_dtype)
-    if compiled_layers is not None:
-        from autopar.passes.fuse import fuse_memory_bound
 
-        for g in (gm, gm2):
+    def prepare(g: fx.GraphModule) -> None:
+        if compiled_layers is not None:
+            from autopar.passes.fuse import fuse_memory_bound
+
             fuse_memory_bound(g, device=cluster.device, compiled=compiled_layers)
-    if float8_linears is not None:
-        from autopar.passes.float8 import mark_float8_linears
+        if float8_linears is not None:
+            from autopar.passes.float8 import mark_float8_linears
 
-        for g in (gm, gm2):
             mark_float8_linears(g, device=cluster.device, linears=float8_linears)
+
+    with _fewer_collections():
+        gm, gm2 = trace_and_twin(model, example_inputs, cluster=cluster, loss_fn=loss_fn,
+                                 example_target=example_target, param_dtype=policy.param_dtype, prepare=prepare)
     t1 = time.perf_counter()
     with _frozen_heap():
         plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_, precision=policy, precision_source=why,
@@ -108,14 +109,6 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
                            async_tp=async_tp)
     timings = {"trace_s": t1 - t0, **plan.timings}
     return Plan(**{k: getattr(plan, k) for k in plan.__dataclass_fields__ if k != "timings"}, timings=timings)
-
-
-def _first_batch(x: Any) -> int | None:
-    """Dim 0 of the first tensor of at least one dim in ``x`` (a tensor, dict or sequence)."""
-    if isinstance(x, torch.Tensor):
-        return x.shape[0] if x.dim() else None
-    values = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
-    return next((b for b in map(_first_batch, values) if b is not None), None)
 
 
 def check_batch_split(batch: int | None, fixed: Fixed) -> None:
@@ -220,10 +213,11 @@ def _tp_options(cluster: Cluster, fixed: Fixed) -> list[int]:
     return options
 
 
-def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fixed: Fixed,
+def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...], *, cluster: Cluster, fixed: Fixed,
                 precision: Precision | None = None, precision_source: str = "", ep_runnable_only: bool = False,
                 replicated: frozenset[str] = frozenset(), async_tp: bool = False) -> Plan:
-    """Plan the traced pair. ``precision`` is the policy the graphs were traced under (None:
+    """Plan the traced pair (``gm2``: the double-batch graph or its
+    :func:`~autopar.passes.strategies.twin_facts`). ``precision`` is the policy the graphs were traced under (None:
     read off the parameters' dtype, as plans did before policies: "fp32", else "bf16-mixed").
     A model with experts is searched over the ep degrees they allow (:func:`ep_options`) unless
     ``fixed.ep`` pins one; with ``ep_runnable_only`` (what :func:`autopar.parallelize` asks for) only
@@ -258,21 +252,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
     # ep folded over tp as well (experts whole): pinned (etp=1), or weighed beside the default where
     # the experts allow ep (autopar.planner.expert_folding)
     folds = (True,) if fixed.etp == 1 else (False, True) if fixed.etp is None and eps else (False,)
-    t0 = time.perf_counter()
     solved: dict[tuple[int, bool, bool], tuple[StrategyGraph, Solution]] = {}
-    with progress("solving the sharding MIP"):
-        for (tp, sp, folded), (sg, sol) in _solve_all(gm, gm2, _tp_options(cluster, fixed), fixed.sp, batch=batch,
-                                                      cluster=cluster, replicated=replicated, experts=experts,
-                                                      folds=folds).items():
-            solved[tp, sp, folded] = (sg, sol)
-            if sol.limit:  # the plan records this for the chosen tp only; the others rank by it too
-                log.warning("sharding MIP at tp=%d (sp=%s%s) stopped at its limit of %d branch-and-bound nodes "
-                            "with a %.2f%% gap; its best solution is used", tp, sp, ", ep folded" if folded else "",
-                            sol.node_limit, 100 * sol.gap)
-    if not solved:
-        raise autopar.PlanError(f"sp={fixed.sp} needs tensor parallelism over a sequence: pin tp > 1 (tp options "
-                                f"here: {_tp_options(cluster, fixed)}), or leave sp free")
-    t1 = time.perf_counter()
     shared = shared_params(gm)
     cut_table = CutTable(gm)
     cache: dict[tuple[int, int, bool, int, int, int], list[Unit]] = {}
@@ -345,6 +325,36 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule, *, cluster: Cluster, fi
             cache[tp, mbs, sp, ep, cp, ep_tp] = units
         return cache[tp, mbs, sp, ep, cp, ep_tp]
 
+
+    def prepare(tp: int, sp: bool, folded: bool, sg: StrategyGraph, sol: Solution) -> None:
+        """While the other MIPs solve: the units the search will ask of this one without ep or cp
+        (or at a pinned cp), one per micro-batch size it visits. SCIP solves in threads, and
+        while the last MIPs run a core waits: this is the search's own work done then (Llama 70B
+        on 64x8xH100: 61 units lists, 0.5 s, each a pure function of its MIP's answer). Not
+        for models with experts, whose ep options pick the shapes."""
+        if folded or eps:
+            return
+        solved[tp, sp, folded] = (sg, sol)
+        cps_ = lambda dp: [c for c in (fixed.cp or 1,) if dp % c == 0]  # noqa: E731
+        for _, _, cp, mbs, _ in mesh_shapes(cluster.world_size, tp, global_batch=batch, fixed=fixed,
+                                            n_units=sum(x.count for x in layers), cps=cps_):
+            if mbs is not None:
+                base_units(tp, sp, 1, mbs / cp)
+
+    t0 = time.perf_counter()
+    with progress("solving the sharding MIP"):
+        for (tp, sp, folded), (sg, sol) in _solve_all(gm, gm2, _tp_options(cluster, fixed), fixed.sp, batch=batch,
+                                                      cluster=cluster, replicated=replicated, experts=experts,
+                                                      folds=folds, on_solved=prepare).items():
+            solved[tp, sp, folded] = (sg, sol)
+            if sol.limit:  # the plan records this for the chosen tp only; the others rank by it too
+                log.warning("sharding MIP at tp=%d (sp=%s%s) stopped at its limit of %d branch-and-bound nodes "
+                            "with a %.2f%% gap; its best solution is used", tp, sp, ", ep folded" if folded else "",
+                            sol.node_limit, 100 * sol.gap)
+    if not solved:
+        raise autopar.PlanError(f"sp={fixed.sp} needs tensor parallelism over a sequence: pin tp > 1 (tp options "
+                                f"here: {_tp_options(cluster, fixed)}), or leave sp free")
+    t1 = time.perf_counter()
     with progress("searching meshes, cuts and schedules"), _collector_paused():
         sp_options: dict[int, tuple[bool, ...]] = defaultdict(tuple)
         for tp, sp in sorted({key[:2] for key in solved}):
@@ -396,9 +406,10 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_sp: bool | None, *, batch: int,
-               cluster: Cluster, replicated: frozenset[str] = frozenset(), experts: list | None = None,
-               folds: tuple[bool, ...] = (False,)) -> dict[tuple[int, bool, bool], tuple[StrategyGraph, Solution]]:
+def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...], tps: list[int],
+               pinned_sp: bool | None, *, batch: int, cluster: Cluster, replicated: frozenset[str] = frozenset(),
+               experts: list | None = None, folds: tuple[bool, ...] = (False,), on_solved: Callable | None = None
+               ) -> dict[tuple[int, bool, bool], tuple[StrategyGraph, Solution]]:
     """The sharding MIPs of every tp degree, each side of the sp decision its own MIP
     (:func:`_sp_sides`, :func:`_solve_side`): (tp, sp, folded) -> (strategy graph, solution), in
     the order of ``tps`` (sp False first). ``folds``: at tp > 1, the graph as traced (False)
@@ -412,7 +423,12 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_s
     per CPU. SCIP releases the GIL while it searches (its branch and bound is most of a MIP's
     time), so on 2 cores two MIPs take about the time of the longer. Each answer depends on
     its MIP alone (SCIP is deterministic under a node limit and a gap), not on what runs
-    beside it or how fast."""
+    beside it or how fast.
+
+    ``on_solved(tp, sp, folded, graph, solution)``, where given, is called in this thread for
+    each MIP that finds a solution, as it finishes, while the rest still run (an
+    unrestricted MIP's side labelled False): work that needs one MIP's answer can use the
+    cores the solver leaves idle. Its order depends on timing; what it computes must not."""
     graphs: dict[tuple[int, bool], StrategyGraph] = {}  # (tp, folded) -> its strategy graph
     skeleton = strategy_skeleton(gm, gm2)  # (what every tp's graph shares: built once)
 
@@ -442,6 +458,12 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule, tps: list[int], pinned_s
                         continue  # (the experts do not split over this tp: no folded variant here)
                 for sp in _sp_sides(norms[tp], tp, pinned_sp):
                     tasks[tp, folded, sp] = pool.submit(one, tp, folded, sp) if pool else one(tp, folded, sp)
+        if pool and on_solved:
+            keys = {task: key for key, task in tasks.items()}
+            for task in as_completed(keys):
+                (tp, folded, sp), sol = keys[task], None if task.exception() else task.result()
+                if sol is not None:
+                    on_solved(tp, bool(sp), folded, graphs[tp, folded], sol)
         results = {key: task.result() if pool else task for key, task in tasks.items()}
     finally:
         if pool:

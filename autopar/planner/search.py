@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from autopar.cluster import Cluster
 from autopar.cost.simulate import SimResult, StepResult
 from autopar.cost.step import GroupCost, StageCost, StepSpec, estimate_exposed_s, group_dp_s
-from autopar.planner.fixed import FIXED_KEYS, RECOMPUTE, SCHEDULES, Fixed  # noqa: F401 (re-exported)
+from autopar.planner.fixed import FIXED_KEYS, RECOMPUTE, SCHEDULES, Fixed, mesh_shapes  # noqa: F401 (re-exported)
 from autopar.planner.infeasible import MEMORY_RESERVE, _infeasible, _largest_op, _min_memory
 from autopar.planner.partition import _partition
 from autopar.planner.pipeline_states import _inflight, held_messages, rank_states, zero_bubble_moments
@@ -241,10 +241,6 @@ class Candidate:
         return max(per_rank)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixed: Fixed,
            precision: str, tp_options: list[int], sp_options: dict[int, tuple[bool, ...]] | None = None,
            keep: int = KEEP, ep_options: tuple[int, ...] = (),
@@ -355,41 +351,32 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     busiest_load = functools.cache(lambda key, recompute, pp: _busiest_load_s(loads[key][recompute], pp))
     params: dict[tuple, float] = {}  # (tp, sp, mbs, ep, cp, ep_tp) -> parameters per tp rank
     for tp in tp_options:
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            if (fixed.pp and pp != fixed.pp) or (fixed.dp and dp != fixed.dp) or pp > n_units \
-                    or (fixed.cuts and fixed.n_stages % pp) or not eps(tp, pp, dp):  # ep folds over the dp ranks
+        for pp, dp, cp, mbs, m in mesh_shapes(world, tp, global_batch=global_batch, fixed=fixed, n_units=n_units,
+                                              cps=cps):
+            if not eps(tp, pp, dp):  # ep folds over the dp ranks
                 continue
-            for cp in cps(dp):
-                groups = dp // cp  # cp folds over the dp ranks: dp / cp groups split the batch
-                if global_batch % groups:
-                    skipped_batch += 1
-                    continue
-                local = global_batch // groups
-                for mbs in _divisors(local):
-                    m = local // mbs
-                    if (fixed.microbatch_size and mbs != fixed.microbatch_size) or \
-                            (fixed.microbatches and m != fixed.microbatches):
-                        continue
-                    for sp, ep, ept in ((sp, ep, ept) for sp in sp_options.get(tp, (False,))
-                                        for ep, ept in eps(tp, pp, dp) if solved(tp, sp, ept)):
-                        key = (tp, sp, mbs, ep, cp, ept)
-                        if key not in work:
-                            t0 = time.perf_counter()
-                            units = units_at(tp, mbs, sp, ep, cp, ept)
-                            work[key] = {r: _work_s(units, r) for r in dict.fromkeys((*RECOMPUTE, *recomputes))}
-                            chain[key] = {r: _chain_s(units, r) for r in work[key]}
-                            loads[key] = {r: _unit_loads(units, r) for r in work[key]}
-                            params[key] = sum(u.n_params for u in units)
-                            clock["units_s"] += time.perf_counter() - t0
-                        link = cluster.link_for_group(dp, stride=tp)
-                        bound = min(_config_bound_s(work[key][r], params[key], zero=z, m=m,
-                                                    pp=pp, dp=dp, link=link, precision=precision, cluster=cluster,
-                                                    dp_comm_s=dp_prefix(tp, sp, mbs, z, dp, m, ep, cp, ept)[-1],
-                                                    virtual_stages=2 if pp > 1 else 1, chain_s=chain[key][r],
-                                                    load_s=busiest_load(key, r, pp))
-                                    for r in policies(pp) for z in zeros(dp))
-                        shapes.append((bound, tp, sp, pp, dp, mbs, m, ep, cp, ept))
+            if mbs is None:
+                skipped_batch += 1
+                continue
+            for sp, ep, ept in ((sp, ep, ept) for sp in sp_options.get(tp, (False,))
+                                for ep, ept in eps(tp, pp, dp) if solved(tp, sp, ept)):
+                key = (tp, sp, mbs, ep, cp, ept)
+                if key not in work:
+                    t0 = time.perf_counter()
+                    units = units_at(tp, mbs, sp, ep, cp, ept)
+                    work[key] = {r: _work_s(units, r) for r in dict.fromkeys((*RECOMPUTE, *recomputes))}
+                    chain[key] = {r: _chain_s(units, r) for r in work[key]}
+                    loads[key] = {r: _unit_loads(units, r) for r in work[key]}
+                    params[key] = sum(u.n_params for u in units)
+                    clock["units_s"] += time.perf_counter() - t0
+                link = cluster.link_for_group(dp, stride=tp)
+                bound = min(_config_bound_s(work[key][r], params[key], zero=z, m=m,
+                                            pp=pp, dp=dp, link=link, precision=precision, cluster=cluster,
+                                            dp_comm_s=dp_prefix(tp, sp, mbs, z, dp, m, ep, cp, ept)[-1],
+                                            virtual_stages=2 if pp > 1 else 1, chain_s=chain[key][r],
+                                            load_s=busiest_load(key, r, pp))
+                            for r in policies(pp) for z in zeros(dp))
+                shapes.append((bound, tp, sp, pp, dp, mbs, m, ep, cp, ept))
     shapes.sort(key=lambda x: (float(f"{x[0]:.6g}"), x[1:]))
     counts["shapes"] = len(shapes)
     top: list[Candidate] = []
