@@ -22,11 +22,13 @@ batch in a forked child while this process traces the example batch, and the chi
 numbers back over a pipe: on two cores the pair takes about the time of one trace (Llama 70B:
 1.4-1.5 s for both, 0.8-1.1 s side by side; ``bench/planner_speed.py``). TorchDynamo and
 AOTAutograd are Python (the GIL), so a thread would not help; a spawned process would spend
-more importing torch than the trace takes. Safe means: fork exists, this process runs one
-Python thread (a fork copies only the caller; another thread's locks would stay held in the
-child), CUDA is not initialised and no process group is (a forked child cannot use them, and
-ranks that plan side by side already fill the cores), more than one CPU, and
-``AUTOPAR_TRACE_FORK`` is not 0. The child works on one intra-op thread with warnings and
+more importing torch than the trace takes. Safe means: fork exists; this process runs no other
+Python thread but tqdm's monitor (a fork copies only the caller, and another thread's locks would
+stay held in the child; :func:`_may_fork` says why the monitor is let be); CUDA is not
+initialised and no process group is (a forked child cannot use them, and ranks that plan side
+by side already fill the cores); more than one CPU; the trace cache off
+(:mod:`autopar.passes.trace_cache`: it hands this process a trace made before in a moment, which
+a child would make again); and ``AUTOPAR_TRACE_FORK`` is not 0. The child works on one intra-op thread with warnings and
 logging silenced (this process's own trace reports them) and ends with ``os._exit``. Whatever
 goes wrong in it (an error, a crash, no answer in a minute or twenty times this process's own
 trace), the double batch is traced here instead, as before: the plan does not depend on
@@ -51,6 +53,7 @@ from torch import fx, nn
 from autopar.analysis import build_graph
 from autopar.cluster import Cluster
 from autopar.passes import meta_keys as mk
+from autopar.passes import trace_cache
 from autopar.passes.strategies import TwinFacts, twin_facts
 
 __all__ = ["trace_pair", "trace_and_twin", "double_batch", "leading_batch", "FORK_SWITCH"]
@@ -103,7 +106,12 @@ def trace_and_twin(model: nn.Module, example_inputs: Any, *, cluster: Cluster, l
     batch = leading_batch(example_inputs)
     twin = (lambda: twin_facts(trace(double_batch(example_inputs, batch), double_batch(example_target, batch)))
             ) if batch else None
-    child = _Child(twin) if twin and _may_fork() else None
+    child = None
+    if twin and _may_fork():
+        try:
+            child = _Child(twin)
+        except OSError:  # (no memory or processes left for a fork: trace here)
+            child = None
     try:
         start = time.perf_counter()
         gm = trace(example_inputs, example_target)
@@ -128,7 +136,7 @@ def leading_batch(x: Any) -> int | None:
 
 def _may_fork() -> bool:
     """Whether a forked child may trace beside this process (the module docstring)."""
-    if os.environ.get(FORK_SWITCH, "1") == "0" or not hasattr(os, "fork"):
+    if os.environ.get(FORK_SWITCH, "1") == "0" or not hasattr(os, "fork") or trace_cache.enabled():
         return False
     # Besides this one, only tqdm's monitor: torch.fx's Interpreter starts it (a progress bar,
     # disabled) in the first trace of every process; it sleeps, waking every 10 s to take
