@@ -18,6 +18,11 @@ _stream: TextIO | None = None
 _DELAY_S = 1.0
 
 
+THREAD_NAME = "autopar-progress"
+"""The name of the timer threads :func:`progress` starts (a forked planner child lets them be:
+:func:`autopar.planner.side_by_side.may_fork`)."""
+
+
 def enable(stream: TextIO | None = sys.stderr) -> None:
     """Print progress lines to ``stream`` (None turns them off)."""
     global _stream
@@ -39,6 +44,7 @@ def progress(what: str) -> Iterator[None]:
 
     timer = threading.Timer(_DELAY_S, announce)
     timer.daemon = True
+    timer.name = THREAD_NAME
     start = time.perf_counter()
     timer.start()
     ended = "stopped after"  # an error or Ctrl-C ended the phase: it is not "done"

@@ -82,8 +82,9 @@ def test_plan_made_under_load_is_byte_identical_to_a_quiet_one():
 
 
 def test_mips_solved_side_by_side_give_the_plan_solved_one_at_a_time(monkeypatch):
-    """planner.make._solve_all runs the tp degrees' MIPs in threads (SCIP releases the GIL);
-    with four workers the plan file is byte-identical to the one solved one MIP at a time."""
+    """planner.make._solve_all runs the tp degrees' MIPs in threads (SCIP releases the GIL) and,
+    where it may, in a forked child too; with four threads, and with two processes, the plan file
+    is byte-identical to the one solved one MIP at a time."""
     import threading
 
     model, inputs, loss_fn, target = gpt.build(**BUILD)
@@ -92,6 +93,8 @@ def test_mips_solved_side_by_side_give_the_plan_solved_one_at_a_time(monkeypatch
     monkeypatch.setattr(ilp.pywraplp.Solver, "Solve",
                         lambda self, *a: names.append(threading.current_thread().name) or solve(self, *a))
     plans = {}
+    monkeypatch.setenv("AUTOPAR_FORK", "0")  # (threads here alone: every Solve is seen)
+    monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "0")
     for cores in (1, 4):
         monkeypatch.setattr(make, "_cores", lambda: cores)
         ilp._SOLVED.clear()
@@ -101,6 +104,12 @@ def test_mips_solved_side_by_side_give_the_plan_solved_one_at_a_time(monkeypatch
         threaded = {n for n in names if n.startswith("autopar-mip")}
         assert len(names) >= 4 and (threaded if cores > 1 else not threaded), (cores, names)
     assert plans[1] == plans[4]
+    # and with a forked child taking MIPs beside this process where that is safe (in a test
+    # worker it may not be: autopar.planner.side_by_side.may_fork)
+    monkeypatch.delenv("AUTOPAR_FORK")
+    monkeypatch.setattr(make, "_cores", lambda: 2)
+    ilp._SOLVED.clear()
+    assert autopar.plan(model, inputs, cluster=CLUSTER, loss_fn=loss_fn, example_target=target).to_json() == plans[1]
 
 
 LIMITED_BUILD = dict(size="small", batch=16, seq=128)  # llama small

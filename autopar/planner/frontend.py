@@ -17,34 +17,20 @@ symbolic graph is even instantiated at G and 2G; capturing once symbolically and
 twice concretely would save about 0.3 of Llama's 6.9 (from the parts above). So: two concrete traces.
 
 Side by side. The planner itself (:func:`trace_and_twin`) reads only numbers of the second
-graph (:func:`autopar.passes.strategies.twin_facts`), so where it is safe it traces the double
-batch in a forked child while this process traces the example batch, and the child sends the
-numbers back over a pipe: on two cores the pair takes about the time of one trace (Llama 70B:
-1.4-1.5 s for both, 0.8-1.1 s side by side; ``bench/planner_speed.py``). TorchDynamo and
-AOTAutograd are Python (the GIL), so a thread would not help; a spawned process would spend
-more importing torch than the trace takes. Safe means: fork exists; this process runs no other
-Python thread but tqdm's monitor (a fork copies only the caller, and another thread's locks would
-stay held in the child; :func:`_may_fork` says why the monitor is let be); CUDA is not
-initialised and no process group is (a forked child cannot use them, and ranks that plan side
-by side already fill the cores); more than one CPU; the trace cache off
-(:mod:`autopar.passes.trace_cache`: it hands this process a trace made before in a moment, which
-a child would make again); and ``AUTOPAR_TRACE_FORK`` is not 0. The child works on one intra-op thread with warnings and
-logging silenced (this process's own trace reports them) and ends with ``os._exit``. Whatever
-goes wrong in it (an error, a crash, no answer in a minute or twenty times this process's own
-trace), the double batch is traced here instead, as before: the plan does not depend on
-which process traced it, only the time does.
+graph (:func:`autopar.passes.strategies.twin_facts`), so where a fork is safe
+(:func:`autopar.planner.side_by_side.may_fork`) it traces the double batch in a forked child
+while this process traces the example batch, and the child sends the numbers back: on two cores
+the pair takes about the time of one trace (Llama 70B: 1.4-1.5 s for both, 0.9-1.1 s side by
+side; ``bench/planner_speed.py``). Not with the trace cache on (:mod:`autopar.passes.trace_cache`:
+it hands this process a trace made before in a moment, which a child would make again). A
+child that fails, dies or does not answer in time (a minute, or twenty times this process's own
+trace) leaves the double batch to be traced here, as before: the plan does not depend on which
+process traced it.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import pickle
-import select
-import signal
-import threading
 import time
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -55,11 +41,9 @@ from autopar.cluster import Cluster
 from autopar.passes import meta_keys as mk
 from autopar.passes import trace_cache
 from autopar.passes.strategies import TwinFacts, twin_facts
+from autopar.planner.side_by_side import may_fork, start_child
 
-__all__ = ["trace_pair", "trace_and_twin", "double_batch", "leading_batch", "FORK_SWITCH"]
-
-FORK_SWITCH = "AUTOPAR_TRACE_FORK"
-"""Set to 0 to trace both batches in this process (:func:`trace_and_twin`)."""
+__all__ = ["trace_pair", "trace_and_twin", "double_batch", "leading_batch"]
 
 
 def double_batch(x: Any, batch: int) -> Any:
@@ -106,12 +90,7 @@ def trace_and_twin(model: nn.Module, example_inputs: Any, *, cluster: Cluster, l
     batch = leading_batch(example_inputs)
     twin = (lambda: twin_facts(trace(double_batch(example_inputs, batch), double_batch(example_target, batch)))
             ) if batch else None
-    child = None
-    if twin and _may_fork():
-        try:
-            child = _Child(twin)
-        except OSError:  # (no memory or processes left for a fork: trace here)
-            child = None
+    child = start_child(twin) if twin and may_fork() and not trace_cache.enabled() else None
     try:
         start = time.perf_counter()
         gm = trace(example_inputs, example_target)
@@ -132,77 +111,3 @@ def leading_batch(x: Any) -> int | None:
         return x.shape[0] if x.dim() else None
     values = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
     return next((b for b in map(leading_batch, values) if b is not None), None)
-
-
-def _may_fork() -> bool:
-    """Whether a forked child may trace beside this process (the module docstring)."""
-    if os.environ.get(FORK_SWITCH, "1") == "0" or not hasattr(os, "fork") or trace_cache.enabled():
-        return False
-    # Besides this one, only tqdm's monitor: torch.fx's Interpreter starts it (a progress bar,
-    # disabled) in the first trace of every process; it sleeps, waking every 10 s to take
-    # tqdm's lock for a moment, and the child does not wait on tqdm's lock for long: a
-    # trace's bars are disabled (and a child stuck anyway is only waited for so long).
-    if any(t is not threading.current_thread() and type(t).__name__ != "TMonitor" for t in threading.enumerate()):
-        return False
-    if torch.cuda.is_initialized() or (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return False
-    try:
-        return len(os.sched_getaffinity(0)) > 1
-    except AttributeError:  # (macOS)
-        return (os.cpu_count() or 1) > 1
-
-
-class _Child:
-    """``work()`` run in a forked child; its pickled result comes back over a pipe."""
-
-    def __init__(self, work: Callable[[], Any]):
-        read, write = os.pipe()
-        with warnings.catch_warnings():  # (Python 3.12+ warns of forking beside a thread: tqdm's monitor)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.pid = os.fork()
-        if self.pid == 0:  # the child: never returns
-            try:
-                os.close(read)
-                torch.set_num_threads(1)
-                warnings.simplefilter("ignore")
-                logging.disable(logging.CRITICAL)
-                from autopar import progress
-
-                progress._stream = None
-                try:
-                    payload = pickle.dumps(("ok", work()), protocol=pickle.HIGHEST_PROTOCOL)
-                except BaseException:  # (this process traces again and reports it)
-                    payload = pickle.dumps(("error", None))
-                with os.fdopen(write, "wb") as pipe:
-                    pipe.write(payload)
-            finally:
-                os._exit(0)
-        os.close(write)
-        self.read = read
-
-    def answer(self, wait_s: float) -> Any:
-        """The child's result, or None (it failed, or sent nothing within ``wait_s`` seconds)."""
-        chunks, deadline = [], time.monotonic() + wait_s
-        while True:
-            ready, _, _ = select.select([self.read], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                return None
-            chunk = os.read(self.read, 1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        try:
-            status, value = pickle.loads(b"".join(chunks))
-        except Exception:  # (it died mid-write)
-            return None
-        return value if status == "ok" else None
-
-    def end(self) -> None:
-        """Close the pipe and reap the child (killed first if it is still running)."""
-        os.close(self.read)
-        try:
-            if os.waitpid(self.pid, os.WNOHANG) == (0, 0):
-                os.kill(self.pid, signal.SIGKILL)
-                os.waitpid(self.pid, 0)
-        except ChildProcessError:
-            pass

@@ -19,10 +19,8 @@ import functools
 import gc
 import logging
 import math
-import os
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Callable
 
 from torch import fx, nn
@@ -43,6 +41,7 @@ from autopar.planner.expert_folding import fold_experts
 from autopar.planner.ilp import Solution, build_problem, solve
 from autopar.planner.record import expanded_names, first_value, shared_params, to_plan, token_sharded
 from autopar.planner.search import Fixed, Unit, search
+from autopar.planner.side_by_side import cpus as _cores, may_fork, run_tasks
 from autopar.planner.fixed import check_cuts, mesh_shapes
 from autopar.progress import progress
 
@@ -398,14 +397,6 @@ def _norm_nodes(gm: fx.GraphModule, sg: StrategyGraph) -> dict[int, int]:
     return out
 
 
-def _cores() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # (macOS, Windows)
-        return os.cpu_count() or 1
-
-
 def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...], tps: list[int],
                pinned_sp: bool | None, *, batch: int, cluster: Cluster, replicated: frozenset[str] = frozenset(),
                experts: list | None = None, folds: tuple[bool, ...] = (False,), on_solved: Callable | None = None
@@ -418,17 +409,21 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...], 
     tp (E not divisible by it) is left out there, unless it is the only one asked for (then its
     PlanError stands). At tp = 1 there is nothing to fold: one graph, folded False.
 
-    The strategy graphs are built here, in the calling thread, one after another (each tp's
-    MIPs start as soon as its graph is built); the MIPs run side by side in threads, up to one
-    per CPU. SCIP releases the GIL while it searches (its branch and bound is most of a MIP's
-    time), so on 2 cores two MIPs take about the time of the longer. Each answer depends on
-    its MIP alone (SCIP is deterministic under a node limit and a gap), not on what runs
-    beside it or how fast.
+    The strategy graphs are built here, in the calling thread, one after another; then the
+    MIPs run side by side (:func:`autopar.planner.side_by_side.run_tasks`): in threads, up to
+    one per CPU, and where a fork is safe in a forked child as well, each process with half the
+    CPUs' threads, all taking the next MIP from one queue, longest first as far as that is
+    known. SCIP releases the GIL while it searches, but building a MIP is Python: on 2 cores
+    two processes took Llama 70B's seven MIPs (64x8xH100) from 2.0-2.3 s to 1.7-1.8 s wall
+    (``bench/planner_speed.py --targets``). Each answer depends on its MIP alone (SCIP is
+    deterministic under a node limit and a gap), not on where it ran, what ran beside it or
+    how fast; errors are raised in the order of the tp degrees, as one at a time would.
 
     ``on_solved(tp, sp, folded, graph, solution)``, where given, is called in this thread for
-    each MIP that finds a solution, as it finishes, while the rest still run (an
-    unrestricted MIP's side labelled False): work that needs one MIP's answer can use the
-    cores the solver leaves idle. Its order depends on timing; what it computes must not."""
+    each MIP that finds a solution, as it finishes here (a child's, once the child answers),
+    while the rest still run (an unrestricted MIP's side labelled False): work that needs one
+    MIP's answer can use the cores the solver leaves idle. Its order depends on timing; what
+    it computes must not."""
     graphs: dict[tuple[int, bool], StrategyGraph] = {}  # (tp, folded) -> its strategy graph
     skeleton = strategy_skeleton(gm, gm2)  # (what every tp's graph shares: built once)
 
@@ -439,48 +434,42 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...], 
         return _solve_side(graphs[tp, folded], tp, sp, norms=norms[tp], pinned=pinned, batch=ref, cluster=cluster,
                            replicated=replicated)
 
-    tasks: dict[tuple[int, bool, bool | None], object] = {}
     order: list[tuple[int, bool, bool | None]] = []  # (the MIPs in the order their errors are raised)
-    later: list[tuple[int, bool, bool | None]] = []
-    workers = min(2 * len(tps) * len(folds), _cores())
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="autopar-mip") if workers > 1 else None
-    # Longest first, as far as it is known: the widest tp's MIPs start first, while the next graph
-    # is built, and the sp=True sides, whose norm ops' candidates are restricted, after every
-    # other (they took 0.10-0.34 s of SCIP where the sp=False sides took 0.26-0.63 s: Llama 70B
-    # on 64x8xH100; 405B on 1024x8xH100 0.20-0.30 s against 0.27-0.49 s), so that the last MIPs
-    # to finish are short ones.
-    try:
-        for tp in sorted(tps, reverse=True):
-            plain = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False, skeleton=skeleton)
-            norms[tp] = _norm_nodes(gm, plain)
-            for folded in dict.fromkeys(folds if tp > 1 else (False,)):
-                if not folded:
-                    graphs[tp, False] = plain
-                else:
-                    try:
-                        graphs[tp, True] = fold_experts(plain, skeleton, experts or [])
-                    except autopar.PlanError:
-                        if folds == (True,):
-                            raise
-                        continue  # (the experts do not split over this tp: no folded variant here)
-                for sp in _sp_sides(norms[tp], tp, pinned_sp):
-                    order.append((tp, folded, sp))
-                    if sp:
-                        later.append((tp, folded, sp))
-                    else:
-                        tasks[tp, folded, sp] = pool.submit(one, tp, folded, sp) if pool else one(tp, folded, sp)
-        for tp, folded, sp in later:
-            tasks[tp, folded, sp] = pool.submit(one, tp, folded, sp) if pool else one(tp, folded, sp)
-        if pool and on_solved:
-            keys = {task: key for key, task in tasks.items()}
-            for task in as_completed(keys):
-                (tp, folded, sp), sol = keys[task], None if task.exception() else task.result()
-                if sol is not None:
-                    on_solved(tp, bool(sp), folded, graphs[tp, folded], sol)
-        results = {key: tasks[key].result() if pool else tasks[key] for key in order}
-    finally:
-        if pool:
-            pool.shutdown(wait=True, cancel_futures=True)
+    for tp in sorted(tps, reverse=True):
+        plain = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False, skeleton=skeleton)
+        norms[tp] = _norm_nodes(gm, plain)
+        for folded in dict.fromkeys(folds if tp > 1 else (False,)):
+            if not folded:
+                graphs[tp, False] = plain
+            else:
+                try:
+                    graphs[tp, True] = fold_experts(plain, skeleton, experts or [])
+                except autopar.PlanError:
+                    if folds == (True,):
+                        raise
+                    continue  # (the experts do not split over this tp: no folded variant here)
+            order += [(tp, folded, sp) for sp in _sp_sides(norms[tp], tp, pinned_sp)]
+    # Longest first, as far as it is known: the widest tp's MIPs, and the sp=True sides, whose
+    # norm ops' candidates are restricted, after every other (they took 0.10-0.34 s of SCIP where
+    # the sp=False sides took 0.26-0.63 s: Llama 70B on 64x8xH100; 405B on 1024x8xH100 0.20-0.30
+    # s against 0.27-0.49 s), so that the last MIPs to finish are short ones.
+    queue = [key for key in order if not key[2]] + [key for key in order if key[2]]
+
+    def done(i: int, sol) -> None:
+        if on_solved is not None and isinstance(sol, Solution):
+            tp, folded, sp = queue[i]
+            on_solved(tp, bool(sp), folded, graphs[tp, folded], sol)
+
+    # Two processes where a fork is safe, each with half the CPUs' threads (building a MIP is
+    # Python, SCIP releases the GIL: autopar.planner.side_by_side), else threads here alone.
+    cpus = _cores()
+    fork = len(queue) > 1 and cpus > 1 and may_fork()
+    solutions = run_tasks(len(queue), lambda i: one(*queue[i]), fork=fork, on_done=done,
+                          threads=max(1, cpus // 2) if fork else max(1, min(len(queue), cpus)))
+    results = dict(zip(queue, solutions))
+    for key in order:
+        if isinstance(results[key], BaseException):
+            raise results[key]
     out = {}
     for tp, folded in sorted(graphs, key=lambda k: (tps.index(k[0]), k[1])):
         sides = {sp: sol for (t, f, sp), sol in results.items() if (t, f) == (tp, folded) and sol is not None}

@@ -1,0 +1,224 @@
+"""Planning work beside this process: a forked child (:class:`Child`, where :func:`may_fork`
+says it is safe) and indexed tasks shared by threads here and in such a child (:func:`run_tasks`).
+
+Why a process. Most of planning is Python: TorchDynamo and AOTAutograd tracing, building the
+sharding MIPs, evaluating costs. Threads share one interpreter lock, so on two cores a second
+thread only helps while the other runs native code (SCIP releases the lock while it solves); a
+second process runs Python beside this one. A spawned process would spend longer importing
+torch than the work takes, so the child is forked: it has the traced graphs already, and sends
+back only plain results through a pipe. What it computes is what this process would: a child
+that fails, dies or does not answer leaves its work to this process, so a plan never depends on
+which process made which part, only the time does.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import select
+import signal
+import threading
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from autopar import progress
+
+__all__ = ["FORK_SWITCH", "Child", "may_fork", "run_tasks", "cpus"]
+
+FORK_SWITCH = "AUTOPAR_FORK"
+"""Set to 0 to plan in this process alone (no forked child)."""
+
+def cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def may_fork() -> bool:
+    """Whether a forked child may work beside this process: fork exists; ``AUTOPAR_FORK`` is not 0;
+    more than one CPU; CUDA is not initialised and no process group is (a forked child cannot use
+    them, and ranks that plan side by side already fill the cores); and no other Python thread
+    runs here but two kinds that hold no lock the child needs (a fork copies only the calling
+    thread, and a lock another thread held stays held in the child): tqdm's monitor, which
+    torch.fx's Interpreter starts in the first trace of a process (a disabled progress bar) and
+    which wakes every 10 s to take tqdm's lock for a moment (a trace's bars are disabled), and
+    autopar's progress timers, which wait and then print to the progress stream (the child
+    prints nothing)."""
+    if os.environ.get(FORK_SWITCH, "1") == "0" or not hasattr(os, "fork") or cpus() < 2:
+        return False
+    if torch.cuda.is_initialized() or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    return all(t is threading.current_thread() or type(t).__name__ == "TMonitor" or t.name == progress.THREAD_NAME
+               for t in threading.enumerate())
+
+
+class Child:
+    """``work()`` run in a forked child; its pickled result comes back over a pipe."""
+
+    def __init__(self, work: Callable[[], Any]):
+        read, write = os.pipe()
+        with warnings.catch_warnings():  # (Python 3.12+ warns of forking beside a thread: see may_fork)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns
+            try:
+                os.close(read)
+                torch.set_num_threads(1)
+                warnings.simplefilter("ignore")  # (this process reports what it finds itself)
+                logging.disable(logging.CRITICAL)
+                progress.enable(None)
+                try:
+                    payload = pickle.dumps(("ok", work()), protocol=pickle.HIGHEST_PROTOCOL)
+                except BaseException:  # (this process does the work again and reports it)
+                    payload = pickle.dumps(("error", None))
+                with os.fdopen(write, "wb") as pipe:
+                    pipe.write(payload)
+            finally:
+                os._exit(0)
+        os.close(write)
+        self.read = read
+
+    def answer(self, wait_s: float) -> Any:
+        """The child's result, or None (it failed, or sent nothing within ``wait_s`` seconds)."""
+        chunks, deadline = [], time.monotonic() + wait_s
+        while True:
+            ready, _, _ = select.select([self.read], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            chunk = os.read(self.read, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        try:
+            status, value = pickle.loads(b"".join(chunks))
+        except Exception:  # (it died mid-write)
+            return None
+        return value if status == "ok" else None
+
+    def end(self) -> None:
+        """Close the pipe and reap the child (killed first if it is still running)."""
+        os.close(self.read)
+        try:
+            if os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def start_child(work: Callable[[], Any]) -> Child | None:
+    """A :class:`Child` doing ``work``, or None where the OS refuses a fork (no memory or
+    processes left)."""
+    try:
+        return Child(work)
+    except OSError:
+        return None
+
+
+def run_tasks(n: int, work: Callable[[int], Any], *, threads: int, fork: bool,
+              on_done: Callable[[int, Any], None] | None = None, wait_s: float = 600.0) -> list:
+    """``[work(0), ..., work(n - 1)]``, an exception that ``work(i)`` raises standing as its result.
+
+    The tasks are taken in index order (put the longest first) by ``threads`` threads here and,
+    with ``fork``, as many in a forked child, from a counter they share (each takes the next
+    task when it is free). ``on_done(i, result)`` runs in the calling thread as each task ends
+    here, and for the child's once it has answered (at most ``wait_s`` seconds after this
+    process ran out of tasks). A task the child took and did not answer (an exception of its
+    own, it died, or the wait ran out) is run here, so the result is always this process's
+    ``work(i)``: the child must compute the same. An exception in ``on_done`` (or Ctrl-C) stops
+    the threads here taking more tasks; it is raised once the tasks they run have ended."""
+    shared = multiprocessing.Value("i", 0) if fork else None  # (shared memory: one counter across the fork)
+    local, lock = [0], threading.Lock()
+    stop = threading.Event()
+
+    def take() -> int:
+        guard = shared.get_lock() if shared is not None else lock
+        with guard:
+            if shared is not None:
+                i, shared.value = shared.value, shared.value + 1
+            else:
+                i, local[0] = local[0], local[0] + 1
+        return i
+
+    def drain(put: Callable[[int, Any], None]) -> None:
+        while not stop.is_set() and (i := take()) < n:
+            try:
+                result = work(i)
+            except Exception as e:
+                result = e
+            put(i, result)
+
+    def in_child() -> dict[int, Any]:
+        done: dict[int, Any] = {}  # (a task that raised is left out: this process runs it again)
+        put = lambda i, r: isinstance(r, BaseException) or done.__setitem__(i, r)  # noqa: E731
+        helpers = [threading.Thread(target=drain, args=(put,)) for _ in range(threads - 1)]
+        for t in helpers:
+            t.start()
+        drain(put)
+        for t in helpers:
+            t.join()
+        return done
+
+    if threads == 1 and not fork:  # (one at a time, in this thread)
+        out = []
+        for i in range(n):
+            try:
+                out.append(work(i))
+            except Exception as e:
+                out.append(e)
+            if on_done is not None:
+                on_done(i, out[-1])
+        return out
+    child = start_child(in_child) if fork else None
+    results: dict[int, Any] = {}
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+
+    def worker() -> None:
+        try:
+            drain(lambda i, r: finished.put((i, r)))
+        finally:
+            finished.put(None)
+
+    workers = [threading.Thread(target=worker, name="autopar-mip", daemon=True) for _ in range(threads)]
+    start = time.perf_counter()
+    try:
+        for t in workers:
+            t.start()
+        running = len(workers)
+        while running:
+            item = finished.get()
+            if item is None:
+                running -= 1
+                continue
+            results[item[0]] = item[1]
+            if on_done is not None:
+                on_done(*item)
+        theirs = (child.answer(wait_s=max(wait_s, 20 * (time.perf_counter() - start))) or {}) if child else {}
+    finally:
+        stop.set()
+        for t in workers:
+            t.join()
+        if child:
+            child.end()
+    for i in range(n):
+        if i in results:
+            continue
+        if i in theirs:
+            result = theirs[i]
+        else:
+            try:
+                result = work(i)
+            except Exception as e:
+                result = e
+        results[i] = result
+        if on_done is not None:
+            on_done(i, result)
+    return [results[i] for i in range(n)]
