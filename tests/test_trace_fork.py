@@ -86,7 +86,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2, reason="needs fork and two CPUs")
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+                    reason="forks on Linux with two CPUs")
 def test_forked_twin_equals_the_twin_traced_here():
     script = SCRIPT.format(root=str(ROOT), examples=str(ROOT / "examples"))
     # (the suite's trace cache off: with it on, a cached trace is read here, not made in a child)

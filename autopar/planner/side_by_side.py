@@ -20,6 +20,7 @@ import pickle
 import queue
 import select
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -43,16 +44,17 @@ def cpus() -> int:
 
 
 def may_fork() -> bool:
-    """Whether a forked child may work beside this process: fork exists; ``AUTOPAR_FORK`` is not 0;
-    more than one CPU; CUDA is not initialised and no process group is (a forked child cannot use
-    them, and ranks that plan side by side already fill the cores); and no other Python thread
-    runs here but two kinds that hold no lock the child needs (a fork copies only the calling
-    thread, and a lock another thread held stays held in the child): tqdm's monitor, which
-    torch.fx's Interpreter starts in the first trace of a process (a disabled progress bar) and
-    which wakes every 10 s to take tqdm's lock for a moment (a trace's bars are disabled), and
-    autopar's progress timers, which wait and then print to the progress stream (the child
-    prints nothing)."""
-    if os.environ.get(FORK_SWITCH, "1") == "0" or not hasattr(os, "fork") or cpus() < 2:
+    """Whether a forked child may work beside this process: on Linux (macOS's system libraries
+    are not safe to use in a forked child, which is why Python's multiprocessing spawns there);
+    ``AUTOPAR_FORK`` is not 0; more than one CPU; CUDA is not initialised and no process group
+    is (a forked child cannot use them, and ranks that plan side by side already fill the
+    cores); and no other Python thread runs here but two kinds that hold no lock the child
+    needs (a fork copies only the calling thread, and a lock another thread held stays held in
+    the child): tqdm's monitor, which torch.fx's Interpreter starts in the first trace of a
+    process (a disabled progress bar) and which wakes every 10 s to take tqdm's lock for a
+    moment (a trace's bars are disabled), and autopar's progress timers, which wait and then
+    print to the progress stream (the child prints nothing)."""
+    if os.environ.get(FORK_SWITCH, "1") == "0" or not sys.platform.startswith("linux") or cpus() < 2:
         return False
     if torch.cuda.is_initialized() or (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return False
@@ -135,7 +137,12 @@ def run_tasks(n: int, work: Callable[[int], Any], *, threads: int, fork: bool,
     own, it died, or the wait ran out) is run here, so the result is always this process's
     ``work(i)``: the child must compute the same. An exception in ``on_done`` (or Ctrl-C) stops
     the threads here taking more tasks; it is raised once the tasks they run have ended."""
-    shared = multiprocessing.Value("i", 0) if fork else None  # (shared memory: one counter across the fork)
+    shared = None
+    if fork:
+        try:
+            shared = multiprocessing.Value("i", 0)  # (shared memory: one counter across the fork)
+        except OSError:  # (no shared memory here, e.g. no /dev/shm: this process alone)
+            fork = False
     local, lock = [0], threading.Lock()
     stop = threading.Event()
 
