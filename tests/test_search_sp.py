@@ -67,6 +67,7 @@ def test_each_sp_side_is_pure_and_its_own_mip(gpt_small, monkeypatch):
     calls = []
     solve = make.solve
     monkeypatch.setattr(make, "solve", lambda problem, **kw: calls.append(problem.forbidden) or solve(problem, **kw))
+    monkeypatch.setenv("AUTOPAR_FORK", "0")  # (every call seen here: none in a forked child)
     solved = make._solve_all(gm, gm2, [1, 4], None, batch=16, cluster=cluster)
     assert sorted(solved) == [(1, False, False), (4, False, False), (4, True, False)]  # (tp, sp, ep folded)
     assert len(calls) == 3 and sum(not f for f in calls) == 1  # tp=1 unrestricted; each tp=4 side restricted
@@ -100,6 +101,7 @@ def test_unrestricted_mip_when_neither_sp_side_has_a_solution(gpt_small, monkeyp
         return side(sg, tp, sp, pinned=pinned, **rest)
 
     monkeypatch.setattr(make, "_solve_side", no_pure_side)
+    monkeypatch.setenv("AUTOPAR_FORK", "0")  # (every call seen here: none in a forked child)
     solved = make._solve_all(gm, gm2, [4], None, batch=16, cluster=cluster)
     assert sorted(asked[:2]) == [(4, False), (4, True)] and asked[2:] == [(4, None)]  # (sides in threads)
     assert list(solved) == [(4, False, False)]  # GPT's free MIP keeps its norms replicated
