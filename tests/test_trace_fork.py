@@ -19,14 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_child_answers_what_its_work_returns():
-    child = _Child(lambda: {"facts": (1, 2.5, "aten.mm.default")})
+    child = _Child(lambda send: {"facts": (1, 2.5, "aten.mm.default")})
     try:
         assert child.answer(wait_s=60) == {"facts": (1, 2.5, "aten.mm.default")}
     finally:
         child.end()
 
 
-@pytest.mark.parametrize("work", [lambda: 1 / 0, lambda: os._exit(3)], ids=["raises", "dies"])
+@pytest.mark.parametrize("work", [lambda send: 1 / 0, lambda send: os._exit(3)], ids=["raises", "dies"])
 def test_child_that_fails_answers_none(work):
     child = _Child(work)
     try:
@@ -36,7 +36,7 @@ def test_child_that_fails_answers_none(work):
 
 
 def test_child_that_does_not_answer_in_time_is_killed():
-    child = _Child(lambda: time.sleep(600))
+    child = _Child(lambda send: time.sleep(600))
     start = time.monotonic()
     try:
         assert child.answer(wait_s=0.5) is None
@@ -154,3 +154,24 @@ def test_tasks_a_dead_child_took_are_run_here():
         os.close(write)
     assert out == [(i * i, parent) for i in range(5)]
     assert done[-1] == lost and sorted(done) == list(range(5))  # (run here last, once)
+
+
+def test_a_task_the_child_hangs_on_is_run_here_after_the_wait():
+    parent, (read, write) = os.getpid(), os.pipe()
+
+    def work(i):
+        if os.getpid() != parent:
+            os.write(write, b"x")
+            time.sleep(600)  # (hangs on the first task it takes)
+        ready, _, _ = select.select([read], [], [], 120)  # (a guard, as above)
+        assert ready, "the child took no task"
+        return i * i, os.getpid()
+
+    start = time.monotonic()
+    try:
+        out = run_tasks(4, work, threads=1, fork=True, wait_s=0.5)
+    finally:
+        os.close(read)
+        os.close(write)
+    assert out == [(i * i, parent) for i in range(4)]
+    assert time.monotonic() - start < 300  # (killed after its wait, not waited for)

@@ -88,7 +88,7 @@ def trace_and_twin(model: nn.Module, example_inputs: Any, *, cluster: Cluster, l
         return g
 
     batch = leading_batch(example_inputs)
-    twin = (lambda: twin_facts(trace(double_batch(example_inputs, batch), double_batch(example_target, batch)))
+    twin = (lambda _: twin_facts(trace(double_batch(example_inputs, batch), double_batch(example_target, batch)))
             ) if batch else None
     child = start_child(twin) if twin and may_fork() and not trace_cache.enabled() else None
     try:

@@ -19,6 +19,7 @@ import functools
 import gc
 import logging
 import math
+import threading
 import time
 from collections import defaultdict
 from typing import Any, Callable
@@ -409,8 +410,8 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...], 
     tp (E not divisible by it) is left out there, unless it is the only one asked for (then its
     PlanError stands). At tp = 1 there is nothing to fold: one graph, folded False.
 
-    The strategy graphs are built here, in the calling thread, one after another; then the
-    MIPs run side by side (:func:`autopar.planner.side_by_side.run_tasks`): in threads, up to
+    The strategy graphs are built as the MIPs need them (with experts folded, all before);
+    the MIPs run side by side (:func:`autopar.planner.side_by_side.run_tasks`): in threads, up to
     one per CPU, and where a fork is safe in a forked child as well, each process with half the
     CPUs' threads, all taking the next MIP from one queue, longest first as far as that is
     known. SCIP releases the GIL while it searches, but building a MIP is Python: on 2 cores
@@ -428,14 +429,27 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...], 
     skeleton = strategy_skeleton(gm, gm2)  # (what every tp's graph shares: built once)
 
     norms: dict[int, dict[int, int]] = {}
+    building = threading.Lock()
+
+    def graph(tp: int, folded: bool) -> StrategyGraph:
+        """The strategy graph at ``tp``, built on first use in whichever thread (or forked child)
+        needs it first (an unfolded one: folded ones are built before the MIPs start)."""
+        with building:
+            if (tp, folded) not in graphs:
+                graphs[tp, folded] = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False,
+                                                          skeleton=skeleton)
+            return graphs[tp, folded]
 
     def one(tp: int, folded: bool, sp: bool | None, pinned: bool = pinned_sp is not None) -> Solution | None:
         ref = max(1, batch // max(1, cluster.world_size // tp))  # (the batch of one tp group)
-        return _solve_side(graphs[tp, folded], tp, sp, norms=norms[tp], pinned=pinned, batch=ref, cluster=cluster,
+        return _solve_side(graph(tp, folded), tp, sp, norms=norms[tp], pinned=pinned, batch=ref, cluster=cluster,
                            replicated=replicated)
 
     order: list[tuple[int, bool, bool | None]] = []  # (the MIPs in the order their errors are raised)
-    for tp in sorted(tps, reverse=True):
+    if folds == (False,):  # every MIP known from the skeleton (its norm ops are every graph's): graphs built as needed
+        norms.update(dict.fromkeys(tps, _norm_nodes(gm, skeleton.graph)))
+        order = [(tp, False, sp) for tp in sorted(tps, reverse=True) for sp in _sp_sides(norms[tp], tp, pinned_sp)]
+    for tp in sorted(tps, reverse=True) if folds != (False,) else ():
         plain = build_strategy_graph(gm, axis_size=tp, gm_double=gm2, shard_batch=False, skeleton=skeleton)
         norms[tp] = _norm_nodes(gm, plain)
         for folded in dict.fromkeys(folds if tp > 1 else (False,)):
@@ -458,7 +472,7 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...], 
     def done(i: int, sol) -> None:
         if on_solved is not None and isinstance(sol, Solution):
             tp, folded, sp = queue[i]
-            on_solved(tp, bool(sp), folded, graphs[tp, folded], sol)
+            on_solved(tp, bool(sp), folded, graph(tp, folded), sol)
 
     # Two processes where a fork is safe, each with half the CPUs' threads (building a MIP is
     # Python, SCIP releases the GIL: autopar.planner.side_by_side), else threads here alone.
@@ -470,6 +484,8 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...], 
     for key in order:
         if isinstance(results[key], BaseException):
             raise results[key]
+    for tp in tps if folds == (False,) else ():
+        graph(tp, False)  # (those only a forked child needed)
     out = {}
     for tp, folded in sorted(graphs, key=lambda k: (tps.index(k[0]), k[1])):
         sides = {sp: sol for (t, f, sp), sol in results.items() if (t, f) == (tp, folded) and sol is not None}

@@ -13,6 +13,7 @@ which process made which part, only the time does.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -63,13 +64,20 @@ def may_fork() -> bool:
 
 
 class Child:
-    """``work()`` run in a forked child; its pickled result comes back over a pipe."""
+    """``work(send)`` run in a forked child. What it passes to ``send`` and, last, what it returns
+    come back over a pipe as length-prefixed pickles (:meth:`messages`, :meth:`answer`)."""
 
-    def __init__(self, work: Callable[[], Any]):
+    def __init__(self, work: Callable[[Callable[[Any], None]], Any]):
         read, write = os.pipe()
+        thawed = gc.get_freeze_count() == 0
+        # (the heap as it is now out of the child's collections: a collection writes to every
+        # object it walks, and each write copies a page the two processes shared)
+        gc.freeze()
         with warnings.catch_warnings():  # (Python 3.12+ warns of forking beside a thread: see may_fork)
             warnings.simplefilter("ignore", DeprecationWarning)
             self.pid = os.fork()
+        if self.pid and thawed:
+            gc.unfreeze()
         if self.pid == 0:  # the child: never returns
             try:
                 os.close(read)
@@ -77,37 +85,56 @@ class Child:
                 warnings.simplefilter("ignore")  # (this process reports what it finds itself)
                 logging.disable(logging.CRITICAL)
                 progress.enable(None)
+                pipe, lock = os.fdopen(write, "wb"), threading.Lock()
+
+                def send(kind: str, value: Any) -> None:
+                    data = pickle.dumps((kind, value), protocol=pickle.HIGHEST_PROTOCOL)
+                    with lock:
+                        pipe.write(len(data).to_bytes(8, "little") + data)
+                        pipe.flush()
+
                 try:
-                    payload = pickle.dumps(("ok", work()), protocol=pickle.HIGHEST_PROTOCOL)
+                    result = work(lambda value: send("message", value))
                 except BaseException:  # (this process does the work again and reports it)
-                    payload = pickle.dumps(("error", None))
-                with os.fdopen(write, "wb") as pipe:
-                    pipe.write(payload)
+                    send("error", None)
+                else:
+                    send("ok", result)
+                pipe.close()
             finally:
                 os._exit(0)
         os.close(write)
         self.read = read
 
-    def answer(self, wait_s: float) -> Any:
-        """The child's result, or None (it failed, or sent nothing within ``wait_s`` seconds)."""
-        chunks, deadline = [], time.monotonic() + wait_s
+    def messages(self, wait_s: float | None = None):
+        """``(kind, value)`` as the child sends them: ("message", what it passed to ``send``),
+        then ("ok", what ``work`` returned) or ("error", None). Ends when the child closes the
+        pipe, or ``wait_s`` seconds from now (None: no limit)."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        buffer = b""
         while True:
-            ready, _, _ = select.select([self.read], [], [], max(0.0, deadline - time.monotonic()))
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self.read], [], [], left)
             if not ready:
-                return None
+                return
             chunk = os.read(self.read, 1 << 20)
             if not chunk:
-                break
-            chunks.append(chunk)
-        try:
-            status, value = pickle.loads(b"".join(chunks))
-        except Exception:  # (it died mid-write)
-            return None
-        return value if status == "ok" else None
+                return
+            buffer += chunk
+            while len(buffer) >= 8 and len(buffer) >= 8 + (size := int.from_bytes(buffer[:8], "little")):
+                try:
+                    item = pickle.loads(buffer[8:8 + size])
+                except Exception:  # (not what the child meant to send: nothing more from it)
+                    return
+                yield item
+                buffer = buffer[8 + size:]
 
-    def end(self) -> None:
-        """Close the pipe and reap the child (killed first if it is still running)."""
-        os.close(self.read)
+    def answer(self, wait_s: float) -> Any:
+        """What ``work`` returned, or None (it failed, died, or did not end within ``wait_s``
+        seconds)."""
+        return next((value for kind, value in self.messages(wait_s) if kind == "ok"), None)
+
+    def stop(self) -> None:
+        """Kill the child if it is still running (its pipe then ends)."""
         try:
             if os.waitpid(self.pid, os.WNOHANG) == (0, 0):
                 os.kill(self.pid, signal.SIGKILL)
@@ -115,8 +142,13 @@ class Child:
         except ChildProcessError:
             pass
 
+    def end(self) -> None:
+        """Reap the child (killed first if it is still running) and close the pipe."""
+        self.stop()
+        os.close(self.read)
 
-def start_child(work: Callable[[], Any]) -> Child | None:
+
+def start_child(work: Callable[[Callable[[Any], None]], Any]) -> Child | None:
     """A :class:`Child` doing ``work``, or None where the OS refuses a fork (no memory or
     processes left)."""
     try:
@@ -131,12 +163,23 @@ def run_tasks(n: int, work: Callable[[int], Any], *, threads: int, fork: bool,
 
     The tasks are taken in index order (put the longest first) by ``threads`` threads here and,
     with ``fork``, as many in a forked child, from a counter they share (each takes the next
-    task when it is free). ``on_done(i, result)`` runs in the calling thread as each task ends
-    here, and for the child's once it has answered (at most ``wait_s`` seconds after this
-    process ran out of tasks). A task the child took and did not answer (an exception of its
-    own, it died, or the wait ran out) is run here, so the result is always this process's
-    ``work(i)``: the child must compute the same. An exception in ``on_done`` (or Ctrl-C) stops
-    the threads here taking more tasks; it is raised once the tasks they run have ended."""
+    task when it is free). ``on_done(i, result)`` runs in the calling thread as each task ends,
+    here or in the child (whose results stream back as they come). Once this process has no task
+    left, the child gets ``wait_s`` seconds more (or twenty times what this took, if longer);
+    a task it took and did not answer (an exception of its own, it died, or the wait ran out)
+    is run here, so the result is always this process's ``work(i)``: the child must compute the
+    same. An exception in ``on_done`` (or Ctrl-C) stops the threads here taking more tasks; it
+    is raised once the tasks they run have ended."""
+    if threads == 1 and not fork:  # (one at a time, in this thread)
+        out = []
+        for i in range(n):
+            try:
+                out.append(work(i))
+            except Exception as e:
+                out.append(e)
+            if on_done is not None:
+                on_done(i, out[-1])
+        return out
     shared = None
     if fork:
         try:
@@ -163,30 +206,18 @@ def run_tasks(n: int, work: Callable[[int], Any], *, threads: int, fork: bool,
                 result = e
             put(i, result)
 
-    def in_child() -> dict[int, Any]:
-        done: dict[int, Any] = {}  # (a task that raised is left out: this process runs it again)
-        put = lambda i, r: isinstance(r, BaseException) or done.__setitem__(i, r)  # noqa: E731
+    def in_child(send: Callable[[Any], None]) -> None:
+        # (a task that raised is not sent: this process runs it again)
+        put = lambda i, r: isinstance(r, BaseException) or send((i, r))  # noqa: E731
         helpers = [threading.Thread(target=drain, args=(put,)) for _ in range(threads - 1)]
         for t in helpers:
             t.start()
         drain(put)
         for t in helpers:
             t.join()
-        return done
 
-    if threads == 1 and not fork:  # (one at a time, in this thread)
-        out = []
-        for i in range(n):
-            try:
-                out.append(work(i))
-            except Exception as e:
-                out.append(e)
-            if on_done is not None:
-                on_done(i, out[-1])
-        return out
     child = start_child(in_child) if fork else None
-    results: dict[int, Any] = {}
-    finished: queue.SimpleQueue = queue.SimpleQueue()
+    finished: queue.SimpleQueue = queue.SimpleQueue()  # (i, result); None as a thread here ends, ... as the child
 
     def worker() -> None:
         try:
@@ -194,38 +225,54 @@ def run_tasks(n: int, work: Callable[[int], Any], *, threads: int, fork: bool,
         finally:
             finished.put(None)
 
+    def listen() -> None:  # (the child's results, as they come)
+        try:
+            for kind, value in child.messages():
+                if kind == "message":
+                    finished.put(value)
+        finally:
+            finished.put(...)
+
     workers = [threading.Thread(target=worker, name="autopar-mip", daemon=True) for _ in range(threads)]
+    listener = threading.Thread(target=listen, name="autopar-child", daemon=True) if child else None
+    results: dict[int, Any] = {}
     start = time.perf_counter()
     try:
-        for t in workers:
+        for t in workers + ([listener] if listener else []):
             t.start()
-        running = len(workers)
-        while running:
-            item = finished.get()
-            if item is None:
-                running -= 1
+        own, theirs, deadline = len(workers), listener is not None, None
+        while own or theirs:
+            try:
+                item = finished.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except queue.Empty:  # (the child ran past its time: its pipe ends with it)
+                child.stop()
+                deadline = None
                 continue
-            results[item[0]] = item[1]
-            if on_done is not None:
-                on_done(*item)
-        theirs = (child.answer(wait_s=max(wait_s, 20 * (time.perf_counter() - start))) or {}) if child else {}
+            if item is None or item is ...:
+                own -= item is None
+                theirs = theirs and item is not ...
+                if not own and theirs and deadline is None:
+                    deadline = time.monotonic() + max(wait_s, 20 * (time.perf_counter() - start))
+                continue
+            i, result = item
+            if i not in results:
+                results[i] = result
+                if on_done is not None:
+                    on_done(i, result)
     finally:
         stop.set()
-        for t in workers:
+        if child:
+            child.stop()
+        for t in workers + ([listener] if listener else []):
             t.join()
         if child:
             child.end()
     for i in range(n):
-        if i in results:
-            continue
-        if i in theirs:
-            result = theirs[i]
-        else:
+        if i not in results:
             try:
-                result = work(i)
+                results[i] = work(i)
             except Exception as e:
-                result = e
-        results[i] = result
-        if on_done is not None:
-            on_done(i, result)
+                results[i] = e
+            if on_done is not None:
+                on_done(i, results[i])
     return [results[i] for i in range(n)]
