@@ -261,11 +261,11 @@ def run_tasks(n: int, work: Callable[[int], Any], *, threads: int, fork: bool,
                     on_done(i, result)
     finally:
         stop.set()
-        if child:
-            child.stop()
-        for t in workers + ([listener] if listener else []):
+        for t in workers:  # (first: a child killed while it held the counter's lock would keep it)
             t.join()
         if child:
+            child.stop()
+            listener.join()
             child.end()
     for i in range(n):
         if i not in results:
