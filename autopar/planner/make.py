@@ -325,13 +325,12 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...],
             cache[tp, mbs, sp, ep, cp, ep_tp] = units
         return cache[tp, mbs, sp, ep, cp, ep_tp]
 
-
     def prepare(tp: int, sp: bool, folded: bool, sg: StrategyGraph, sol: Solution) -> None:
         """While the other MIPs solve: the units the search will ask of this one without ep or cp
-        (or at a pinned cp), one per micro-batch size it visits. SCIP solves in threads, and
-        while the last MIPs run a core waits: this is the search's own work done then (Llama 70B
-        on 64x8xH100: 61 units lists, 0.5 s, each a pure function of its MIP's answer). Not
-        for models with experts, whose ep options pick the shapes."""
+        (or at a pinned cp), one per micro-batch size it visits. SCIP releases the GIL and a
+        forked child may solve MIPs too, so this thread would wait: this is the search's own
+        work done then (Llama 70B on 64x8xH100: 61 units lists, 0.5 s, each a pure function of
+        its MIP's answer). Not for models with experts, whose ep options pick the shapes."""
         if folded or eps:
             return
         solved[tp, sp, folded] = (sg, sol)
@@ -415,14 +414,14 @@ def _solve_all(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...], 
     one per CPU, and where a fork is safe in a forked child as well, each process with half the
     CPUs' threads, all taking the next MIP from one queue, longest first as far as that is
     known. SCIP releases the GIL while it searches, but building a MIP is Python: on 2 cores
-    two processes took Llama 70B's seven MIPs (64x8xH100) from 2.0-2.3 s to 1.7-1.8 s wall
-    (``bench/planner_speed.py --targets``). Each answer depends on its MIP alone (SCIP is
+    Llama 70B's seven MIPs (64x8xH100) ended 1.5-1.8 s after they began with the child and
+    2.0-2.5 s without it (two runs each, alternating). Each answer depends on its MIP alone (SCIP is
     deterministic under a node limit and a gap), not on where it ran, what ran beside it or
     how fast; errors are raised in the order of the tp degrees, as one at a time would.
 
     ``on_solved(tp, sp, folded, graph, solution)``, where given, is called in this thread for
-    each MIP that finds a solution, as it finishes here (a child's, once the child answers),
-    while the rest still run (an unrestricted MIP's side labelled False): work that needs one
+    each MIP that finds a solution, as it finishes (here, or in the child: its answers stream
+    back), while the rest still run (an unrestricted MIP's side labelled False): work that needs one
     MIP's answer can use the cores the solver leaves idle. Its order depends on timing; what
     it computes must not."""
     graphs: dict[tuple[int, bool], StrategyGraph] = {}  # (tp, folded) -> its strategy graph
