@@ -13,6 +13,11 @@ import pytest
 # about half of those tests' CPU was tracing the same graph again. Inherited by spawned ranks.
 # tests/test_trace_cache.py checks what may and may not hit.
 os.environ.setdefault("AUTOPAR_TRACE_CACHE", "1")
+# No forked planner child (autopar.planner.side_by_side): the suite's two workers already fill
+# both cores, so a child only adds processes (with it on, CI's pytest took 17 min 29 s, against
+# about 16 min before the child). tests/test_trace_fork.py and tests/test_solver_limits.py turn it
+# on where they test it.
+os.environ.setdefault("AUTOPAR_FORK", "0")
 
 
 def _fresh_dir(env: str, prefix: str) -> None:
