@@ -76,6 +76,11 @@ SCRIPT = textwrap.dedent("""
     gm2 = frontend.trace_pair(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target)[1]
     assert twin_facts(gm2) == forked
     assert len(forked) == len(gm.graph.nodes) and any(f.gemm for f in forked)
+    frontend.start_child = lambda work: forks.append(1) or start(lambda send: 1 / 0)  # (a child that fails)
+    _, after_failure = frontend.trace_and_twin(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target)
+    assert after_failure == forked and forks == [1, 1], forks
+    frontend.trace_and_twin(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target)
+    assert forks == [1, 1], "a trace child failed in this process: no more are started"
     gate = threading.Event()
     thread = threading.Thread(target=gate.wait)
     thread.start()

@@ -24,8 +24,10 @@ the pair takes about the time of one trace (Llama 70B: 1.4-1.5 s for both, 0.9-1
 side; ``bench/planner_speed.py``). Not with the trace cache on (:mod:`autopar.passes.trace_cache`:
 it hands this process a trace made before in a moment, which a child would make again). A
 child that fails, dies or does not answer in time (a minute, or twenty times this process's own
-trace) leaves the double batch to be traced here, as before: the plan does not depend on which
-process traced it.
+trace) leaves the double batch to be traced here, as before (and later plans in this process
+trace both here: on torch's CUDA builds a child forked after this process ran autograd cannot run
+it, so once one has failed the next would too): the plan does not depend on which process
+traced it.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def trace_and_twin(model: nn.Module, example_inputs: Any, *, cluster: Cluster, l
     batch = leading_batch(example_inputs)
     twin = (lambda _: twin_facts(trace(double_batch(example_inputs, batch), double_batch(example_target, batch)))
             ) if batch else None
-    child = start_child(twin) if twin and may_fork() and not trace_cache.enabled() else None
+    child = start_child(twin) if twin and may_fork() and not trace_cache.enabled() and not _failed else None
     try:
         start = time.perf_counter()
         gm = trace(example_inputs, example_target)
@@ -98,10 +100,18 @@ def trace_and_twin(model: nn.Module, example_inputs: Any, *, cluster: Cluster, l
     finally:
         if child:
             child.end()
+    if child and facts is None:
+        # (not again in this process: on torch's CUDA builds a child forked after this process
+        # ran autograd cannot run it, and every later trace child would fail the same way)
+        _failed.append(True)
     traced = gm.meta[mk.GRAPH].global_batch
     if facts is None or traced != batch:  # (the child guessed another batch than the trace found)
         facts = twin_facts(trace(double_batch(example_inputs, traced), double_batch(example_target, traced)))
     return gm, facts
+
+
+_failed: list[bool] = []
+"""Whether a trace child failed in this process (then the double batch is traced here)."""
 
 
 def leading_batch(x: Any) -> int | None:
