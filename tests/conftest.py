@@ -14,9 +14,9 @@ import pytest
 # tests/test_trace_cache.py checks what may and may not hit.
 os.environ.setdefault("AUTOPAR_TRACE_CACHE", "1")
 # No forked planner child (autopar.planner.side_by_side): the suite's two workers already fill
-# both cores, so a child only adds processes (with it on, CI's pytest took 17 min 29 s, against
-# about 16 min before the child). tests/test_trace_fork.py and tests/test_solver_limits.py turn it
-# on where they test it.
+# both cores, so a child adds processes, not cores (CI's pytest took 17 min 29 s with it on at
+# da0f54b and 17 min 31 s with it off at 30dd59b: no difference measured). tests/test_trace_fork.py
+# and tests/test_solver_limits.py turn it on where they test it.
 os.environ.setdefault("AUTOPAR_FORK", "0")
 
 
