@@ -325,7 +325,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...],
             cache[tp, mbs, sp, ep, cp, ep_tp] = units
         return cache[tp, mbs, sp, ep, cp, ep_tp]
 
-    def prepare(tp: int, sp: bool, folded: bool, sg: StrategyGraph, sol: Solution) -> None:
+    def prefetch_units(tp: int, sp: bool, folded: bool, sg: StrategyGraph, sol: Solution) -> None:
         """While the other MIPs solve: the units the search will ask of this one without ep or cp
         (or at a pinned cp), one per micro-batch size it visits. SCIP releases the GIL and a
         forked child may solve MIPs too, so this thread would wait: this is the search's own
@@ -344,7 +344,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...],
     with progress("solving the sharding MIP"):
         for (tp, sp, folded), (sg, sol) in _solve_all(gm, gm2, _tp_options(cluster, fixed), fixed.sp, batch=batch,
                                                       cluster=cluster, replicated=replicated, experts=experts,
-                                                      folds=folds, on_solved=prepare).items():
+                                                      folds=folds, on_solved=prefetch_units).items():
             solved[tp, sp, folded] = (sg, sol)
             if sol.limit:  # the plan records this for the chosen tp only; the others rank by it too
                 log.warning("sharding MIP at tp=%d (sp=%s%s) stopped at its limit of %d branch-and-bound nodes "

@@ -69,17 +69,15 @@ class Child:
 
     def __init__(self, work: Callable[[Callable[[Any], None]], Any]):
         read, write = os.pipe()
-        thawed = gc.get_freeze_count() == 0
-        # (the heap as it is now out of the child's collections: a collection writes to every
-        # object it walks, and each write copies a page the two processes shared)
-        gc.freeze()
         with warnings.catch_warnings():  # (Python 3.12+ warns of forking beside a thread: see may_fork)
             warnings.simplefilter("ignore", DeprecationWarning)
             self.pid = os.fork()
-        if self.pid and thawed:
-            gc.unfreeze()
         if self.pid == 0:  # the child: never returns
             try:
+                # (the heap it was born with out of its collections: a collection writes to every
+                # object it walks, and each write copies a page the two processes share; frozen
+                # here, not in this process, whose collector stays as it was)
+                gc.freeze()
                 os.close(read)
                 torch.set_num_threads(1)
                 warnings.simplefilter("ignore")  # (this process reports what it finds itself)
@@ -170,16 +168,23 @@ def run_tasks(n: int, work: Callable[[int], Any], *, threads: int, fork: bool,
     is run here, so the result is always this process's ``work(i)``: the child must compute the
     same. An exception in ``on_done`` (or Ctrl-C) stops the threads here taking more tasks; it
     is raised once the tasks they run have ended."""
-    if threads == 1 and not fork:  # (one at a time, in this thread)
-        out = []
-        for i in range(n):
+    results: dict[int, Any] = {}
+    if threads > 1 or fork:
+        _run_side_by_side(n, work, results, threads=threads, fork=fork, on_done=on_done, wait_s=wait_s)
+    for i in range(n):  # (what no thread or child finished; with one thread and no child, every task)
+        if i not in results:
             try:
-                out.append(work(i))
+                results[i] = work(i)
             except Exception as e:
-                out.append(e)
+                results[i] = e
             if on_done is not None:
-                on_done(i, out[-1])
-        return out
+                on_done(i, results[i])
+    return [results[i] for i in range(n)]
+
+
+def _run_side_by_side(n: int, work: Callable[[int], Any], results: dict[int, Any], *, threads: int, fork: bool,
+                      on_done: Callable[[int, Any], None] | None, wait_s: float) -> None:
+    """:func:`run_tasks`' threads and child: what they finish goes into ``results``."""
     shared = None
     if fork:
         try:
@@ -235,7 +240,6 @@ def run_tasks(n: int, work: Callable[[int], Any], *, threads: int, fork: bool,
 
     workers = [threading.Thread(target=worker, name="autopar-mip", daemon=True) for _ in range(threads)]
     listener = threading.Thread(target=listen, name="autopar-child", daemon=True) if child else None
-    results: dict[int, Any] = {}
     start = time.perf_counter()
     try:
         for t in workers + ([listener] if listener else []):
@@ -267,12 +271,3 @@ def run_tasks(n: int, work: Callable[[int], Any], *, threads: int, fork: bool,
             child.stop()
             listener.join()
             child.end()
-    for i in range(n):
-        if i not in results:
-            try:
-                results[i] = work(i)
-            except Exception as e:
-                results[i] = e
-            if on_done is not None:
-                on_done(i, results[i])
-    return [results[i] for i in range(n)]
