@@ -21,7 +21,7 @@ def plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, loss_
     loss is ``loss_fn(output, example_target)``, else the model's scalar output
     or its ``.loss``. ``fixed`` pins decisions: tp, pp, dp, zero (0-3),
     schedule ("gpipe", "1f1b", "zb-h1"), microbatch_size, microbatches,
-    recompute ("none", "selective", "sac", "full"). No devices are touched.
+    recompute ("none", "selective", "sac", "moe", "full"). No devices are touched.
 
     ``precision`` is the training precision the plan prices and ``parallelize`` runs
     (:mod:`autopar.precision`): "fp32" (no casts), "bf16-mixed" (fp32 masters and

@@ -28,13 +28,12 @@ from typing import Any
 
 from autopar.cost.schedule import SCHEDULE_KINDS
 from autopar.errors import PlanError
-from autopar.planner.fixed import RECOMPUTE
+from autopar.planner.fixed import RECOMPUTE_POLICIES
 
 __all__ = ["Plan", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
 
-RECOMPUTE_POLICIES = RECOMPUTE  # (the search's policies, in its order: one list for plans, the pass and the search)
 
 _DICT_KEYS = ("mesh", "schedule", "layers", "ops", "predicted", "solver", "communication", "cluster", "model", "fixed",
               "experts", "context")
@@ -104,7 +103,8 @@ class Plan:
     """ZeRO stage on the dp axis (0-3)."""
     recompute: str
     """Activation recompute: "none", "selective" (FLOP-free ops), "sac" ("selective" plus every second
-    matmul of a layer, torchtitan's op-level SAC) or "full"."""
+    matmul of a layer, torchtitan's op-level SAC), "moe" ("selective" plus each MoE layer's forward,
+    Megatron-LM's ``--recompute-modules layernorm moe``) or "full"."""
     sequence_parallel: bool = False
     """Sequence parallelism on the tp axis (which norms run on token shards: ``layers[...]["sequence_parallel"]``)."""
     stages: tuple[dict[str, Any], ...]

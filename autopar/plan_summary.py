@@ -44,6 +44,8 @@ _RECOMPUTE_WORDS = {  # what each policy makes again in a layer's backward (auto
     "none": "",
     "selective": " (norms, activations and other FLOP-free ops made again in the backward)",
     "sac": " (FLOP-free ops and every second matmul of a layer made again in the backward)",
+    "moe": " (norms, activations and other FLOP-free ops, and each MoE layer's router, token exchange and "
+           "experts, made again in the backward)",
     "full": " (each layer's whole forward made again in its backward)",
 }
 
@@ -292,8 +294,9 @@ def context_words(plan: Plan) -> list[str]:
             f"{'/'.join(x.get('variants', ())) or '?'}: {kv.get('time_s', 0) * 1e3:.1f} ms per step on the link"
             + (f" (summed over the {plan.mesh['pp']} pipeline stages, as what follows), "
                if plan.mesh.get("pp", 1) > 1 else ", ")
-            + (f"{kv.get('exposed_s', 0) * 1e3:.1f} ms exposed with the eager merges of torch's program"
-               if "torch" in x.get("variants", ()) else
+            + (f"{kv.get('exposed_s', 0) * 1e3:.1f} ms exposed with the eager merges of "
+               f"{'torch' if 'torch' in x['variants'] else 'Transformer Engine'}'s program"
+               if {"torch", "te"} & set(x.get("variants", ())) else
                _cp_added(kv)) + reason]
 
 

@@ -264,7 +264,8 @@ CASES = [
     Case("diff-microbatches-text", diff("microbatches_text"), r"schedule microbatches='two' must be an integer >= 1"),
     Case("diff-mesh-tp-0", diff("mesh_tp_0"), r"needs positive integer pp, dp and tp"),
     Case("diff-mesh-string", diff("mesh_string"), r"'mesh' must be an object, got a string"),
-    Case("diff-recompute", diff("recompute_sometimes"), r"recompute='sometimes' is not one of none, selective, sac, full"),
+    Case("diff-recompute", diff("recompute_sometimes"),
+         r"recompute='sometimes' is not one of none, selective, sac, moe, full"),
     Case("diff-zero-text", diff("zero_text"), r"'zero' must be an integer 0-3, got a string"),
     Case("diff-negative-tolerance", ("diff", str(GOLDEN), str(GOLDEN), "--tolerance", "-1"), r"--tolerance -1.0 must be >= 0"),
 ]

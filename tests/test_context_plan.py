@@ -114,9 +114,29 @@ def test_torch_cp_variant_prices_torchs_program_and_is_not_run():
     with pytest.raises(autopar.PlanError, match=r"^cp=2 with cp_variant='torch': .* autopar does not run it"):
         pm.train_step(inputs, target)
     assert pm.plan is None
-    with pytest.raises(autopar.PlanError, match=r"cp_variant='ulysses' is not one of ring, allgather, torch"):
+    with pytest.raises(autopar.PlanError, match=r"cp_variant='ulysses' is not one of ring, allgather, torch, te"):
         autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
                      fixed=dict(PIN, cp=4, cp_variant="ulysses"))
+
+
+def test_te_cp_variant_prices_transformer_engines_ring_and_is_not_run():
+    """cp_variant="te" prices Transformer Engine's p2p ring as Megatron-LM runs it (bench/fidelity.py):
+    the grouped K/V (no repeat) passed around with bf16 gradients, its blocks on the SDPA kernel the
+    graph's attention is priced at, and bf16 merges; autopar's ring sends fp32 gradients and runs
+    FlashAttention-2 blocks on CUDA, so TE's program is priced faster on an H100, and neither moves
+    torch's repeated heads. parallelize refuses it before any collective."""
+    model, inputs, loss_fn, target = llama.build(size="8b", n_layers=2, batch=8, seq=8192, device="meta")
+    out = {v: autopar.plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
+                           fixed=dict(PIN, cp=4, cp_variant=v)) for v in ("ring", "torch", "te")}
+    te, ring, torch_ = (out[v].context for v in ("te", "ring", "torch"))
+    assert te["variants"] == ["te"]
+    assert te["kv_exchange"]["bytes"] < ring["kv_exchange"]["bytes"] < torch_["kv_exchange"]["bytes"]
+    assert te["kv_exchange"]["kernel_s"] == 0 < ring["kv_exchange"]["kernel_s"]
+    assert out["te"].predicted["step_time_s"] < out["ring"].predicted["step_time_s"]
+    assert "exchange K/V by te:" in out["te"].summary() and "Transformer Engine's program" in out["te"].summary()
+    pm = autopar.parallelize(model, cluster="1x1xcpu", loss_fn=loss_fn, fixed={"cp": 2, "cp_variant": "te"})
+    with pytest.raises(autopar.PlanError, match=r"^cp=2 with cp_variant='te': .* autopar does not run it"):
+        pm.train_step(inputs, target)
 
 
 def test_the_k_v_exchange_buffers_count_in_the_peak(monkeypatch):

@@ -242,6 +242,35 @@ def test_torch_context_attention_prices_its_gathers_last_gradient_hop_and_eager_
     assert one.exposed_s == 0 and one.forward_comm_s == 0
 
 
+def test_te_context_attention_prices_its_ring_and_fused_merges():
+    """Transformer Engine's p2p ring (pinned ``cp_variant="te"``): each forward hop (the grouped K/V)
+    hides behind a step, each backward message (K/V with the bf16 gradients, the first and last one
+    half of that) too; the merges and gradient additions are bf16 passes counted here pass by pass."""
+    from autopar.cost.comm import p2p_s, te_context_attention_cost
+
+    link = Link(bytes_per_s=100e9, latency_s=5e-6)
+    cp, n, e, rate = 4, 1_000_000, 2, 1e12  # n query (= output) elements, bf16
+    kv = 2 * 250_000 * e  # grouped K and V: a quarter of the query heads each
+    forward = 2 * kv + 2 * e * n + (cp - 1) * (e * n + 2 * e * n)  # pack; write the first; read, read-write the rest
+    backward = 2 * kv + 2 * e * n + (cp - 1) * 3 * e * n + cp * 3 * kv  # copy in; dq adds; dk and dv adds
+    slow = te_context_attention_cost(cp=cp, kv_bytes=kv, query_elems=n, elem_bytes=e, forward_s=1.0, backward_s=2.0,
+                                     link=link, memory_bytes_per_s=rate)
+    assert slow.variant == "te" and slow.kernel_s == 0
+    assert slow.forward_exposed_s == pytest.approx(forward / rate)
+    assert slow.backward_exposed_s == pytest.approx(backward / rate)
+    hop, both = p2p_s(kv, link), p2p_s(2 * kv, link)
+    assert slow.forward_comm_s == pytest.approx((cp - 1) * hop)
+    assert slow.backward_comm_s == pytest.approx(2 * hop + (cp - 2) * both)
+    assert slow.sent_bytes == 3 * (cp - 1) * kv and slow.messages == 2 * cp - 1
+    fast = te_context_attention_cost(cp=cp, kv_bytes=kv, query_elems=n, elem_bytes=e, forward_s=4e-6,
+                                     backward_s=8e-6, link=link, memory_bytes_per_s=rate)
+    assert fast.forward_exposed_s == pytest.approx((cp - 1) * (hop - 1e-6) + forward / rate)
+    assert fast.backward_exposed_s == pytest.approx(2 * (hop - 2e-6) + (cp - 2) * (both - 2e-6) + backward / rate)
+    one = te_context_attention_cost(cp=1, kv_bytes=kv, query_elems=n, elem_bytes=e, forward_s=1.0, backward_s=1.0,
+                                    link=link, memory_bytes_per_s=rate)
+    assert one.exposed_s == 0 and one.forward_comm_s == 0
+
+
 def test_context_exchange_working_sets_grow_with_what_each_variant_holds():
     """Bytes the K/V exchange keeps live inside the attention op (per rank): the ring holds one
     K/V block arriving and three fp32 gradient blocks (its own, arriving, leaving) at any cp; the

@@ -128,6 +128,25 @@ def test_ep_needs_expert_layers_and_an_integer():
         autopar.plan(model, inputs, cluster="1x2xcpu", loss_fn=loss_fn, example_target=target, fixed={"ep": 2})
     with pytest.raises(autopar.PlanError, match=r"ep='two' is not an integer"):
         autopar.plan(model, inputs, cluster="1x2xcpu", loss_fn=loss_fn, example_target=target, fixed={"ep": "two"})
+    with pytest.raises(autopar.PlanError, match=r"^recompute='moe' makes each MoE layer's forward again .* no expert "
+                                                r"layers .* pin recompute='selective'"):
+        autopar.plan(model, inputs, cluster="1x2xcpu", loss_fn=loss_fn, example_target=target,
+                     fixed={"recompute": "moe"})
+
+
+def test_moe_recompute_prices_the_moe_layers_made_again():
+    """"moe" keeps less than selective (its peak, with the running layer's copies, may be below
+    full's at this size), and makes again in the backward the MoE layers' forward, their all-to-alls
+    under ep included: its backward is selective's plus that, less than full's (the step of this tiny
+    model is its gradient all-reduce's, the same under each)."""
+    pinned = {"tp": 1, "pp": 1, "dp": 4, "ep": 2, "microbatches": 1, "zero": 0}
+    plans = {r: _plan({**pinned, "recompute": r}) for r in ("selective", "moe", "full")}
+    acts = {r: p.stages[0]["predicted"]["memory_bytes"]["activations"] for r, p in plans.items()}
+    assert acts["selective"] > acts["moe"], acts
+    backward = {r: p.stages[0]["predicted"]["b_s"] for r, p in plans.items()}
+    assert backward["selective"] < backward["moe"] < backward["full"], backward
+    flops = {r: p.predicted["hardware_flops_per_step"] for r, p in plans.items()}
+    assert flops["selective"] < flops["moe"] < flops["full"], flops
 
 
 def test_ep_plan_divides_expert_memory_and_prices_the_all_to_alls():

@@ -14,7 +14,7 @@ from autopar.cluster import parse_cluster
 from autopar.cost.compute import GEMM_KINDS
 from autopar.passes import meta_keys as mk
 from autopar.passes.annotate import kernel_of
-from autopar.passes.recompute import dropped_ops, recompute_in_backward
+from autopar.passes.recompute import dropped_ops, moe_modules, recompute_in_backward
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -112,5 +112,67 @@ def test_random_masks_are_kept_never_drawn_again():
 
 def test_an_unknown_policy_is_refused():
     gm, _ = _graph("llama")
-    with pytest.raises(ValueError, match="recompute='partial' is not one of none, selective, sac, full"):
+    with pytest.raises(ValueError, match="recompute='partial' is not one of none, selective, sac, moe, full"):
         recompute_in_backward(gm, "partial")
+
+
+def _qwen3_moe_graph():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[], use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 16))
+    return build_graph(model, {"input_ids": ids, "labels": ids}, cluster=CLUSTER, collapse_repeats=False)
+
+
+def _module(node) -> str:
+    return node.meta[mk.TRACE].module_path
+
+
+@pytest.mark.parametrize("example, block", [("moe", "moe"), ("hf-qwen3-moe", "mlp")])
+def test_moe_drops_each_moe_layer_whole_and_keeps_attention(example, block):
+    """"moe" (Megatron-LM's --recompute-modules layernorm moe): selective's FLOP-free ops, and every
+    forward op of each MoE layer, the module around the experts op that holds the router (the
+    example's ``moe``: router and stacked experts; Hugging Face's ``mlp``, around ``mlp.gate`` and
+    ``mlp.experts``); attention's GEMMs keep their outputs."""
+    gm = _qwen3_moe_graph() if example == "hf-qwen3-moe" else _graph(example)[0]
+    forward = [n for n in gm.graph.nodes if n.op == "call_function" and _role(n) is mk.Role.FORWARD]
+    experts = [n for n in forward if "moe_experts" in str(n.target)]
+    assert experts
+    modules = {m for m in {_module(n) for n in forward} if m.endswith("." + block) and ".layers." in f".{m}"}
+    assert len(modules) == 2, modules  # (two blocks)
+    dropped = dropped_ops(gm, "moe")
+    selective = dropped_ops(gm, "selective")
+    assert selective < dropped < dropped_ops(gm, "full")
+    inside = {n for n in forward if any(_module(n) == m or _module(n).startswith(m + ".") for m in modules)}
+    assert set(experts) <= dropped and dropped - selective <= inside
+    assert {n for n in inside if n.meta[mk.COST].flops > 0} <= dropped  # the router's GEMM and the experts
+    gemms = [n for n in forward if kernel_of(n)[0] in GEMM_KINDS and n not in inside]
+    assert gemms and not set(gemms) & dropped  # attention's projections (and the head) keep their outputs
+
+
+def test_moe_equals_selective_without_experts():
+    gm, _ = _graph("llama")
+    assert dropped_ops(gm, "moe") == dropped_ops(gm, "selective")
+
+
+def test_moe_computes_what_the_graph_computes():
+    gm, values = _graph("moe")
+    want = torch.fx.Interpreter(gm).run(*values, enable_io_processing=False)
+    assert recompute_in_backward(gm, "moe") > 0
+    got = torch.fx.Interpreter(gm).run(*values, enable_io_processing=False)
+    for w, g in zip(want, got):
+        if isinstance(w, torch.Tensor):
+            assert torch.equal(w, g)
+
+
+def test_moe_layer_module_rule():
+    """The innermost module around an experts op that holds another GEMM; the experts op's own module
+    where none does but the model itself."""
+    ops = [("layers.0.attention.wq", False, True), ("layers.0.moe.router", False, True),
+           ("layers.0.moe", True, False), ("layers.0.mlp.experts", True, False), ("layers.0.mlp.gate", False, True),
+           ("blocks.1.ffn.experts", True, False), ("head", False, True)]
+    assert moe_modules(ops) == {"layers.0.moe", "layers.0.mlp", "blocks.1.ffn.experts"}

@@ -416,6 +416,49 @@ def torch_context_attention_cost(*, cp: int, kv_bytes: float, elem_bytes: int, f
                                 backward_working_bytes=(cp + 1) * kv_bytes + 3 * 4 * n + 3 * e * n + 2 * 8 * n)
 
 
+def te_context_attention_cost(*, cp: int, kv_bytes: float, query_elems: float, elem_bytes: int, forward_s: float,
+                              backward_s: float, link: Link, memory_bytes_per_s: float,
+                              overlap_slowdown: float = 1.0) -> ContextAttentionCost:
+    """K/V exchange of one attention layer as Transformer Engine's p2p context parallelism runs it
+    (``AttnFuncWithCPAndKVP2P``, Megatron-LM's default ``--cp-comm-type p2p``), the program of
+    Megatron-LM runs (``bench/fidelity.py``); autopar's runtime runs :mod:`autopar.context`.
+    Read at TransformerEngine a75da0c (2025-11-22; v2.5-v2.10 the same for bf16 sbhd/bshd):
+
+    - forward: K and V (grouped heads, not repeated) packed into one buffer (one copy), then ``cp``
+      steps of the fused (cuDNN) kernel, each step's block sent on to the next rank while the
+      current one computes; the partial outputs merged by log-sum-exp after the loop, one fused
+      pass per step (``jit_fuser``: torch.compile) that reads the step's output and reads and writes
+      the bf16 accumulator.
+    - backward: K/V copied into the ring buffer; each step sends K/V with the K/V gradients gathered
+      so far (bf16, one message of ``2 x kv_bytes``; the first step K/V alone, the last the
+      gradients alone) while its kernel runs, then adds its query
+      gradient into a bf16 buffer and its K and V gradients into the arriving ones (eager ``add_``:
+      read, read, write each).
+
+    Busiest rank (its every step full size); the blocks are the SDPA kernel the graph's attention
+    is priced at, so nothing is added for them; the eager passes run on the compute stream at
+    ``memory_bytes_per_s`` and are exposed, as are the transfers' time beyond each step's compute
+    (slowed by ``overlap_slowdown`` while overlapped). Working set beyond the op's inputs and
+    outputs: forward, every step's received K/V and partial output (merged after the loop);
+    backward, the two ring buffers (K/V and gradients, twice) and the step's query and K/V gradients.
+    """
+    if cp == 1:
+        return ContextAttentionCost("te", 0.0, 0.0, 0.0, 0.0)
+    e, n = elem_bytes, query_elems
+    step_f, step_b = forward_s / cp, backward_s / cp
+    hop, both = p2p_s(kv_bytes, link), p2p_s(2 * kv_bytes, link)
+    forward_bytes = 2 * kv_bytes + 2 * e * n + (cp - 1) * 3 * e * n  # pack; the first merge writes, the others add
+    backward_bytes = 2 * kv_bytes + 2 * e * n + (cp - 1) * 3 * e * n + cp * 3 * kv_bytes
+    eager_f, eager_b = forward_bytes / memory_bytes_per_s, backward_bytes / memory_bytes_per_s
+    return ContextAttentionCost(
+        "te", (cp - 1) * hop, 2 * hop + (cp - 2) * both,
+        (cp - 1) * _behind(hop, step_f, overlap_slowdown) + eager_f,
+        2 * _behind(hop, step_b, overlap_slowdown) + (cp - 2) * _behind(both, step_b, overlap_slowdown) + eager_b,
+        messages=(cp - 1) + cp, eager_s=eager_f + eager_b, sent_bytes=(cp - 1) * kv_bytes + 2 * (cp - 1) * kv_bytes,
+        forward_working_bytes=(cp + 1) * kv_bytes + cp * e * n,
+        backward_working_bytes=5 * kv_bytes + 2 * e * n)
+
+
 def broadcast_s(nbytes: float, group_size: int, link: Link) -> float:
     """Pipelined-ring broadcast of ``nbytes`` from one rank (NCCL's bus factor 1)."""
     _check(nbytes, group_size)

@@ -10,6 +10,11 @@ joint graph do exactly that, so the step program holds what the plan says it hol
 - ``sac`` (torchtitan's op-level SAC): as selective, and every second forward GEMM of
   the layer in graph order is dropped too (:func:`~autopar.planner.recompute_keep.sac_recomputed_matmuls`
   counts the same ones).
+- ``moe`` (Megatron-LM's ``--recompute-modules layernorm moe``): as selective, and every forward
+  op of each MoE layer (router, token exchange, experts, combine: the module
+  :func:`moe_modules` finds) is dropped too; attention and the other GEMMs keep their outputs.
+  Under ep the experts op's copy exchanges the tokens again, as Megatron-LM's recomputed MoE
+  layer does.
 - ``full``: every forward op of the layer is dropped; the layer keeps its inputs.
 
 A dropped value is one a backward node of the same layer reads. Each such reader gets a copy of
@@ -44,6 +49,7 @@ from autopar.cost.compute import GEMM_KINDS
 from autopar.passes import meta_keys as mk
 from autopar.passes.annotate import kernel_of
 from autopar.passes.shard import _impure
+from autopar.passes.token_local import op_name
 from autopar.plan import RECOMPUTE_POLICIES
 
 __all__ = ["recompute_in_backward", "dropped_ops"]
@@ -54,6 +60,46 @@ def _forward_op(node: fx.Node) -> bool:
     return node.op == "call_function" and trace is not None and trace.role is mk.Role.FORWARD
 
 
+FORWARD_EXPERT_OPS = ("autopar::moe_experts", "aten::_grouped_mm", "transformers::grouped_mm_fallback")
+"""The experts ops an MoE layer is recognised by (:mod:`autopar.passes.token_local`'s, forward)."""
+
+
+def moe_modules(ops) -> frozenset[str]:
+    """The module paths of a model's MoE layers, from its forward ops ``ops``: (module path,
+    is an experts op, is a GEMM) each. An MoE layer is the innermost module around an experts op
+    (:func:`autopar.experts.moe_experts`) that also holds another forward GEMM, its router: Hugging
+    Face's ``mlp`` around ``mlp.experts`` and ``mlp.gate``, the example's ``moe`` holding its
+    router and stacked experts. With no such module, the experts op's own."""
+    ops = list(ops)
+    gemm_paths = {path for path, experts, gemm in ops if gemm and not experts}
+
+    def holds(module: str) -> bool:
+        return any(p == module or p.startswith(module + ".") or not module for p in gemm_paths)
+
+    out = set()
+    for path, experts, _ in ops:
+        if not experts:
+            continue
+        module = path
+        while not holds(module) and module:
+            module = module.rpartition(".")[0]
+        out.add(module if holds(module) and module else path)
+    return frozenset(out)
+
+
+def in_modules(path: str, modules: frozenset[str]) -> bool:
+    """Whether a module path is one of ``modules`` or inside one."""
+    return any(path == m or path.startswith(m + ".") for m in modules)
+
+
+def _moe_ops(gm: fx.GraphModule) -> set[fx.Node]:
+    """The forward ops of ``gm`` inside its MoE layers (:func:`moe_modules`)."""
+    forward = [n for n in gm.graph.nodes if _forward_op(n)]
+    modules = moe_modules((n.meta[mk.TRACE].module_path, op_name(n) in FORWARD_EXPERT_OPS,
+                           kernel_of(n)[0] in GEMM_KINDS) for n in forward)
+    return {n for n in forward if in_modules(n.meta[mk.TRACE].module_path, modules)}
+
+
 def dropped_ops(gm: fx.GraphModule, policy: str) -> set[fx.Node]:
     """The forward ops of ``gm`` whose outputs ``policy`` does not keep for the backward."""
     if policy not in RECOMPUTE_POLICIES:
@@ -62,6 +108,7 @@ def dropped_ops(gm: fx.GraphModule, policy: str) -> set[fx.Node]:
         return set()
     gemms: dict[str, int] = defaultdict(int)
     out: set[fx.Node] = set()
+    moe = _moe_ops(gm) if policy == "moe" else set()
     for node in gm.graph.nodes:
         if not _forward_op(node):
             continue
@@ -76,7 +123,8 @@ def dropped_ops(gm: fx.GraphModule, policy: str) -> set[fx.Node]:
             gemms[node.meta[mk.LAYER]] += 1
         cost = node.meta.get(mk.COST)
         flop_free = cost is not None and cost.flops == 0
-        if policy == "full" or flop_free or (policy == "sac" and gemm and gemms[node.meta[mk.LAYER]] % 2 == 0):
+        if policy == "full" or flop_free or node in moe or (
+                policy == "sac" and gemm and gemms[node.meta[mk.LAYER]] % 2 == 0):
             out.add(node)
     return out
 

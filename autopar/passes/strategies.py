@@ -92,6 +92,9 @@ class SNode:
     candidates: tuple[Strategy, ...]
     fqn: str = ""
     """Parameter name for "param" nodes, input name for "input" nodes."""
+    module: str = ""
+    """For an op: the dotted path of the innermost module that made it (``NodeTrace.module_path``;
+    the recompute policy "moe" drops the forward ops of each MoE layer's module)."""
     shape: tuple[int, ...] = ()
     """Global shape of the (first) output."""
     kernel: str = "other"
@@ -233,7 +236,7 @@ def strategy_skeleton(gm: fx.GraphModule, gm_double: fx.GraphModule | tuple[Twin
             name=node.name, layer=layer, weight=counts.get(layer, 1), kind=kind, phase=phases.get(node, ""),
             flops=flops, bytes_moved=bytes_moved, out_bytes=out_bytes, saved=saved,
             dtype=_DTYPES.get(getattr(vals[0], "dtype", None), "fp32"), candidates=(),
-            fqn=node.meta[mk.TRACE].fqn,
+            fqn=node.meta[mk.TRACE].fqn, module=node.meta[mk.TRACE].module_path if kind == "op" else "",
             shape=tuple(int(d) for d in vals[0].shape) if isinstance(vals[0], torch.Tensor) else (),
             kernel=kernel, gemm=gemm, tie=ties.get(node, "") if kind == "op" else "",
             tie_line=lines.get(node, "") if kind == "op" else "",

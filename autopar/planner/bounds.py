@@ -49,19 +49,23 @@ def _unit_times(u: Unit, recompute: str) -> tuple[float, float, float, float]:
         return u.f_s, u.b_s + u.cheap_f_s, u.w_s, u.act_bytes - u.cheap_act_bytes
     if recompute == "sac":
         return u.f_s, u.b_s + u.cheap_f_s + u.sac_f_s, u.w_s, u.act_bytes - u.cheap_act_bytes - u.sac_act_bytes
+    if recompute == "moe":
+        return u.f_s, u.b_s + u.cheap_f_s + u.moe_f_s, u.w_s, u.act_bytes - u.cheap_act_bytes - u.moe_act_bytes
     return u.f_s, u.b_s, u.w_s, u.act_bytes
+
+
+_REMADE = {"selective": 0, "sac": 1, "moe": 2}  # the policy's place in Unit.remade_extra_bytes
 
 
 def running_bytes(u: Unit, recompute: str) -> float:
     """What a micro-batch holds for unit ``u`` while ``u``'s backward runs, beside what the units
     before it keep: the unit's largest op's working set, plus under full recompute its
-    activations made again, under selective and sac what it kept and what the copies its
+    activations made again, under selective, sac and moe what it kept and what the copies its
     backward makes again add at their peak (:attr:`Unit.remade_extra_bytes`), and without
     recompute its activations."""
-    if recompute == "selective":
-        return _unit_times(u, recompute)[3] + u.transient_bytes + u.remade_extra_bytes[0]
-    if recompute == "sac":
-        return _unit_times(u, recompute)[3] + u.transient_bytes + u.remade_extra_bytes[1]
+    remade = _REMADE.get(recompute)
+    if remade is not None:
+        return _unit_times(u, recompute)[3] + u.transient_bytes + u.remade_extra_bytes[remade]
     return u.act_bytes + u.transient_bytes
 
 

@@ -38,7 +38,8 @@ import torch
 from torch import fx
 
 from autopar.cluster import Cluster
-from autopar.cost.comm import ContextAttentionCost, context_attention_cost, torch_context_attention_cost
+from autopar.cost.comm import (ContextAttentionCost, context_attention_cost, te_context_attention_cost,
+                               torch_context_attention_cost)
 from autopar.errors import PlanError
 from autopar.passes import meta_keys as mk
 from autopar.passes.sequence_mixing import described, labels_shifted_outside, position_collisions, sequence_mixing
@@ -215,7 +216,8 @@ def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index
     PyTorch's rate; None: not priced), and its blocks' kernel time beyond the attention priced in
     the graph (``kernel_ratio``: the cp op's kernel time over that, :func:`cp_kernel_ratio`).
     ``variants == ("torch",)`` prices torch's own context parallelism instead (pinned only,
-    :func:`autopar.cost.comm.torch_context_attention_cost`; its kernel is the graph's SDPA).
+    :func:`autopar.cost.comm.torch_context_attention_cost`; its kernel is the graph's SDPA), and
+    ``("te",)`` Transformer Engine's (:func:`autopar.cost.comm.te_context_attention_cost`).
 
     ``problem`` is the sharding problem at the per-rank batch (``microbatch_size / cp``): its node
     times are the busiest rank's attention compute, which the ring's hops hide behind.
@@ -234,6 +236,12 @@ def attention_costs(sites: list[AttentionSite], *, problem, sol_choice, sg_index
         scale = (microbatch_size / global_batch) / cp / (tp if tp_split.get(site.forward) else 1)
         kv = site.kv_bytes * scale
         dkv = kv * 4 / site.elem_bytes  # the gradient blocks travel as fp32 accumulators
+        if variants == ("te",):  # pinned only: TE's p2p ring, grouped K/V, blocks on the SDPA kernel
+            out.setdefault(site.layer, []).append(te_context_attention_cost(
+                cp=cp, kv_bytes=kv, query_elems=site.query_elems * scale, elem_bytes=site.elem_bytes,
+                forward_s=fwd_s, backward_s=bwd_s, link=link, memory_bytes_per_s=memory_bytes_per_s,
+                overlap_slowdown=overlap_slowdown))
+            continue
         if variants == ("torch",):  # pinned only: torch's program exchanges the repeated heads
             out.setdefault(site.layer, []).append(torch_context_attention_cost(
                 cp=cp, kv_bytes=(site.kv_bytes + site.repeated_bytes) * scale, elem_bytes=site.elem_bytes,

@@ -15,7 +15,8 @@ from autopar.cost.compute import GEMM_KINDS
 from autopar.cost.step import OVERLAP_SLOWDOWN
 from autopar.planner.ilp import (Problem, Solution, _edge_link, _param_bytes, _tensor_groups, inner_reduce_s, node_cost_s,
                                  reshard_s)
-from autopar.planner.recompute_keep import kept_bytes, remade_extra_bytes, sac_recomputed_matmuls
+from autopar.planner.recompute_keep import (kept_bytes, moe_recomputed_ops, remade_extra_bytes,
+                                            sac_recomputed_matmuls)
 
 # fx names of autopar's experts ops (autopar.experts: moe_experts, moe_experts_backward, and their
 # numbered repeats), whose batch-independent outputs are the experts' weight gradients
@@ -50,8 +51,13 @@ class LayerCost:
     sac_activation_bytes: float = 0.0
     """What op-level SAC frees beyond selective recompute: selective's kept bytes less what
     SAC stores (:mod:`autopar.planner.recompute_keep`)."""
-    remade_extra_bytes: tuple[float, float] = (0.0, 0.0)
-    """(selective, sac): what the copies the layer's backward makes again add, at their peak, to
+    moe_forward_s: float = 0.0
+    """Forward time of the layer's MoE-layer ops with FLOPs (router, experts: what "moe" recomputes
+    beyond selective's FLOP-free ops, :func:`autopar.planner.recompute_keep.moe_recomputed_ops`)."""
+    moe_activation_bytes: float = 0.0
+    """What "moe" frees beyond selective recompute: selective's kept bytes less what "moe" keeps."""
+    remade_extra_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """(selective, sac, moe): what the copies the layer's backward makes again add, at their peak, to
     ``transient_bytes`` (:func:`autopar.planner.recompute_keep.remade_extra_bytes`)."""
     weight_gradient_input_bytes: float = 0.0
     """What a micro-batch holds between this layer's B and W passes (zero-bubble schedules):
@@ -206,7 +212,9 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
     acts = defaultdict(float)
     cheap_f = defaultdict(float)
     sac_f = defaultdict(float)
+    moe_f = defaultdict(float)
     recomputed = sac_recomputed_matmuls(g)
+    moe_ops = moe_recomputed_ops(g)
     transient = defaultdict(float)
     collectives: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     total_comp = total_comm = 0.0
@@ -227,6 +235,8 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
         total_comp += node.weight * (t - inner)
         if v in recomputed:
             sac_f[node.layer] += t
+        if v in moe_ops and not cheap:
+            moe_f[node.layer] += t
         if node.kind == "param":
             pb = _param_bytes(problem, v, s)
             params[node.layer] += pb
@@ -289,7 +299,8 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
                               n_params_local=nparams[name], activation_bytes=acts[name],
                               cheap_activation_bytes=acts[name] - keep[name][0], cheap_forward_s=cheap_f[name],
                               sac_forward_s=sac_f[name], sac_activation_bytes=keep[name][0] - keep[name][1],
-                              transient_bytes=transient[name], remade_extra_bytes=remade.get(name, (0.0, 0.0)),
+                              moe_forward_s=moe_f[name], moe_activation_bytes=keep[name][0] - keep[name][2],
+                              transient_bytes=transient[name], remade_extra_bytes=remade.get(name, (0.0, 0.0, 0.0)),
                               weight_gradient_input_bytes=w_inputs[name],
                               expert_transient=(other[name], tuple(sorted(expert_ws[name]))))
               for name in dict.fromkeys(n.layer for n in g.nodes)}

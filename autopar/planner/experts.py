@@ -258,7 +258,8 @@ def apply_ep(units: list, *, names: dict[str, list[str]], sites: list[ExpertSite
     ``ep_tp`` = tp: ep folded over tp as well (:mod:`autopar.planner.expert_folding`, whose
     strategy graph the units were priced on): a rank routes 1/tp of its tp group's tokens over
     an ep group of consecutive ranks, and its tp share of the experts (E/tp, whole) is cut by
-    the ``ep / tp`` data-parallel part only. ``dispatch`` (:data:`autopar.planner.fixed.EP_DISPATCHES`)
+    the ``ep / tp`` data-parallel part only. The forward's part is made again in the backward under
+    ``recompute="moe"`` (``Unit.moe_f_s``). ``dispatch`` (:data:`autopar.planner.fixed.EP_DISPATCHES`)
     picks the program that moves the rows."""
     if ep <= 1 or not sites:
         return units
@@ -285,7 +286,7 @@ def apply_ep(units: list, *, names: dict[str, list[str]], sites: list[ExpertSite
         f, b, comm, removed, kept = extra[u.path]
         other, grad_path = u.expert_transient  # the experts op computes the weight gradients of E/ep experts
         transient = max([other] + [rest + grads / cut for rest, grads in grad_path]) if grad_path else u.transient_bytes
-        out.append(replace(u, f_s=u.f_s + f, b_s=u.b_s + b, comm_s=u.comm_s + comm,
+        out.append(replace(u, f_s=u.f_s + f, b_s=u.b_s + b, comm_s=u.comm_s + comm, moe_f_s=u.moe_f_s + f,
                            n_params=max(0.0, u.n_params - removed), expert_params=u.expert_params + kept,
                            transient_bytes=transient))
     return out

@@ -12,24 +12,30 @@ from dataclasses import dataclass
 
 from autopar.errors import PlanError
 
-__all__ = ["Fixed", "FIXED_KEYS", "EP_DISPATCHES", "check_cuts", "SCHEDULES", "RECOMPUTE"]
+__all__ = ["Fixed", "FIXED_KEYS", "EP_DISPATCHES", "check_cuts", "SCHEDULES", "RECOMPUTE", "RECOMPUTE_POLICIES"]
 
 CP_VARIANTS = ("ring", "allgather")  # (autopar.context.VARIANTS, without importing the runtime op)
-PINNED_CP_VARIANTS = (*CP_VARIANTS, "torch")
+PINNED_CP_VARIANTS = (*CP_VARIANTS, "torch", "te")
 """cp variants a plan may pin: autopar's two, and "torch" (torch's own ``context_parallel`` with its
-all-gather rotation, as torchtitan runs it: :func:`autopar.cost.comm.torch_context_attention_cost`),
-priced for runs made that way (``bench/fidelity.py``); autopar's runtime does not run it."""
+all-gather rotation, as torchtitan runs it: :func:`autopar.cost.comm.torch_context_attention_cost`)
+and "te" (Transformer Engine's p2p ring, as Megatron-LM runs it:
+:func:`autopar.cost.comm.te_context_attention_cost`), priced for runs made that way
+(``bench/fidelity.py``); autopar's runtime does not run them."""
 EP_DISPATCHES = ("autopar", "megatron", "deepep")
 """Programs that carry ep's tokens to their experts and back, as :mod:`autopar.cost.expert_comm`
 prices them: autopar's (what ``parallelize`` runs), and, pinned only for
 comparison with runs made with them, Megatron-LM's all-to-all dispatcher (torchtitan's all-to-all
 runs the same exchanges) and DeepEP's normal kernels (under uniform routing)."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
-RECOMPUTE = ("none", "selective", "sac", "full")
+RECOMPUTE_POLICIES = ("none", "selective", "sac", "moe", "full")
 """Recompute policies, from the one that recomputes least (and keeps most) to the one that recomputes
-most: "sac" is torchtitan's op-level selective checkpointing, "selective" plus every second matmul of a
-layer (:func:`autopar.passes.recompute.dropped_ops`). The search weighs each (sac without a pipeline
-only: :func:`autopar.planner.search.search`'s ``policies``); a plan may pin any."""
+most (:func:`autopar.passes.recompute.dropped_ops`): "sac" is torchtitan's op-level selective
+checkpointing, "selective" plus every second matmul of a layer; "moe" is Megatron-LM's
+``--recompute-modules layernorm moe``, "selective" plus each MoE layer's whole forward. A plan may pin
+any."""
+RECOMPUTE = tuple(p for p in RECOMPUTE_POLICIES if p != "moe")
+"""The policies the search weighs (sac without a pipeline only: :func:`autopar.planner.search.search`'s
+``policies``); "moe" is pinned only (it equals selective on a model without experts)."""
 FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
               "virtual_stages", "ep", "etp", "moe_imbalance", "cp", "cp_variant", "cuts", "ep_dispatch")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -71,8 +77,9 @@ class Fixed:
     cp_variant: str | None = None
     """How cp attention meets the other ranks' keys: "ring" (K/V blocks passed around, hidden
     behind the block computation) or "allgather" (all K/V gathered first); None: per attention
-    op, whichever the cost model says leaves less exposed. "torch" (:data:`PINNED_CP_VARIANTS`)
-    prices torch's own program, for runs made with it; autopar's runtime refuses such a plan."""
+    op, whichever the cost model says leaves less exposed. "torch" and "te" (:data:`PINNED_CP_VARIANTS`)
+    price torch's own program and Transformer Engine's, for runs made with them; autopar's runtime
+    refuses such a plan."""
     ep_dispatch: str | None = None
     """How ep's token rows travel to their experts and back (:data:`EP_DISPATCHES`; None: "autopar",
     what ``parallelize`` runs). "megatron" and "deepep" price other programs, for runs made with them
@@ -126,7 +133,7 @@ class Fixed:
                 values[key] = names
                 continue
             if key in ("schedule", "recompute", "cp_variant", "ep_dispatch"):
-                allowed = {"schedule": SCHEDULES, "recompute": RECOMPUTE, "cp_variant": PINNED_CP_VARIANTS,
+                allowed = {"schedule": SCHEDULES, "recompute": RECOMPUTE_POLICIES, "cp_variant": PINNED_CP_VARIANTS,
                            "ep_dispatch": EP_DISPATCHES}[key]
                 if value not in allowed:
                     problems.append(f"{key}={value!r} is not one of {', '.join(allowed)}")

@@ -235,6 +235,10 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...],
     experts = find_experts(gm)
     check_ep(fixed.ep, experts, cluster=cluster, dp=fixed.dp, tp=fixed.tp, etp=fixed.etp)
     check_dispatch(fixed.ep_dispatch, experts)
+    if fixed.recompute == "moe" and not experts:
+        raise autopar.PlanError("recompute='moe' makes each MoE layer's forward again in its backward, and this model "
+                                "has no expert layers (autopar.experts.moe_experts, or Hugging Face's experts); pin "
+                                "recompute='selective', which is the same here")
     eps = ep_options(experts)
     check_cp(fixed.cp, gm, cluster=cluster, dp=fixed.dp)
     # cp is weighed where sequences are long (unless pinned)
@@ -291,7 +295,8 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...],
                         cheap_act_bytes=lc.cheap_activation_bytes if lc else 0.0,
                         sac_f_s=lc.sac_forward_s if lc else 0.0, sac_act_bytes=lc.sac_activation_bytes if lc else 0.0,
                         transient_bytes=lc.transient_bytes if lc else 0.0,
-                        remade_extra_bytes=lc.remade_extra_bytes if lc else (0.0, 0.0),
+                        moe_f_s=lc.moe_forward_s if lc else 0.0, moe_act_bytes=lc.moe_activation_bytes if lc else 0.0,
+                        remade_extra_bytes=lc.remade_extra_bytes if lc else (0.0, 0.0, 0.0),
                         w_held_bytes=lc.weight_gradient_input_bytes if lc else 0.0,
                         expert_transient=lc.expert_transient if lc else (0.0, ()),
                         boundary_bytes=boundary,

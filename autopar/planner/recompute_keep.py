@@ -48,9 +48,14 @@ from __future__ import annotations
 from collections import defaultdict
 
 from autopar.cost.compute import GEMM_KINDS
+from autopar.passes.recompute import in_modules, moe_modules
 from autopar.planner.ilp import Problem, Solution
 
-__all__ = ["kept_bytes", "remade_extra_bytes", "sac_recomputed_matmuls"]
+__all__ = ["kept_bytes", "remade_extra_bytes", "sac_recomputed_matmuls", "moe_recomputed_ops"]
+
+_EXPERTS_NODE_NAMES = ("moe_experts", "_grouped_mm", "grouped_mm_fallback")
+"""fx names (so strategy-graph names) of the forward experts ops
+(:data:`autopar.passes.recompute.FORWARD_EXPERT_OPS`)."""
 
 
 def sac_recomputed_matmuls(g) -> frozenset[int]:
@@ -66,9 +71,20 @@ def sac_recomputed_matmuls(g) -> frozenset[int]:
     return frozenset(out)
 
 
-def kept_bytes(problem: Problem, solution: Solution, local, source) -> dict[str, tuple[float, float]]:
-    """Per layer: (bytes kept under selective recompute, bytes kept under op-level SAC), per
-    device for one micro-batch, one instance of the layer. ``local(v, o)``: the bytes of output
+def moe_recomputed_ops(g) -> frozenset[int]:
+    """The forward ops of each MoE layer (router, token exchange, experts, combine), which the
+    "moe" policy recomputes besides selective's FLOP-free ops: as :func:`autopar.passes.recompute.dropped_ops`
+    finds them, by module (:func:`autopar.passes.recompute.moe_modules`)."""
+    forward = [(v, node) for v, node in enumerate(g.nodes) if node.kind == "op" and node.phase == "F"]
+    modules = moe_modules((node.module, node.name.startswith(_EXPERTS_NODE_NAMES), node.kernel in GEMM_KINDS)
+                          for _, node in forward)
+    return frozenset(v for v, node in forward if modules and in_modules(node.module, modules))
+
+
+def kept_bytes(problem: Problem, solution: Solution, local, source) -> dict[str, tuple[float, float, float]]:
+    """Per layer: (bytes kept under selective recompute, under op-level SAC, under "moe"), per
+    device for one micro-batch, one instance of the layer ("moe" keeps as selective does, its
+    MoE layers' forward ops dropped as FLOP-free ops are). ``local(v, o)``: the bytes of output
     ``o`` of node ``v`` one device holds under ``solution``; ``source(v, o)``: the value an output
     really is, through views (:func:`autopar.planner.evaluation._aliases`)."""
     g = problem.graph
@@ -91,8 +107,9 @@ def kept_bytes(problem: Problem, solution: Solution, local, source) -> dict[str,
         src = g.nodes[value[0]]
         return src.layer != layer and src.kind in ("op", "input") and readers[value] == {layer}
 
-    read_back: dict[int, set[str]] = {}  # a FLOP-free forward op -> layers whose backward reads its outputs
-    for v in cheap_ops:
+    moe = moe_recomputed_ops(g)
+    read_back: dict[int, set[str]] = {}  # a dropped forward op -> layers whose backward reads its outputs
+    for v in cheap_ops | moe:
         if g.nodes[v].phase == "F":
             read_back[v] = set().union(*(backward_readers.get(source(v, o), ())
                                          for o in range(len(g.nodes[v].out_bytes))))
@@ -100,12 +117,14 @@ def kept_bytes(problem: Problem, solution: Solution, local, source) -> dict[str,
     by_layer: dict[str, list[int]] = defaultdict(list)
     for v, node in enumerate(g.nodes):
         by_layer[node.layer].append(v)
-    selective, sac = {}, {}
+    selective, sac, moe_kept = {}, {}, {}
     recomputed = sac_recomputed_matmuls(g)
     for layer, members in by_layer.items():
-        selective[layer] = _selective(g, layer, members, inputs, cheap, layer_input,
-                                      lambda v, layer=layer: layer in read_back[v])
+        remade = lambda v, layer=layer: layer in read_back[v]  # noqa: E731
+        selective[layer] = _selective(g, layer, members, inputs, cheap, layer_input, remade)
         sac[layer] = _sac(g, layer, members, inputs, layer_input, recomputed)
+        moe_kept[layer] = (_selective(g, layer, members, inputs, lambda v: cheap(v) or v in moe, layer_input, remade)
+                           if moe else selective[layer])
     # what another layer's backward reads is kept: autopar.passes.recompute makes copies for the backward
     # of the dropping layer only (the final norm's output, read by the head's weight gradient). By the
     # reading layer, as its input is (a pipeline stage holds what its own layers read), or where it is
@@ -117,6 +136,7 @@ def kept_bytes(problem: Problem, solution: Solution, local, source) -> dict[str,
             owner = next(iter(others)) if len(others) == 1 else made.layer
             selective[owner].add(value)
             sac[owner].add(value)
+            moe_kept[owner].add(value)
 
     def total(kept: dict[str, set], layer: str) -> float:
         memo: dict[tuple[int, int], bool] = {}
@@ -136,13 +156,13 @@ def kept_bytes(problem: Problem, solution: Solution, local, source) -> dict[str,
         # a layer's input that another layer keeps (or a view of it) is counted there
         return sum(local(*value) for value in kept[layer] if g.nodes[value[0]].layer == layer or not derivable(value))
 
-    return {layer: (total(selective, layer), total(sac, layer)) for layer in by_layer}
+    return {layer: (total(selective, layer), total(sac, layer), total(moe_kept, layer)) for layer in by_layer}
 
 
 def _selective(g, layer: str, members: list[int], inputs, cheap, layer_input, remade) -> set[tuple[int, int]]:
     """The values ``layer`` keeps under selective recompute: the saved outputs of its ops with
     FLOPs, and what its dropped FLOP-free ops are recomputed from (those whose outputs its own
-    backward reads: ``remade(v)``)."""
+    backward reads: ``remade(v)``). Under "moe", ``cheap`` also holds the MoE layers' ops."""
     kept = {(v, o) for v in members if not cheap(v) for o, saved in enumerate(g.nodes[v].saved) if saved}
     todo = [v for v in members if cheap(v) and g.nodes[v].phase == "F" and remade(v)]
     seen = set(todo)
@@ -177,8 +197,9 @@ def _sac(g, layer: str, members: list[int], inputs, layer_input, recomputed) -> 
     return kept
 
 
-def remade_extra_bytes(problem: Problem, local, working: dict[int, float], source) -> dict[str, tuple[float, float]]:
-    """Per layer: (under selective recompute, under op-level SAC) what the copies the backward
+def remade_extra_bytes(problem: Problem, local, working: dict[int, float], source
+                       ) -> dict[str, tuple[float, float, float]]:
+    """Per layer: (under selective recompute, under op-level SAC, under "moe") what the copies the backward
     makes again add to the layer's largest working set, per device for one micro-batch: the
     peak over the layer's backward ops of the copies alive while each runs plus its own working
     set, less the forward values its backward (or a copy) has read for the last time (they die
@@ -207,8 +228,13 @@ def remade_extra_bytes(problem: Problem, local, working: dict[int, float], sourc
     flop_free = {v for v, node in enumerate(g.nodes)
                  if node.kind == "op" and node.phase == "F" and node.flops(problem.batch) == 0}
     backward = [v for v, node in enumerate(g.nodes) if node.kind == "op" and node.phase in ("B", "W")]
-    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for i, dropped in enumerate((flop_free, flop_free | sac_recomputed_matmuls(g))):
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    moe = moe_recomputed_ops(g)
+    for i, dropped in enumerate((flop_free, flop_free | sac_recomputed_matmuls(g), flop_free | moe)):
+        if i == 2 and not moe:  # (no MoE layer: "moe" is selective)
+            for layer in list(out):
+                out[layer][2] = out[layer][0]
+            continue
         alive: dict[tuple[int, int], list[int]] = {}  # a copy -> [made at, last read at] (backward op positions)
         read: dict[tuple[int, int], int] = {}  # a forward value the backward reads itself (not a copy) -> last read
         for t, r in enumerate(backward):
@@ -242,4 +268,4 @@ def remade_extra_bytes(problem: Problem, local, working: dict[int, float], sourc
             gone += freed.get(t, 0.0)
             if live > 0:
                 out[layer][i] = max(out[layer][i], live - gone + working.get(r, 0.0) - largest[layer])
-    return {layer: (a, b) for layer, (a, b) in out.items()}
+    return {layer: tuple(v) for layer, v in out.items()}

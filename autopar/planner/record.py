@@ -26,7 +26,7 @@ from autopar.planner.cuts import CutTable, piece_bytes
 from autopar.planner.experts import experts_record, find_experts
 from autopar.planner.evaluation import evaluate
 from autopar.planner.ilp import Solution, build_problem
-from autopar.planner.recompute_keep import sac_recomputed_matmuls
+from autopar.planner.recompute_keep import moe_recomputed_ops, sac_recomputed_matmuls
 from autopar.planner.search import Candidate, Fixed
 from autopar.planner.timing import candidate_cut_sends
 from autopar.precision import Precision
@@ -418,9 +418,9 @@ def to_plan(gm, best: Candidate, runners: list[Candidate], sg: StrategyGraph, so
     recompute_flops = 0.0
     if cfg.recompute == "full":
         recompute_flops = sum(x.flops_fwd * x.count for x in layers)
-    elif cfg.recompute == "sac":  # (selective recomputes FLOP-free ops only)
-        recompute_flops = sum(sg.nodes[v].flops(info.global_batch) * sg.nodes[v].weight
-                              for v in sac_recomputed_matmuls(sg))
+    elif cfg.recompute in ("sac", "moe"):  # (selective recomputes FLOP-free ops only)
+        again = sac_recomputed_matmuls(sg) if cfg.recompute == "sac" else moe_recomputed_ops(sg)
+        recompute_flops = sum(sg.nodes[v].flops(info.global_batch) * sg.nodes[v].weight for v in again)
     peak = cluster.device.peak("fp32" if precision == "fp32" else "bf16")
     step = best.step_time_s
     tokens = _tokens(gm)

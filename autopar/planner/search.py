@@ -44,7 +44,8 @@ from dataclasses import dataclass, field, replace
 from autopar.cluster import Cluster
 from autopar.cost.simulate import SimResult, StepResult
 from autopar.cost.step import GroupCost, StageCost, StepSpec, estimate_exposed_s, group_dp_s
-from autopar.planner.fixed import FIXED_KEYS, RECOMPUTE, SCHEDULES, Fixed, mesh_shapes  # noqa: F401 (re-exported)
+from autopar.planner.fixed import (FIXED_KEYS, RECOMPUTE, RECOMPUTE_POLICIES, SCHEDULES, Fixed,  # noqa: F401
+                                   mesh_shapes)  # (FIXED_KEYS re-exported)
 from autopar.planner.infeasible import MEMORY_RESERVE, _infeasible, _largest_op, _min_memory
 from autopar.planner.partition import _partition
 from autopar.planner.pipeline_states import _inflight, held_messages, rank_states, zero_bubble_moments
@@ -157,8 +158,13 @@ class Unit:
     part): ZeRO shards their state over the ``dp / ep`` replicas of that part, not over dp."""
     transient_bytes: float = 0.0
     """Largest single-op working set beyond saved activations (``evaluation.LayerCost.transient_bytes``)."""
-    remade_extra_bytes: tuple[float, float] = (0.0, 0.0)
-    """(selective, sac): what the copies made again in the unit's backward add to ``transient_bytes``
+    moe_f_s: float = 0.0
+    """Forward time of the MoE layers' ops with FLOPs and, under ep, their token exchange (what
+    ``recompute="moe"`` makes again beyond selective: ``evaluation.LayerCost.moe_forward_s``)."""
+    moe_act_bytes: float = 0.0
+    """What "moe" keeps less than selective recompute (``evaluation.LayerCost.moe_activation_bytes``)."""
+    remade_extra_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """(selective, sac, moe): what the copies made again in the unit's backward add to ``transient_bytes``
     at their peak (``evaluation.LayerCost.remade_extra_bytes``)."""
     w_held_bytes: float | None = None
     """What a micro-batch holds for this unit between its B and its W, the two apart under a
@@ -501,7 +507,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
 def _rank_key(time_of):
     def key(c: Candidate):
         cfg = c.config
-        return (float(f"{time_of(c):.6g}"), cfg.zero, RECOMPUTE.index(cfg.recompute), -cfg.dp, cfg.pp,
+        return (float(f"{time_of(c):.6g}"), cfg.zero, RECOMPUTE_POLICIES.index(cfg.recompute), -cfg.dp, cfg.pp,
                 cfg.tp, cfg.ep, float(f"{c.peak_memory_bytes:.6g}"),  # equal times: the schedule holding less (1F1B, not GPipe)
                 SCHEDULES.index(cfg.schedule) if cfg.schedule in SCHEDULES else 0, cfg.microbatch_size)
     return key

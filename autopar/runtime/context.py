@@ -87,7 +87,8 @@ def check_cp_runnable(cp: int | None, *, compile: bool, variants=()) -> None:
     alien = [v for v in variants if v not in VARIANTS]
     if alien:
         raise PlanError(f"cp={cp} with cp_variant={alien[0]!r}: that prices another program's K/V exchange "
-                        f"(torch's context_parallel, for comparing with runs made with it) and autopar does not run "
+                        f"(torch's context_parallel or Transformer Engine's, "
+                        f"for comparing with runs made with them) and autopar does not run "
                         f"it; pin cp_variant to one of {', '.join(VARIANTS)} or leave it to the planner")
     if not compile:
         raise PlanError(f"cp={cp} needs the compiled step program (its attention and positions are rewritten "
