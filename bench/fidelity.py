@@ -59,7 +59,11 @@ it), its blocks priced as fused (TE's fused norms, RoPE, SwiGLU and permutes) an
 layout pinned (``cuts``:
 :func:`megatron_cuts`, the embedding and the loss counted as a layer each), and the routing
 imbalance of its dropless router measured on the model zoo's long-context pair
-(:data:`QWEN3_235B_DROPLESS_IMBALANCE`).
+(:data:`QWEN3_235B_DROPLESS_IMBALANCE`). The model zoo's long-context rows follow it
+(:func:`_qwen3_long`: TP4 EP8 PP8 VPP4 CP 1-8, DeepEP), pinned with the run's
+``--recompute-modules layernorm moe`` (``recompute="moe"``) and Transformer Engine's p2p ring
+(``cp_variant="te"``: :func:`autopar.cost.comm.te_context_attention_cost`), forced balance at every
+cp and dropless at cp 2-8 (the 16k dropless figure is the one the imbalance is fitted on).
 DeepSeek-V3 671B (torchtitan, FSDP64 EP32 PP8) is printed apart (``--moe``): its model is
 transformers' DeepseekV3 (whose gated-SiLU experts autopar traces as its own experts op), a
 stand-in for torchtitan's model. It is planned with ``zero=1``, the program torchtitan's FSDP
@@ -137,6 +141,38 @@ def _qwen3(dp: int, tp: int, lb: int, tok_s: float | None, mem_gib: float | None
                tok_s=tok_s, mem_gib=mem_gib, compiled=compiled, source=_QW)
 
 
+QWEN3_LONG_TFLOPS = {1: (295, 237), 2: (335, 277), 4: (368, 320), 8: (389, 357)}
+"""The model zoo's Qwen3-235B-A22B long-context table (``best_practice/qwen3/readme.md`` at e865051):
+TFLOPS per GPU, forced load balance and dropless, at cp 1, 2, 4, 8 with sequences of 16k, 32k, 64k
+and 128k tokens (TP4 PP8 VPP4 EP8, etp 1, GBS 256, MBS 1, DeepEP, ``--recompute-modules layernorm
+moe``, 256 H100)."""
+
+
+def megatron_qwen3_235b_flops_per_token(seq: int) -> float:
+    """Megatron-LM's own count (``num_floating_point_operations``) for Qwen3-235B-A22B at ``seq``:
+    3 x 2 x (experts + attention projections + causal core) + head, per token (204.8 GFLOP at 16k)."""
+    return 6 * (4096 * 1536 * 8 * 3 * 94 + (4096 * (8192 + 2 * 512) + 8192 * seq + 8192 * 4096) * 94
+                + 4096 * 151936)
+
+
+def _qwen3_long(cp: int, balanced: bool) -> Row:
+    """A row of the long-context table: ``seq = 16k x cp`` split over cp ranks, each micro-batch one
+    sequence; Transformer Engine's p2p ring (``cp_variant="te"``), the MoE layers and norms
+    recomputed (``recompute="moe"``); tokens/s per GPU from the published TFLOPS by Megatron's count."""
+    seq = 16384 * cp
+    tflops = QWEN3_LONG_TFLOPS[cp][0 if balanced else 1]
+    return Row(label=f"Qwen3-235B-A22B TP4 EP8 (etp=1) PP8 VPP4 CP{cp} seq {seq // 1024}k, "
+                     f"{'forced balance' if balanced else 'dropless'} (Megatron-LM, DeepEP)",
+               model="qwen3moe:235b", nodes=32, seq=seq, local_batch=32 * cp,
+               fixed={"dp": 8, "cp": cp, "tp": 4, "pp": 8, "ep": 8, "etp": 1, "sp": True, "zero": 1, "recompute": "moe",
+                      "schedule": "interleaved", "virtual_stages": 4, "microbatch_size": 1, "microbatches": 32 * cp,
+                      "moe_imbalance": 1.0 if balanced else QWEN3_235B_DROPLESS_IMBALANCE,
+                      "cuts": megatron_cuts(94, 32), "ep_dispatch": "deepep", **({"cp_variant": "te"} if cp > 1 else {})},
+               tok_s=tflops * 1e12 / megatron_qwen3_235b_flops_per_token(seq), mem_gib=None, compiled=True,
+               device="H100", fused_loss=True,
+               source="yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md, long-context table (e865051)")
+
+
 def megatron_cuts(n_layers: int, n_stages: int) -> list[str]:
     """Megatron-LM's pipeline layout under ``--account-for-embedding-in-pipeline-split`` and
     ``--account-for-loss-in-pipeline-split`` (the model zoo's Qwen3 config), as pinned cuts of a
@@ -149,7 +185,7 @@ def megatron_cuts(n_layers: int, n_stages: int) -> list[str]:
     return [f"model.layers.{i - 1}" if i <= n_layers else "model.norm" for i in range(per, n_layers + 2, per)]
 
 
-QWEN3_235B_DROPLESS_IMBALANCE = 1.73
+QWEN3_235B_DROPLESS_IMBALANCE = 1.72
 """How much more than its balanced share of token rows the busiest rank of an ep group of 8
 receives, Qwen3-235B-A22B under Megatron-LM's dropless top-8 routing (aux loss 1e-3, from
 scratch on real data: the model zoo's runs), measured apart from the row it is used in: the
@@ -158,10 +194,10 @@ EP8 etp 1, GBS 256, DeepEP) with forced load balance, 295 TFLOPS/GPU, and drople
 Megatron's own FLOP count (``num_floating_point_operations``: 204.8 GFLOP per token there) those
 are steps of 11.37 s and 14.16 s; autopar prices that run balanced, its tokens moved as DeepEP
 moves them (``ep_dispatch="deepep"``), then finds the imbalance whose added time is the measured
-2.78 s (:func:`fit_dropless_imbalance`, ``--fit-imbalance``). Priced with ``recompute="full"``
-because the run recomputes each MoE layer (``--recompute-modules layernorm moe``), whose forward
-the imbalance slows twice; the attention recomputed with it moves the balanced time only, not the
-difference."""
+2.78 s (:func:`fit_dropless_imbalance`, ``--fit-imbalance``). Priced with ``recompute="moe"``, the
+run's ``--recompute-modules layernorm moe``: each MoE layer's forward, which the imbalance slows,
+made again in the backward. (1.73 until 2026-12-07, fitted with ``recompute="full"``, which also
+recomputes attention: that moved the balanced time, not the difference.)"""
 
 
 # Published rows, read at their sources (see bench/calibration.yaml for what was verified).
@@ -256,6 +292,8 @@ ROWS = [
                "ep_dispatch": "megatron"},
         tok_s=2048 * 4096 / 24.2 / 256, mem_gib=None, compiled=True, device="H100", fused_loss=True,
         source="yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md (A2A row, main 1e057005)"),
+    # the model zoo's long-context table (forced balance; dropless past the 16k pair the imbalance is fitted on)
+    *(_qwen3_long(cp, balanced) for balanced in (True, False) for cp in ((1, 2, 4, 8) if balanced else (2, 4, 8))),
 ]
 
 
@@ -412,17 +450,15 @@ def fit_dropless_imbalance() -> float:
     MBS 1; Megatron's layout; DeepEP), balanced and at the imbalance that adds the measured 2.78 s,
     by bisection (about 30 s)."""
     seq, gbs = 16384, 256
-    # Megatron's count per token: 3 x 2 x (experts + attention projections + causal core) + head
-    per_token = 6 * (4096 * 1536 * 8 * 3 * 94 + (4096 * (8192 + 2 * 512) + 8192 * seq + 8192 * 4096) * 94
-                     + 4096 * 151936)
-    forced, dropless = (gbs * seq * per_token / (256 * tf * 1e12) for tf in (295, 237))
+    per_token = megatron_qwen3_235b_flops_per_token(seq)
+    forced, dropless = (gbs * seq * per_token / (256 * tf * 1e12) for tf in QWEN3_LONG_TFLOPS[1])
     print(f"measured (long-context table, seq {seq}): forced balance {forced:.2f} s, dropless {dropless:.2f} s, "
           f"difference {dropless - forced:.2f} s")
     device = lookup_device("H100")
     cluster = Cluster(nodes=32, devices_per_node=8, device=device.with_overrides(hbm_bytes=64 * device.hbm_bytes))
     model, inputs, _, _ = qwen3_235b_a22b(gbs, seq)
 
-    def step(imbalance: float, recompute: str = "full") -> float:
+    def step(imbalance: float, recompute: str = "moe") -> float:
         fixed = {"dp": 8, "tp": 4, "pp": 8, "ep": 8, "etp": 1, "sp": True, "zero": 1, "recompute": recompute,
                  "schedule": "interleaved", "virtual_stages": 4, "microbatch_size": 1, "microbatches": 32,
                  "moe_imbalance": imbalance, "cuts": megatron_cuts(94, 32), "ep_dispatch": "deepep"}
@@ -434,9 +470,8 @@ def fit_dropless_imbalance() -> float:
     while hi - lo > 0.005:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if step(mid) - balanced < dropless - forced else (lo, mid)
-    print(f"predicted balanced: {step(1.0, 'selective'):.2f} s with selective recompute, {balanced:.2f} s with full "
-          f"(the run recomputed the norms and MoE layers, between the two; measured {forced:.2f} s); "
-          f"the imbalance adding {dropless - forced:.2f} s: {(lo + hi) / 2:.2f}")
+    print(f"predicted balanced: {balanced:.2f} s with the run's recompute (norms and MoE layers; measured "
+          f"{forced:.2f} s); the imbalance adding {dropless - forced:.2f} s: {(lo + hi) / 2:.2f}")
     return (lo + hi) / 2
 
 
