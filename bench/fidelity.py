@@ -142,7 +142,7 @@ def _qwen3(dp: int, tp: int, lb: int, tok_s: float | None, mem_gib: float | None
 
 
 QWEN3_LONG_TFLOPS = {1: (295, 237), 2: (335, 277), 4: (368, 320), 8: (389, 357)}
-"""The model zoo's Qwen3-235B-A22B long-context table (``best_practice/qwen3/readme.md`` at e865051):
+"""The model zoo's Qwen3-235B-A22B long-context table (``best_practice/qwen3/readme.md``, e865051; 020b813 the same):
 TFLOPS per GPU, forced load balance and dropless, at cp 1, 2, 4, 8 with sequences of 16k, 32k, 64k
 and 128k tokens (TP4 PP8 VPP4 EP8, etp 1, GBS 256, MBS 1, DeepEP, ``--recompute-modules layernorm
 moe``, 256 H100)."""
@@ -167,7 +167,8 @@ def _qwen3_long(cp: int, balanced: bool) -> Row:
                fixed={"dp": 8, "cp": cp, "tp": 4, "pp": 8, "ep": 8, "etp": 1, "sp": True, "zero": 1, "recompute": "moe",
                       "schedule": "interleaved", "virtual_stages": 4, "microbatch_size": 1, "microbatches": 32 * cp,
                       "moe_imbalance": 1.0 if balanced else QWEN3_235B_DROPLESS_IMBALANCE,
-                      "cuts": megatron_cuts(94, 32), "ep_dispatch": "deepep", **({"cp_variant": "te"} if cp > 1 else {})},
+                      "cuts": megatron_cuts(94, 32), "ep_dispatch": "deepep",
+                      **({"cp_variant": "te"} if cp > 1 else {})},
                tok_s=tflops * 1e12 / megatron_qwen3_235b_flops_per_token(seq), mem_gib=None, compiled=True,
                device="H100", fused_loss=True,
                source="yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md, long-context table (e865051)")
