@@ -134,6 +134,22 @@ def test_ep_needs_expert_layers_and_an_integer():
                      fixed={"recompute": "moe"})
 
 
+def test_the_search_weighs_moe_recompute_where_selective_does_not_fit():
+    """On a model with experts the search weighs "moe" beside the other policies: two pipeline stages
+    (where sac is not weighed), a capacity between selective's peak (787,840 B) and moe's (713,024 B):
+    moe, which recomputes less than full and here holds less too."""
+    from autopar.planner.make import make_plan
+
+    model, inputs, loss_fn, target = moe.build(size="tiny", batch=16, seq=64)
+    cluster = autopar.cluster.parse_cluster("1x4xcpu").with_overrides(hbm_bytes=820_000)
+    fixed = {"tp": 1, "pp": 2, "dp": 2, "ep": 2, "microbatches": 4, "zero": 1, "schedule": "1f1b"}
+    plan = make_plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed)
+    assert plan.recompute == "moe", plan.recompute
+    roomy = make_plan(model, inputs, cluster=cluster.with_overrides(hbm_bytes=4_000_000), loss_fn=loss_fn,
+                      example_target=target, fixed=fixed)
+    assert roomy.recompute == "none"
+
+
 def test_moe_recompute_prices_the_moe_layers_made_again():
     """"moe" keeps less than selective (its peak, with the running layer's copies, may be below
     full's at this size), and makes again in the backward the MoE layers' forward, their all-to-alls

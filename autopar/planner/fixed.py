@@ -35,7 +35,7 @@ checkpointing, "selective" plus every second matmul of a layer; "moe" is Megatro
 any."""
 RECOMPUTE = tuple(p for p in RECOMPUTE_POLICIES if p != "moe")
 """The policies the search weighs (sac without a pipeline only: :func:`autopar.planner.search.search`'s
-``policies``); "moe" is pinned only (it equals selective on a model without experts)."""
+``policies``), and "moe" too on a model with MoE layers (elsewhere it equals selective)."""
 FIXED_KEYS = ("tp", "pp", "dp", "zero", "schedule", "microbatch_size", "microbatches", "recompute", "sp",
               "virtual_stages", "ep", "etp", "moe_imbalance", "cp", "cp_variant", "cuts", "ep_dispatch")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}

@@ -366,7 +366,7 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...],
         run = functools.partial(search, units_for=units_for, n_units=sum(x.count for x in layers),
                                 global_batch=batch, cluster=cluster, fixed=fixed, precision=precision,
                                 tp_options=sorted(sp_options), sp_options=dict(sp_options), ep_options=eps,
-                                variants=frozenset(solved))
+                                variants=frozenset(solved), moe_layers=bool(experts))
         ranked, stats = run(keep=RUNNERS_UP + 1, cp_options=(1, *cps))
         other = None
         if cps:  # the best plan on the other side of the cp decision: the reason the summary gives

@@ -250,8 +250,8 @@ class Candidate:
 def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixed: Fixed,
            precision: str, tp_options: list[int], sp_options: dict[int, tuple[bool, ...]] | None = None,
            keep: int = KEEP, ep_options: tuple[int, ...] = (),
-           cp_options: tuple[int, ...] = (1,), variants: frozenset[tuple[int, bool, bool]] | None = None
-           ) -> tuple[list[Candidate], dict]:
+           cp_options: tuple[int, ...] = (1,), variants: frozenset[tuple[int, bool, bool]] | None = None,
+           moe_layers: bool = False) -> tuple[list[Candidate], dict]:
     """The ``keep`` best configurations by simulated step time, best first (the first is the
     plan), and search statistics (counts, and seconds by part under keys ending in ``_s``).
 
@@ -267,7 +267,8 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     ``units_for(tp, microbatch_size, sp, ep, cp, tp)``. A pinned
     ``fixed.cp`` (context parallelism, folded over dp like ep, and with it), or else each of
     ``cp_options`` that divides dp, calls ``units_for(tp, microbatch_size, sp, ep, cp)`` for
-    cp > 1 and splits the batch over dp / cp groups. Branch and bound: mesh shapes (tp, sp, pp,
+    cp > 1 and splits the batch over dp / cp groups. ``moe_layers``: the model has MoE layers, so
+    recompute "moe" is weighed too (elsewhere it is "selective"). Branch and bound: mesh shapes (tp, sp, pp,
     dp, micro-batch size) are visited in order of a compute-only lower bound on their step
     time: the busiest rank computes at least the average,
     ``microbatches * work / pp`` (:func:`_work_s`), and at least its whole layers' share
@@ -286,7 +287,7 @@ def search(*, units_for, n_units: int, global_batch: int, cluster: Cluster, fixe
     counts = {"configurations": 0, "feasible": 0, "simulated": 0, "shapes": 0, "shapes_pruned": 0,
               "cuts_pruned": 0}
     skipped_batch = 0
-    recomputes = [fixed.recompute] if fixed.recompute else RECOMPUTE
+    recomputes = [fixed.recompute] if fixed.recompute else RECOMPUTE_POLICIES if moe_layers else RECOMPUTE
 
     def policies(pp: int):
         """The recompute policies weighed at ``pp``: sac only without a pipeline (pinned, it is
