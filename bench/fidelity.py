@@ -459,11 +459,10 @@ def fit_dropless_imbalance() -> float:
     cluster = Cluster(nodes=32, devices_per_node=8, device=device.with_overrides(hbm_bytes=64 * device.hbm_bytes))
     model, inputs, _, _ = qwen3_235b_a22b(gbs, seq)
 
-    def step(imbalance: float) -> float:  # (the run's recompute: norms and MoE layers)
-        fixed = {"dp": 8, "tp": 4, "pp": 8, "ep": 8, "etp": 1, "sp": True, "zero": 1, "recompute": "moe",
-                 "schedule": "interleaved", "virtual_stages": 4, "microbatch_size": 1, "microbatches": 32,
-                 "moe_imbalance": imbalance, "cuts": megatron_cuts(94, 32), "ep_dispatch": "deepep"}
-        return make_plan(model, inputs, cluster=cluster, fixed=fixed,
+    row = _qwen3_long(1, balanced=True)  # (the run as its row pins it: its recompute, norms and MoE layers)
+
+    def step(imbalance: float) -> float:
+        return make_plan(model, inputs, cluster=cluster, fixed={**row.fixed, "moe_imbalance": imbalance},
                          compiled_layers=_fused_loss_too).predicted["step_time_s"]
 
     balanced = step(1.0)
