@@ -117,15 +117,10 @@ def test_an_unknown_policy_is_refused():
 
 
 def _qwen3_moe_graph():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        decoder_sparse_step=1, mlp_only_layers=[], use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config)
-    ids = torch.randint(0, 128, (2, 16))
-    return build_graph(model, {"input_ids": ids, "labels": ids}, cluster=CLUSTER, collapse_repeats=False)
+    from test_expert_folding import _qwen3_moe  # (tests/ is on sys.path: pytest's default import mode)
+
+    model, inputs, _, _ = _qwen3_moe()
+    return build_graph(model, inputs, cluster=CLUSTER, collapse_repeats=False)
 
 
 def _module(node) -> str:
