@@ -292,8 +292,8 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
             collectives[kind]["bytes"] += weight * sent
             collectives[kind]["time_s"] += weight * t
     local = functools.partial(_local_out_bytes, problem, solution)
-    keep = kept_bytes(problem, solution, local, aliases[1])
-    remade = remade_extra_bytes(problem, local, sets, aliases[1])
+    keep = kept_bytes(problem, solution, local, aliases[1], moe_ops)
+    remade = remade_extra_bytes(problem, local, sets, aliases[1], moe_ops)
     w_inputs = _weight_gradient_inputs(problem, solution, aliases)
     layers = {name: LayerCost(compute_s=dict(comp[name]), comm_s=dict(com[name]), param_bytes=params[name],
                               n_params_local=nparams[name], activation_bytes=acts[name],

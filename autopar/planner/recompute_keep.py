@@ -76,17 +76,21 @@ def moe_recomputed_ops(g) -> frozenset[int]:
     "moe" policy recomputes besides selective's FLOP-free ops: as :func:`autopar.passes.recompute.dropped_ops`
     finds them, by module (:func:`autopar.passes.recompute.moe_modules`)."""
     forward = [(v, node) for v, node in enumerate(g.nodes) if node.kind == "op" and node.phase == "F"]
+    if not any(node.name.startswith(_EXPERTS_NODE_NAMES) for _, node in forward):
+        return frozenset()
     modules = moe_modules((node.module, node.name.startswith(_EXPERTS_NODE_NAMES), node.kernel in GEMM_KINDS)
                           for _, node in forward)
     return frozenset(v for v, node in forward if modules and in_modules(node.module, modules))
 
 
-def kept_bytes(problem: Problem, solution: Solution, local, source) -> dict[str, tuple[float, float, float]]:
+def kept_bytes(problem: Problem, solution: Solution, local, source, moe: frozenset[int] | None = None
+               ) -> dict[str, tuple[float, float, float]]:
     """Per layer: (bytes kept under selective recompute, under op-level SAC, under "moe"), per
     device for one micro-batch, one instance of the layer ("moe" keeps as selective does, its
     MoE layers' forward ops dropped as FLOP-free ops are). ``local(v, o)``: the bytes of output
     ``o`` of node ``v`` one device holds under ``solution``; ``source(v, o)``: the value an output
-    really is, through views (:func:`autopar.planner.evaluation._aliases`)."""
+    really is, through views (:func:`autopar.planner.evaluation._aliases`); ``moe``: the graph's
+    :func:`moe_recomputed_ops`, where the caller has them."""
     g = problem.graph
     cheap_ops = frozenset(v for v, node in enumerate(g.nodes) if node.kind == "op" and node.flops(problem.batch) == 0)
     cheap = cheap_ops.__contains__
@@ -107,9 +111,9 @@ def kept_bytes(problem: Problem, solution: Solution, local, source) -> dict[str,
         src = g.nodes[value[0]]
         return src.layer != layer and src.kind in ("op", "input") and readers[value] == {layer}
 
-    moe = moe_recomputed_ops(g)
+    moe = moe_recomputed_ops(g) if moe is None else moe
     read_back: dict[int, set[str]] = {}  # a dropped forward op -> layers whose backward reads its outputs
-    for v in cheap_ops | moe:
+    for v in (cheap_ops | moe if moe else cheap_ops):
         if g.nodes[v].phase == "F":
             read_back[v] = set().union(*(backward_readers.get(source(v, o), ())
                                          for o in range(len(g.nodes[v].out_bytes))))
@@ -197,8 +201,8 @@ def _sac(g, layer: str, members: list[int], inputs, layer_input, recomputed) -> 
     return kept
 
 
-def remade_extra_bytes(problem: Problem, local, working: dict[int, float], source
-                       ) -> dict[str, tuple[float, float, float]]:
+def remade_extra_bytes(problem: Problem, local, working: dict[int, float], source,
+                       moe: frozenset[int] | None = None) -> dict[str, tuple[float, float, float]]:
     """Per layer: (under selective recompute, under op-level SAC, under "moe") what the copies the backward
     makes again add to the layer's largest working set, per device for one micro-batch: the
     peak over the layer's backward ops of the copies alive while each runs plus its own working
@@ -216,7 +220,7 @@ def remade_extra_bytes(problem: Problem, local, working: dict[int, float], sourc
     ``local(v, o)``: the bytes of output ``o`` of node ``v`` one device holds; ``working``: each
     op's working set (:func:`autopar.planner.evaluation._working_sets`); ``source(v, o)``: the
     value an output really is, through views (they hold nothing of their own, and a copy's view
-    keeps the copy alive)."""
+    keeps the copy alive); ``moe``: as :func:`kept_bytes`'s."""
     g = problem.graph
     inputs: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for e in g.edges:
@@ -229,7 +233,7 @@ def remade_extra_bytes(problem: Problem, local, working: dict[int, float], sourc
                  if node.kind == "op" and node.phase == "F" and node.flops(problem.batch) == 0}
     backward = [v for v, node in enumerate(g.nodes) if node.kind == "op" and node.phase in ("B", "W")]
     out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
-    moe = moe_recomputed_ops(g)
+    moe = moe_recomputed_ops(g) if moe is None else moe
     for i, dropped in enumerate((flop_free, flop_free | sac_recomputed_matmuls(g), flop_free | moe)):
         if i == 2 and not moe:  # (no MoE layer: "moe" is selective)
             for layer in list(out):
