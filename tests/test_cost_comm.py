@@ -220,6 +220,9 @@ def test_torch_context_attention_prices_its_gathers_last_gradient_hop_and_eager_
     forward = (cp - 1) * (2 * kv + merge(1) * n) + (e + 4) * n + (4 + e) * n
     additions = 3 * ((4 + e) + 4)  # fp32 += bf16, for q, k and v
     backward = 3 * 4 * n + (cp - 1) * 2 * kv + cp * (additions + 2 * (2 * n * 4) / n) * n + 3 * (4 + e) * n
+    # the busiest rank's steps after the first: K and V gradients added into half the accumulators
+    # (half of two of the three additions), and both accumulators concatenated whole again (read + write)
+    backward += (cp - 1) * (-2 * ((4 + e) + 4) / 2 + 2 * (4 + 4)) * n
     gather, hop = all_gather_s(cp * kv, cp, link), p2p_s(2 * n * 4, link)
     slow = torch_context_attention_cost(cp=cp, kv_bytes=kv, elem_bytes=e, forward_s=1.0, backward_s=2.0, link=link,
                                         memory_bytes_per_s=rate)

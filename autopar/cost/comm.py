@@ -382,7 +382,8 @@ def torch_context_attention_cost(*, cp: int, kv_bytes: float, elem_bytes: int, f
       last pass nothing hides.
 
     The eager traffic is counted per step on the busiest rank (its every step merges the whole
-    output) at ``memory_bytes_per_s``, and added to what is exposed: it runs on the compute stream.
+    output; ``tests/test_torch_cp_program.py`` counts torch's own ring's bytes on meta tensors
+    against it) at ``memory_bytes_per_s``, and added to what is exposed: it runs on the compute stream.
     A transfer hidden behind compute costs it as :func:`context_attention_cost`'s hops do
     (``overlap_slowdown``).
 
@@ -404,8 +405,11 @@ def torch_context_attention_cost(*, cp: int, kv_bytes: float, elem_bytes: int, f
     forward_bytes = (cp - 1) * (4 * n * e + (e + 36) * n) + 2 * (e + 4) * n
     # backward bytes: zeroed fp32 accumulators (12), per step the K/V concatenation but on the last,
     # the q, k, v gradient additions (3 x (e + 8)) and the fp32 K/V gradient concatenation (16),
-    # and the three downcasts at the end
-    backward_bytes = 12 * n + (cp - 1) * 4 * n * e + cp * (3 * (e + 8) + 16) * n + 3 * (4 + e) * n
+    # and the three downcasts at the end; on the busiest rank every step after the first adds its
+    # K and V gradients into the first halves of the accumulators and concatenates them whole again
+    # (``_partial_update``: half the additions, 2 x (e + 8) / 2, and 16 more)
+    backward_bytes = (12 * n + (cp - 1) * 4 * n * e + cp * (3 * (e + 8) + 16) * n + 3 * (4 + e) * n
+                      + (cp - 1) * (16 - (e + 8)) * n)
     fwd_exposed = _behind(gather, step_f, overlap_slowdown) + forward_bytes / memory_bytes_per_s
     bwd_exposed = (_behind(gather, step_b, overlap_slowdown) + (cp - 1) * _behind(hop, step_b, overlap_slowdown)
                    + hop + backward_bytes / memory_bytes_per_s)
