@@ -52,8 +52,9 @@ class LayerCost:
     """What op-level SAC frees beyond selective recompute: selective's kept bytes less what
     SAC stores (:mod:`autopar.planner.recompute_keep`)."""
     moe_forward_s: float = 0.0
-    """Forward time of the layer's MoE-layer ops with FLOPs (router, experts: what "moe" recomputes
-    beyond selective's FLOP-free ops, :func:`autopar.planner.recompute_keep.moe_recomputed_ops`)."""
+    """Forward time of the layer's MoE-layer ops with FLOPs (router, experts) and of the collectives
+    into any MoE-layer op (tp gathers): what "moe" recomputes beyond selective's FLOP-free ops
+    (:func:`autopar.planner.recompute_keep.moe_recomputed_ops`)."""
     moe_activation_bytes: float = 0.0
     """What "moe" frees beyond selective recompute: selective's kept bytes less what "moe" keeps."""
     remade_extra_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -287,6 +288,8 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
                 t -= _async_tp_hidden_s(problem, solution, moved, kind, group, q, adjacency, sent)
             phase = "W" if dst.kind == "param" else (dst.phase or src.phase or "F")
             com[dst.layer][phase] += t * weight / dst.weight  # per instance, chain edges amortised
+            if e.dst in moe_ops:  # (a collective into an MoE layer's op: "moe" runs it again in the backward)
+                moe_f[dst.layer] += t * weight / dst.weight
             total_comm += weight * t
             collectives[kind]["count"] += weight
             collectives[kind]["bytes"] += weight * sent
