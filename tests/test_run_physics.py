@@ -184,3 +184,36 @@ def test_recompute_keeps_what_the_dropped_ops_are_recomputed_from(tp):
     assert head.activation_bytes - head.cheap_activation_bytes == t * d * 2
     loss = cost["<loss>"]
     assert loss.activation_bytes - loss.cheap_activation_bytes - loss.sac_activation_bytes == 0
+
+
+def test_moe_recompute_makes_the_moe_layers_forward_again_collectives_included():
+    """"moe" makes again in the backward the forward ops of each MoE layer with FLOPs (router,
+    experts) and the tp collectives into any of its ops (the runtime's copies redo them, as under
+    "full"); not attention's, not the norms' (those are selective's FLOP-free ops): the MoE example
+    (Mixtral's shapes, two blocks) at tp = 2, its MoE layer's forward time and the collectives into
+    it summed here op by op."""
+    import moe
+
+    from autopar.planner.recompute_keep import moe_recomputed_ops
+
+    batch = 8
+    model, inputs, loss_fn, target = moe.build(size="8x7b", batch=batch, seq=1024, n_layers=2, device="meta")
+    gm, gm2 = trace_pair(model, inputs, cluster=H100, loss_fn=loss_fn, example_target=target)
+    sg = build_strategy_graph(gm, axis_size=2, gm_double=gm2, shard_batch=False)
+    problem = build_problem(sg, batch=batch, device=H100.device, link=H100.link_for_group(2, stride=1))
+    sol = solve(problem)
+    ops = moe_recomputed_ops(sg)
+    assert ops and all(sg.nodes[v].module.rsplit(".", 1)[-1] in ("moe", "router") for v in ops)
+    layer = sg.nodes[min(ops)].layer
+    compute = sum(node_cost_s(problem, v, sg.nodes[v].candidates[sol.choice[v]]) for v in ops
+                  if sg.nodes[v].layer == layer and sg.nodes[v].flops(batch) > 0)
+    moved = 0.0
+    for e in sg.edges:
+        if e.virtual or e.dst not in ops or sg.nodes[e.dst].layer != layer:
+            continue
+        src, dst = sg.nodes[e.src], sg.nodes[e.dst]
+        p, q = src.candidates[sol.choice[e.src]].outs[e.src_out], dst.candidates[sol.choice[e.dst]].ins[e.dst_in]
+        moved += reshard_s(p, q, src.out_bytes[e.src_out](batch), 2, problem.link)[0] * e.weight / dst.weight
+    cost = evaluate(problem, sol).layers[layer]
+    assert compute > 0 and moved > 0, (compute, moved)
+    assert cost.moe_forward_s == pytest.approx(compute + moved, rel=1e-6), (cost.moe_forward_s, compute, moved)
