@@ -22,13 +22,16 @@ embeddings are recomputed from).
   ``torch.utils.checkpoint`` keeps of every checkpointed region: its inputs. So: every
   output of the layer's forward GEMMs except every second one, every output of its
   attention ops, and the block's input.
+- **moe** (Megatron-LM's ``--recompute-modules layernorm moe``) keeps as selective does, every
+  forward op of each MoE layer (:func:`moe_recomputed_ops`) dropped with the FLOP-free ones: the
+  layer keeps what its MoE layer reads from outside it (its input), not what is made inside.
 
 A value made outside the layer counts as the layer's input only when no other layer's
 forward reads it: a residual stream is the next block's input, whereas rotary tables and
 attention masks made once and read by every block stay alive whatever the blocks keep
 (they are counted where they are made).
 
-Under both policies a layer also keeps the values made by another layer that its backward reads
+Under every policy a layer also keeps the values made by another layer that its backward reads
 (where several layers read one, the layer that makes it keeps it), and a layer's input is
 counted where it is made only when that layer keeps it (or a view of it): as
 :mod:`autopar.passes.recompute` runs them, copies are made for the backward of the layer that
