@@ -1,6 +1,6 @@
 """Fidelity: autopar's predictions against published training runs, pinned to their configurations.
 
-    PYTHONPATH=. python bench/fidelity.py              # every row (about 60 s on 2 cores)
+    PYTHONPATH=. python bench/fidelity.py              # every row (about 2 minutes on 2 cores)
     PYTHONPATH=. python bench/fidelity.py --only qwen  # rows whose label contains "qwen"
     PYTHONPATH=. python bench/fidelity.py --moe        # the DeepSeek-V3 stand-in (about 60 s)
 
