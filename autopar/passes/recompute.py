@@ -49,7 +49,7 @@ from autopar.cost.compute import GEMM_KINDS
 from autopar.passes import meta_keys as mk
 from autopar.passes.annotate import kernel_of
 from autopar.passes.shard import _impure
-from autopar.passes.token_local import op_name
+from autopar.passes.token_local import EXPERT_OPS, op_name
 from autopar.plan import RECOMPUTE_POLICIES
 
 __all__ = ["recompute_in_backward", "dropped_ops"]
@@ -60,8 +60,8 @@ def _forward_op(node: fx.Node) -> bool:
     return node.op == "call_function" and trace is not None and trace.role is mk.Role.FORWARD
 
 
-FORWARD_EXPERT_OPS = ("autopar::moe_experts", "aten::_grouped_mm", "transformers::grouped_mm_fallback")
-"""The experts ops an MoE layer is recognised by (:mod:`autopar.passes.token_local`'s, forward)."""
+FORWARD_EXPERT_OPS = tuple(sorted(op for op in EXPERT_OPS if not op.endswith("_backward")))
+"""The experts ops an MoE layer is recognised by (:data:`autopar.passes.token_local.EXPERT_OPS`, forward)."""
 
 
 def moe_modules(ops) -> frozenset[str]:

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.passes import meta_keys as mk
 
-__all__ = ["op_name", "token_local_nodes", "run_token_local", "split_on_dp"]
+__all__ = ["op_name", "token_local_nodes", "run_token_local", "split_on_dp", "EXPERT_OPS"]
 
 _aten = torch.ops.aten
 # ops whose rows are the block's tokens (or their k copies) and that DTensor would gather, and the
@@ -54,7 +54,7 @@ _ROUTING_OPS = {_aten.sort.default, _aten.sort.stable, _aten.index.Tensor, _aten
                 _aten.histc.default, _aten.cumsum.default, _aten.arange.default}
 # experts ops by name: the rows they return follow their first argument (x, or the output
 # gradient), the weight gradients a backward returns are sums over the rank's tokens
-_EXPERT_OPS = {"autopar::moe_experts", "autopar::moe_experts_backward", "aten::_grouped_mm",
+EXPERT_OPS = {"autopar::moe_experts", "autopar::moe_experts_backward", "aten::_grouped_mm",
                "transformers::grouped_mm_fallback", "transformers::grouped_mm_fallback_backward"}
 
 
@@ -67,11 +67,11 @@ def op_name(node: fx.Node) -> str:
 def token_local_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """The routing nodes of every experts block in ``gm`` (see the module docstring)."""
     blocks = {n.meta[mk.TRACE].module_path for n in gm.graph.nodes
-              if n.op == "call_function" and op_name(n) in _EXPERT_OPS and mk.TRACE in n.meta}
+              if n.op == "call_function" and op_name(n) in EXPERT_OPS and mk.TRACE in n.meta}
     if not blocks:
         return set()
     return {n for n in gm.graph.nodes if n.op == "call_function" and mk.TRACE in n.meta
-            and (n.target in _ROUTING_OPS or op_name(n) in _EXPERT_OPS)
+            and (n.target in _ROUTING_OPS or op_name(n) in EXPERT_OPS)
             and n.meta[mk.TRACE].module_path in blocks and (n.target is not _aten.arange.default
                                                             or _numbers_tokens(n))}
 
@@ -95,7 +95,7 @@ def split_on_dp(node: fx.Node, args: Any, dp_dim: int) -> bool:
 def _follows(node: fx.Node, k: int) -> tuple[int, int | None] | None:
     """Which argument output ``k`` is split over dp like: (position, index in a list argument or
     None); None when the output is a sum over the rank's tokens instead (partial over dp)."""
-    if op_name(node) in _EXPERT_OPS:  # the rows out (y, or grad_x), then weight gradients
+    if op_name(node) in EXPERT_OPS:  # the rows out (y, or grad_x), then weight gradients
         return (0, None) if k == 0 else None
     t = node.target
     if t is _aten.index.Tensor:

@@ -51,14 +51,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 from autopar.cost.compute import GEMM_KINDS
-from autopar.passes.recompute import in_modules, moe_modules
+from autopar.passes.recompute import FORWARD_EXPERT_OPS, in_modules, moe_modules
 from autopar.planner.ilp import Problem, Solution
 
 __all__ = ["kept_bytes", "remade_extra_bytes", "sac_recomputed_matmuls", "moe_recomputed_ops"]
 
-_EXPERTS_NODE_NAMES = ("moe_experts", "_grouped_mm", "grouped_mm_fallback")
-"""fx names (so strategy-graph names) of the forward experts ops
-(:data:`autopar.passes.recompute.FORWARD_EXPERT_OPS`)."""
+_EXPERTS_NODE_NAMES = tuple(op.split("::")[1] for op in FORWARD_EXPERT_OPS)
+"""fx names (so strategy-graph names) of the forward experts ops: fx names a node after its op."""
 
 
 def sac_recomputed_matmuls(g) -> frozenset[int]:
@@ -237,11 +236,8 @@ def remade_extra_bytes(problem: Problem, local, working: dict[int, float], sourc
     backward = [v for v, node in enumerate(g.nodes) if node.kind == "op" and node.phase in ("B", "W")]
     out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     moe = moe_recomputed_ops(g) if moe is None else moe
-    for i, dropped in enumerate((flop_free, flop_free | sac_recomputed_matmuls(g), flop_free | moe)):
-        if i == 2 and not moe:  # (no MoE layer: "moe" is selective)
-            for layer in list(out):
-                out[layer][2] = out[layer][0]
-            continue
+    policies = (flop_free, flop_free | sac_recomputed_matmuls(g)) + ((flop_free | moe,) if moe else ())
+    for i, dropped in enumerate(policies):
         alive: dict[tuple[int, int], list[int]] = {}  # a copy -> [made at, last read at] (backward op positions)
         read: dict[tuple[int, int], int] = {}  # a forward value the backward reads itself (not a copy) -> last read
         for t, r in enumerate(backward):
@@ -275,4 +271,4 @@ def remade_extra_bytes(problem: Problem, local, working: dict[int, float], sourc
             gone += freed.get(t, 0.0)
             if live > 0:
                 out[layer][i] = max(out[layer][i], live - gone + working.get(r, 0.0) - largest[layer])
-    return {layer: tuple(v) for layer, v in out.items()}
+    return {layer: (a, b, c if moe else a) for layer, (a, b, c) in out.items()}  # (no MoE layer: "moe" is selective)
