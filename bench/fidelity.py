@@ -80,7 +80,11 @@ torchtitan's op-level SAC (``_apply_op_sac`` in its ``parallelize_llama.py``) sa
 of matmuls, attention and reduce-scatters except every second matmul of a block (wk, wo, w3 of
 Llama: 36% of a block's forward GEMM FLOPs), and recomputes the rest: autopar prices it as the
 pinned-only policy ``recompute="sac"`` (FLOP-free ops and every second forward GEMM re-run in
-the backward, their outputs not kept).
+the backward, their outputs not kept). Activation checkpointing (torchtitan's full and op-level
+selective AC through ``torch.utils.checkpoint``, Megatron-LM's recompute) re-runs a block's forward
+when its backward begins, what it dropped made again at once: every row is planned with
+``make_plan(whole_layer_recompute=True)``, which counts that block's activations alive at once
+(autopar's own runtime makes each op again right before its first backward reader).
 """
 
 import argparse
@@ -392,7 +396,8 @@ def moe_stand_in(zero: int = 1) -> None:
              "virtual_stages": 2, "microbatch_size": 1, "microbatches": 16, "moe_imbalance": 1.0,
              "ep_dispatch": "megatron"}
     start = time.perf_counter()
-    plan = make_plan(model, inputs, cluster=cluster, fixed=fixed, compiled_layers=_in_a_block)
+    plan = make_plan(model, inputs, cluster=cluster, fixed=fixed, compiled_layers=_in_a_block,
+                     whole_layer_recompute=True)
     tok_s = plan.predicted["tokens_per_s"] / 512
     peak = plan.predicted["peak_memory_bytes"] / 2**30
     print(f"DeepSeek-V3 671B FSDP64 EP32 PP8 (zero={zero}, transformers' model): predicted {tok_s:.0f} tok/s/GPU "
@@ -463,7 +468,7 @@ def fit_dropless_imbalance() -> float:
 
     def step(imbalance: float) -> float:
         return make_plan(model, inputs, cluster=cluster, fixed={**row.fixed, "moe_imbalance": imbalance},
-                         compiled_layers=_fused_loss_too).predicted["step_time_s"]
+                         compiled_layers=_fused_loss_too, whole_layer_recompute=True).predicted["step_time_s"]
 
     balanced = step(1.0)
     lo, hi = 1.0, 3.0
@@ -518,6 +523,7 @@ def predict(row: Row) -> dict:
     plan = make_plan(model, inputs, cluster=cluster, loss_fn=loss_fn, example_target=target, fixed=fixed,
                      compiled_layers=_fused_loss_too if row.fused_loss else _in_a_block if row.compiled else None,
                      float8_linears=torchtitan_float8 if row.float8 else None, async_tp=row.async_tp,
+                     whole_layer_recompute=True,  # (torch.utils.checkpoint's AC, Megatron-LM's recompute)
                      replicated=torchtitan_qk_replicated if row.model == "qwen3:32b" and row.fixed.get("tp", 1) > 1
                      else None)
     wall = time.perf_counter() - start

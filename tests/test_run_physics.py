@@ -112,6 +112,24 @@ def test_sac_is_priced_between_selective_and_full(pinned_plans):
         Fixed.from_dict({"recompute": "some"})
 
 
+def test_whole_layer_recompute_holds_a_layers_activations_again(small_llama, pinned_plans):
+    """autopar's runtime makes each dropped op again right before its first backward reader, and
+    the plan counts those copies by their liveness; ``make_plan(whole_layer_recompute=True)``
+    prices programs that make a layer's dropped values again all at once (torch checkpoint,
+    Megatron-LM): the running layer holds all its activations, full recompute keeps each layer's
+    input, and the step time is the same."""
+    from autopar.planner.make import make_plan
+
+    model, inputs, loss_fn, target = small_llama
+    for r in ("selective", "full"):
+        ours = pinned_plans[r]
+        theirs = make_plan(model, inputs, cluster="1x8xH100", loss_fn=loss_fn, example_target=target,
+                           fixed={**PINNED, "recompute": r}, whole_layer_recompute=True)
+        acts = [p.stages[0]["predicted"]["memory_bytes"]["activations"] for p in (ours, theirs)]
+        assert acts[0] < acts[1] < pinned_plans["none"].stages[0]["predicted"]["memory_bytes"]["activations"], r
+        assert theirs.predicted["step_time_s"] == ours.predicted["step_time_s"], r
+
+
 def test_the_search_chooses_sac_where_selective_does_not_fit(small_llama, pinned_plans):
     """On a device whose memory holds the plan under sac but not under selective, the search picks
     sac: full fits too, but recomputes the whole forward (slower). With memory for selective, it

@@ -232,18 +232,27 @@ def test_interleaved_cuts_fit_ranks_not_stages():
 
 
 def test_full_recompute_peaks_at_one_layers_backward():
-    """Under full recompute a micro-batch in its backward holds the inputs of the layers before
-    the one whose backward runs, that layer's activations again and its largest op's working
-    set; the other micro-batches in flight hold every layer's input."""
+    """Under full recompute a micro-batch in its backward holds what the layers before the one
+    whose backward runs keep, that layer's copies and its largest op's working set; the other
+    micro-batches in flight hold what every layer keeps. A program that re-runs each layer whole
+    (torch checkpoint: ``whole_layer_remade``) keeps each layer's input and holds all of the
+    running layer's activations again; autopar's runtime keeps what ``full_kept_bytes`` says and
+    holds its copies at their peak (``remade_extra_bytes[3]``)."""
     from autopar.planner.bounds import stage_activation_bytes
 
     mb = 1e6
-    units = [replace(u, act_bytes=act * mb, boundary_bytes=b * mb, transient_bytes=t * mb)
+    units = [replace(u, act_bytes=act * mb, boundary_bytes=b * mb, transient_bytes=t * mb, whole_layer_remade=True)
              for u, (act, b, t) in zip(_units(3), [(10, 1, 5), (4, 2, 1), (12, 3, 0)])]
     # layer 0: 10 + 5; layer 1: 1 + 4 + 1; layer 2: 1 + 2 + 12 + 0 -> 15 (not 12 + 6 + 5 = 23)
     assert stage_activation_bytes(units, "full", 1) == 15 * mb
     assert stage_activation_bytes(units, "full", 3) == (2 * 6 + 15) * mb
     assert stage_activation_bytes(units, "none", 2) == (2 * 26 + 5) * mb
+    ours = [replace(u, whole_layer_remade=False, full_kept_bytes=k * mb, remade_extra_bytes=(0.0, 0.0, 0.0, x * mb))
+            for u, (k, x) in zip(units, [(2, 3), (1, 6), (1, 4)])]
+    # layer 0: 2 + 5 + 3 = 10; layer 1: 2 + 1 + 1 + 6 = 10; layer 2: 2 + 1 + 1 + 0 + 4 = 8
+    assert stage_activation_bytes(ours, "full", 1) == 10 * mb
+    assert stage_activation_bytes(ours, "full", 3) == (2 * 4 + 10) * mb
+    assert stage_activation_bytes(ours, "none", 2) == (2 * 26 + 5) * mb  # (other policies as before)
 
 
 def test_zero_bubble_stage_holds_weight_gradient_inputs_between_b_and_w():
@@ -253,7 +262,8 @@ def test_zero_bubble_stage_holds_weight_gradient_inputs_between_b_and_w():
     from autopar.planner.bounds import stage_activation_bytes
 
     mb = 1e6
-    units = [replace(u, act_bytes=act * mb, boundary_bytes=b * mb, transient_bytes=t * mb, w_held_bytes=h * mb)
+    units = [replace(u, act_bytes=act * mb, boundary_bytes=b * mb, transient_bytes=t * mb, w_held_bytes=h * mb,
+                     whole_layer_remade=True)  # (full recompute re-runs each layer whole: torch checkpoint's count)
              for u, (act, b, t, h) in zip(_units(3), [(10, 1, 5, 6), (4, 2, 1, 3), (12, 3, 0, 8)])]
     # ZB-H1, 2 stages, the last: (0 before B, 2 between B and W), or one in its B beside (0, 1)
     moments = P.zero_bubble_moments("zb-h1", 2, 4)[1]

@@ -44,7 +44,7 @@ def _schedule(kind: str, pp: int, m: int, v: int = 1):
 def _unit_times(u: Unit, recompute: str) -> tuple[float, float, float, float]:
     """(F, B, W, activation bytes) of a unit under a recompute policy."""
     if recompute == "full":
-        return u.f_s, u.b_s + u.f_s, u.w_s, u.boundary_bytes
+        return u.f_s, u.b_s + u.f_s, u.w_s, u.boundary_bytes if u.whole_layer_remade else u.full_kept_bytes
     if recompute == "selective":
         return u.f_s, u.b_s + u.cheap_f_s, u.w_s, u.act_bytes - u.cheap_act_bytes
     if recompute == "sac":
@@ -54,17 +54,17 @@ def _unit_times(u: Unit, recompute: str) -> tuple[float, float, float, float]:
     return u.f_s, u.b_s, u.w_s, u.act_bytes
 
 
-_REMADE = {"selective": 0, "sac": 1, "moe": 2}  # the policy's place in Unit.remade_extra_bytes
+_REMADE = {"selective": 0, "sac": 1, "moe": 2, "full": 3}  # the policy's place in Unit.remade_extra_bytes
 
 
 def running_bytes(u: Unit, recompute: str) -> float:
     """What a micro-batch holds for unit ``u`` while ``u``'s backward runs, beside what the units
-    before it keep: the unit's largest op's working set, plus under full recompute its
-    activations made again, under selective, sac and moe what it kept and what the copies its
-    backward makes again add at their peak (:attr:`Unit.remade_extra_bytes`), and without
-    recompute its activations."""
+    before it keep: the unit's largest op's working set, plus under a recompute policy what it
+    kept and what the copies its backward makes again add at their peak
+    (:attr:`Unit.remade_extra_bytes`; in a program that makes them all again at once,
+    :attr:`Unit.whole_layer_remade`, all its activations), and without recompute its activations."""
     remade = _REMADE.get(recompute)
-    if remade is not None:
+    if remade is not None and not u.whole_layer_remade:
         return _unit_times(u, recompute)[3] + u.transient_bytes + u.remade_extra_bytes[remade]
     return u.act_bytes + u.transient_bytes
 

@@ -57,8 +57,11 @@ class LayerCost:
     (:func:`autopar.planner.recompute_keep.moe_recomputed_ops`)."""
     moe_activation_bytes: float = 0.0
     """What "moe" frees beyond selective recompute: selective's kept bytes less what "moe" keeps."""
-    remade_extra_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    """(selective, sac, moe): what the copies the layer's backward makes again add, at their peak, to
+    full_kept_bytes: float = 0.0
+    """What full recompute keeps (:func:`autopar.planner.recompute_keep.kept_bytes`): the layer's inputs
+    and what other layers' backward reads of it."""
+    remade_extra_bytes: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    """(selective, sac, moe, full): what the copies the layer's backward makes again add, at their peak, to
     ``transient_bytes`` (:func:`autopar.planner.recompute_keep.remade_extra_bytes`)."""
     weight_gradient_input_bytes: float = 0.0
     """What a micro-batch holds between this layer's B and W passes (zero-bubble schedules):
@@ -303,7 +306,8 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
                               cheap_activation_bytes=acts[name] - keep[name][0], cheap_forward_s=cheap_f[name],
                               sac_forward_s=sac_f[name], sac_activation_bytes=keep[name][0] - keep[name][1],
                               moe_forward_s=moe_f[name], moe_activation_bytes=keep[name][0] - keep[name][2],
-                              transient_bytes=transient[name], remade_extra_bytes=remade.get(name, (0.0, 0.0, 0.0)),
+                              full_kept_bytes=keep[name][3],
+                              transient_bytes=transient[name], remade_extra_bytes=remade.get(name, (0.0,) * 4),
                               weight_gradient_input_bytes=w_inputs[name],
                               expert_transient=(other[name], tuple(sorted(expert_ws[name]))))
               for name in dict.fromkeys(n.layer for n in g.nodes)}

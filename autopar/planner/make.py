@@ -56,7 +56,7 @@ RUNNERS_UP = 5
 def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, loss_fn: Callable | None = None,
               example_target: Any = None, fixed: dict | None = None, precision: str | None = None,
               compiled_layers: Callable[[str], bool] | None = None, float8_linears: Callable[[str], bool] | None = None,
-              async_tp: bool = False, runnable: bool = False,
+              async_tp: bool = False, whole_layer_recompute: bool = False, runnable: bool = False,
               replicated: Callable[[fx.GraphModule], set[str]] | None = None) -> Plan:
     """Plan ``model`` for ``cluster``; see :func:`autopar.plan`.
 
@@ -76,6 +76,12 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
     async TP overlaps them with those GEMMs (:func:`autopar.planner.evaluation._async_tp_hidden_s`),
     for the same purpose: autopar's runtime runs them blocking, and the sharding MIP, which picks
     the layout, prices them so too.
+
+    ``whole_layer_recompute`` prices activation recompute's memory as ``torch.utils.checkpoint``
+    (torchtitan's full and op-level selective AC) and Megatron-LM run it, for the same purpose: what a
+    layer dropped is made again at once as its backward begins, all its activations alive then;
+    autopar's runtime makes each op again right before its first backward reader, and the plan
+    counts that by default.
 
     ``replicated`` (traced graph -> names of its ops) keeps those ops' outputs whole on every tp
     rank (the MIP may not shard them): for pricing a published program that does so
@@ -106,7 +112,7 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
         plan = plan_graphs(gm, gm2, cluster=cluster, fixed=fixed_, precision=policy, precision_source=why,
                            ep_runnable_only=runnable,
                            replicated=frozenset(replicated(gm)) if replicated else frozenset(),
-                           async_tp=async_tp)
+                           async_tp=async_tp, whole_layer_recompute=whole_layer_recompute)
     timings = {"trace_s": t1 - t0, **plan.timings}
     return Plan(**{k: getattr(plan, k) for k in plan.__dataclass_fields__ if k != "timings"}, timings=timings)
 
@@ -215,15 +221,16 @@ def _tp_options(cluster: Cluster, fixed: Fixed) -> list[int]:
 
 def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...], *, cluster: Cluster, fixed: Fixed,
                 precision: Precision | None = None, precision_source: str = "", ep_runnable_only: bool = False,
-                replicated: frozenset[str] = frozenset(), async_tp: bool = False) -> Plan:
+                replicated: frozenset[str] = frozenset(), async_tp: bool = False,
+                whole_layer_recompute: bool = False) -> Plan:
     """Plan the traced pair (``gm2``: the double-batch graph or its
     :func:`~autopar.passes.strategies.twin_facts`). ``precision`` is the policy the graphs were traced under (None:
     read off the parameters' dtype, as plans did before policies: "fp32", else "bf16-mixed").
     A model with experts is searched over the ep degrees they allow (:func:`ep_options`) unless
     ``fixed.ep`` pins one; with ``ep_runnable_only`` (what :func:`autopar.parallelize` asks for) only
     where every experts site is autopar's experts op, which it runs under ep (a grouped matmul is
-    planned without ep, and a pinned ep is one line); ``replicated`` and ``async_tp`` as in
-    :func:`make_plan`."""
+    planned without ep, and a pinned ep is one line); ``replicated``, ``async_tp`` and
+    ``whole_layer_recompute`` as in :func:`make_plan`."""
     info: mk.GraphTrace = gm.meta[mk.GRAPH]
     layers: tuple[mk.LayerInfo, ...] = gm.meta[mk.LAYERS]
     batch = info.global_batch
@@ -296,7 +303,8 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...],
                         sac_f_s=lc.sac_forward_s if lc else 0.0, sac_act_bytes=lc.sac_activation_bytes if lc else 0.0,
                         transient_bytes=lc.transient_bytes if lc else 0.0,
                         moe_f_s=lc.moe_forward_s if lc else 0.0, moe_act_bytes=lc.moe_activation_bytes if lc else 0.0,
-                        remade_extra_bytes=lc.remade_extra_bytes if lc else (0.0, 0.0, 0.0),
+                        remade_extra_bytes=lc.remade_extra_bytes if lc else (0.0,) * 4,
+                        full_kept_bytes=lc.full_kept_bytes if lc else 0.0, whole_layer_remade=whole_layer_recompute,
                         w_held_bytes=lc.weight_gradient_input_bytes if lc else 0.0,
                         expert_transient=lc.expert_transient if lc else (0.0, ()),
                         boundary_bytes=boundary,

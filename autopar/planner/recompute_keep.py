@@ -25,6 +25,12 @@ embeddings are recomputed from).
 - **moe** (Megatron-LM's ``--recompute-modules layernorm moe``) keeps as selective does, every
   forward op of each MoE layer (:func:`moe_recomputed_ops`) dropped with the FLOP-free ones: the
   layer keeps what its MoE layer reads from outside it (its input), not what is made inside.
+- **full** keeps, as :mod:`autopar.passes.recompute` runs it, what the layer's forward reads from
+  outside it (its input) and what another layer's backward reads of it; every forward op of the
+  layer is made again. (Until the thirtieth session full kept each unit's output, what it sends
+  across a cut, as a program that checkpoints each layer's input does: with the copies counted as
+  :func:`remade_extra_bytes` does, GPT tiny's first stage of two under 1F1B measured 22.4% under
+  that count, its head's logits counted where nothing keeps them; 3.4% under this one.)
 
 A value made outside the layer counts as the layer's input only when no other layer's
 forward reads it: a residual stream is the next block's input, whereas rotary tables and
@@ -86,10 +92,11 @@ def moe_recomputed_ops(g) -> frozenset[int]:
 
 
 def kept_bytes(problem: Problem, solution: Solution, local, source, moe: frozenset[int] | None = None
-               ) -> dict[str, tuple[float, float, float]]:
-    """Per layer: (bytes kept under selective recompute, under op-level SAC, under "moe"), per
-    device for one micro-batch, one instance of the layer ("moe" keeps as selective does, its
-    MoE layers' forward ops dropped as FLOP-free ops are). ``local(v, o)``: the bytes of output
+               ) -> dict[str, tuple[float, float, float, float]]:
+    """Per layer: (bytes kept under selective recompute, under op-level SAC, under "moe", under full),
+    per device for one micro-batch, one instance of the layer ("moe" keeps as selective does, its
+    MoE layers' forward ops dropped as FLOP-free ops are; full as well, every forward op dropped:
+    what the layer's forward reads from outside it). ``local(v, o)``: the bytes of output
     ``o`` of node ``v`` one device holds under ``solution``; ``source(v, o)``: the value an output
     really is, through views (:func:`autopar.planner.evaluation._aliases`); ``moe``: the graph's
     :func:`moe_recomputed_ops`, where the caller has them."""
@@ -114,16 +121,16 @@ def kept_bytes(problem: Problem, solution: Solution, local, source, moe: frozens
         return src.layer != layer and src.kind in ("op", "input") and readers[value] == {layer}
 
     moe = moe_recomputed_ops(g) if moe is None else moe
-    read_back: dict[int, set[str]] = {}  # a dropped forward op -> layers whose backward reads its outputs
-    for v in (cheap_ops | moe if moe else cheap_ops):
-        if g.nodes[v].phase == "F":
-            read_back[v] = set().union(*(backward_readers.get(source(v, o), ())
-                                         for o in range(len(g.nodes[v].out_bytes))))
+    read_back: dict[int, set[str]] = {}  # a forward op -> layers whose backward reads its outputs
+    forward = frozenset(v for v, node in enumerate(g.nodes) if node.kind == "op" and node.phase == "F")
+    for v in forward:
+        read_back[v] = set().union(*(backward_readers.get(source(v, o), ())
+                                     for o in range(len(g.nodes[v].out_bytes))))
 
     by_layer: dict[str, list[int]] = defaultdict(list)
     for v, node in enumerate(g.nodes):
         by_layer[node.layer].append(v)
-    selective, sac, moe_kept = {}, {}, {}
+    selective, sac, moe_kept, full = {}, {}, {}, {}
     recomputed = sac_recomputed_matmuls(g)
     for layer, members in by_layer.items():
         remade = lambda v, layer=layer: layer in read_back[v]  # noqa: E731
@@ -131,6 +138,7 @@ def kept_bytes(problem: Problem, solution: Solution, local, source, moe: frozens
         sac[layer] = _sac(g, layer, members, inputs, layer_input, recomputed)
         moe_kept[layer] = (_selective(g, layer, members, inputs, lambda v: cheap(v) or v in moe, layer_input, remade)
                            if moe else selective[layer])
+        full[layer] = _selective(g, layer, members, inputs, forward.__contains__, layer_input, remade)
     # what another layer's backward reads is kept: autopar.passes.recompute makes copies for the backward
     # of the dropping layer only (the final norm's output, read by the head's weight gradient). By the
     # reading layer, as its input is (a pipeline stage holds what its own layers read), or where it is
@@ -143,6 +151,7 @@ def kept_bytes(problem: Problem, solution: Solution, local, source, moe: frozens
             selective[owner].add(value)
             sac[owner].add(value)
             moe_kept[owner].add(value)
+            full[owner].add(value)
 
     def total(kept: dict[str, set], layer: str) -> float:
         memo: dict[tuple[int, int], bool] = {}
@@ -162,7 +171,8 @@ def kept_bytes(problem: Problem, solution: Solution, local, source, moe: frozens
         # a layer's input that another layer keeps (or a view of it) is counted there
         return sum(local(*value) for value in kept[layer] if g.nodes[value[0]].layer == layer or not derivable(value))
 
-    return {layer: (total(selective, layer), total(sac, layer), total(moe_kept, layer)) for layer in by_layer}
+    return {layer: (total(selective, layer), total(sac, layer), total(moe_kept, layer), total(full, layer))
+            for layer in by_layer}
 
 
 def _selective(g, layer: str, members: list[int], inputs, cheap, layer_input, remade) -> set[tuple[int, int]]:
@@ -204,9 +214,9 @@ def _sac(g, layer: str, members: list[int], inputs, layer_input, recomputed) -> 
 
 
 def remade_extra_bytes(problem: Problem, local, working: dict[int, float], source,
-                       moe: frozenset[int] | None = None) -> dict[str, tuple[float, float, float]]:
-    """Per layer: (under selective recompute, under op-level SAC, under "moe") what the copies the backward
-    makes again add to the layer's largest working set, per device for one micro-batch: the
+                       moe: frozenset[int] | None = None) -> dict[str, tuple[float, float, float, float]]:
+    """Per layer: (under selective recompute, under op-level SAC, under "moe", under full) what the copies
+    the backward makes again add to the layer's largest working set, per device for one micro-batch: the
     peak over the layer's backward ops of the copies alive while each runs plus its own working
     set, less the forward values its backward (or a copy) has read for the last time (they die
     then, as the runtime frees a value after its last reader), less the layer's largest working
@@ -217,47 +227,41 @@ def remade_extra_bytes(problem: Problem, local, working: dict[int, float], sourc
     the copy dies after its last reader; so the copies are alive a stretch of the backward each,
     not all at once. (Counting the running layer's dropped bytes whole, tried on 2026-12-06,
     put sac's plan 17% over its measured peak for Llama tiny at pp = 1; counting none of them,
-    as before this count, 19% under on pp = 2 1F1B's first stage.)
+    as before this count, 19% under on pp = 2 1F1B's first stage.) Besides them, the gradients
+    the backward made earlier and reads later (:func:`_held_gradients`: the layer output's, which
+    its residual branch adds at the end) are alive too. Under full recompute every
+    forward op of the layer is a copy, made the same way (until the thirtieth session full was
+    counted as torch checkpoint runs it, the whole layer made again at once: ZB-H1's first stage
+    of Llama tiny measured 12.7% under that count, GPT tiny's 25-28%); a program that re-runs a
+    layer whole is :attr:`autopar.planner.search.Unit.whole_layer_remade`'s.
 
     ``local(v, o)``: the bytes of output ``o`` of node ``v`` one device holds; ``working``: each
     op's working set (:func:`autopar.planner.evaluation._working_sets`); ``source(v, o)``: the
     value an output really is, through views (they hold nothing of their own, and a copy's view
     keeps the copy alive); ``moe``: as :func:`kept_bytes`'s."""
     g = problem.graph
-    inputs: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    ordered: dict[int, list[tuple[int, tuple[int, int]]]] = defaultdict(list)
     for e in g.edges:
         if not e.virtual:
-            inputs[e.dst].append(source(e.src, e.src_out))
+            ordered[e.dst].append((e.dst_in, source(e.src, e.src_out)))
+    inputs = {v: [value for _, value in sorted(ins, key=lambda x: x[0])] for v, ins in ordered.items()}
     largest: dict[str, float] = defaultdict(float)
     for v, ws in working.items():
         largest[g.nodes[v].layer] = max(largest[g.nodes[v].layer], ws)
-    flop_free = {v for v, node in enumerate(g.nodes)
-                 if node.kind == "op" and node.phase == "F" and node.flops(problem.batch) == 0}
+    forward = {v for v, node in enumerate(g.nodes) if node.kind == "op" and node.phase == "F"}
+    flop_free = {v for v in forward if g.nodes[v].flops(problem.batch) == 0}
     backward = [v for v, node in enumerate(g.nodes) if node.kind == "op" and node.phase in ("B", "W")]
-    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     moe = moe_recomputed_ops(g) if moe is None else moe
-    policies = (flop_free, flop_free | sac_recomputed_matmuls(g)) + ((flop_free | moe,) if moe else ())
-    for i, dropped in enumerate(policies):
-        alive: dict[tuple[int, int], list[int]] = {}  # a copy -> [made at, last read at] (backward op positions)
-        read: dict[tuple[int, int], int] = {}  # a forward value the backward reads itself (not a copy) -> last read
-        for t, r in enumerate(backward):
-            layer = g.nodes[r].layer
-            todo = list(inputs[r])
-            while todo:
-                value = todo.pop()
-                v = value[0]
-                if v not in dropped or g.nodes[v].layer != layer:
-                    if g.nodes[v].kind == "op" and g.nodes[v].phase == "F":
-                        read[value] = t
-                    continue
-                if value not in alive:  # made now, from copies of what it reads (made now too)
-                    alive[value] = [t, t]
-                    todo.extend(inputs[v])
-                alive[value][1] = t
-        made: dict[int, float] = defaultdict(float)  # position -> copies made there less copies freed before it
-        for value, (t0, t1) in alive.items():
-            made[t0] += local(*value)
-            made[t1 + 1] -= local(*value)
+    policies = {0: flop_free, 1: flop_free | sac_recomputed_matmuls(g), 3: forward}
+    if moe:  # (no MoE layer: "moe" is selective)
+        policies[2] = flop_free | moe
+    held = _held_gradients(g, backward, inputs, local)
+    for i, dropped in policies.items():
+        bursts, last, read = _copies(g, backward, inputs, dropped)
+        freed_copies: dict[int, float] = defaultdict(float)  # position -> copies whose last reader ran just before
+        for value, t in last.items():
+            freed_copies[t + 1] += local(*value)
         freed: dict[int, float] = defaultdict(float)  # position -> kept bytes whose last reader ran just before
         for value, t in read.items():
             freed[t + 1] += local(*value)
@@ -267,8 +271,91 @@ def remade_extra_bytes(problem: Problem, local, working: dict[int, float], sourc
             layer = g.nodes[r].layer
             if layer != running:  # (what the units' kept bytes lose counts within the running unit only)
                 running, gone = layer, 0.0
-            live += made.get(t, 0.0)
+            live -= freed_copies.get(t, 0.0)
             gone += freed.get(t, 0.0)
-            if live > 0:
-                out[layer][i] = max(out[layer][i], live - gone + working.get(r, 0.0) - largest[layer])
-    return {layer: (a, b, c if moe else a) for layer, (a, b, c) in out.items()}  # (no MoE layer: "moe" is selective)
+            # the copies made right before r, in the pass's order; one that only they read (last read
+            # here, not by r) dies once its last reader among them is made
+            reads = set(inputs.get(r, ()))
+            inner = {value for value in bursts[t] if last[value] == t and value not in reads}
+            pending: dict[tuple[int, int], int] = defaultdict(int)
+            for value in bursts[t]:
+                for x in inputs.get(value[0], ()):
+                    if x in inner:
+                        pending[x] += 1
+            # (while they are made, r's input gradients are alive too: part of its working set)
+            grads = sum(local(*x) for x in set(inputs.get(r, ())) if g.nodes[x[0]].phase in ("B", "W"))
+            peak = live + grads
+            for value in bursts[t]:
+                live += local(*value)
+                peak = max(peak, live + grads)
+                for x in inputs.get(value[0], ()):
+                    if x in inner:
+                        pending[x] -= 1
+                        if pending[x] == 0:
+                            live -= local(*x)
+                            freed_copies[t + 1] -= local(*x)  # (gone already)
+            if bursts[t] or live > 0:
+                out[layer][i] = max(out[layer][i],
+                                    max(peak, live + working.get(r, 0.0)) + held[t] - gone - largest[layer])
+    return {layer: (a, b, c if moe else a, d) for layer, (a, b, c, d) in out.items()}
+
+
+def _copies(g, backward: list[int], inputs, dropped) -> tuple[list[list[tuple[int, int]]], dict, dict]:
+    """The copies :mod:`autopar.passes.recompute` makes for backward ops ``backward`` when it drops
+    the forward ops ``dropped``: per backward position, the values copied right before that op, in
+    the order the pass makes them (depth first over each reader's inputs, a copy after the copies it
+    is made from); each copy's last reading position (its reader's, or that of a copy made later
+    from it); and the forward values not dropped the backward reads, with their last position."""
+    bursts: list[list[tuple[int, int]]] = []
+    last: dict[tuple[int, int], int] = {}
+    read: dict[tuple[int, int], int] = {}
+    for t, r in enumerate(backward):
+        layer = g.nodes[r].layer
+        burst: list[tuple[int, int]] = []
+        stack = [(value, False) for value in reversed(inputs.get(r, ()))]
+        while stack:  # (an iterative depth-first walk: a layer's chain of copies may be long)
+            value, made = stack.pop()
+            if made:
+                burst.append(value)
+                continue
+            v = value[0]
+            if v not in dropped or g.nodes[v].layer != layer:
+                if g.nodes[v].kind == "op" and g.nodes[v].phase == "F":
+                    read[value] = t
+                continue
+            first = value not in last
+            last[value] = t
+            if first:  # made now, after the copies it is made from
+                stack.append((value, True))
+                stack.extend((x, False) for x in reversed(inputs.get(v, ())))
+        bursts.append(burst)
+    return bursts, last, read
+
+
+def _held_gradients(g, backward: list[int], inputs, local) -> list[float]:
+    """Per backward position, the bytes of the values backward ops made before it and read after
+    it, other than its own inputs (those are its working set): a block's output gradient is read
+    by the first ops of its backward and again by the last, where the residual branch adds it to
+    the input's gradient, so it is alive through the whole block's backward. (Not counted until
+    the thirtieth session: Llama tiny under full recompute measured 3.7% over the plan, one such
+    gradient at the peak.)"""
+    made: dict[tuple[int, int], int] = {}
+    last: dict[tuple[int, int], int] = {}
+    for t, r in enumerate(backward):
+        for value in inputs.get(r, ()):
+            if value in made:
+                last[value] = t
+        for o in range(len(g.nodes[r].out_bytes)):
+            made.setdefault((r, o), t)
+    diff = [0.0] * (len(backward) + 1)
+    for value, t1 in last.items():
+        t0 = made[value]
+        if t1 > t0 + 1:  # alive at t0 + 1 .. t1 - 1 beside the running op
+            diff[t0 + 1] += local(*value)
+            diff[t1] -= local(*value)
+    held, running = [], 0.0
+    for t, r in enumerate(backward):
+        running += diff[t]
+        mine = sum(local(*value) for value in set(inputs.get(r, ())) if value in last and made[value] < t < last[value])
+        held.append(running - mine)
+    return held

@@ -114,11 +114,13 @@ def test_each_policy_holds_what_the_plan_predicts():
     for policy in POLICIES:
         got, planned = out[policy]
         assert got["loss"] == out["none"][0]["loss"], policy
-        # (selective and sac within 5%: what the running layer holds is counted by its copies' liveness
-        # since the twenty-third session; they were +6.0% and +2.0%, full is -9.3%: its count is torch
-        # checkpoint's, the whole layer made again at once, which autopar's copies are not)
-        tolerance = 0.05 if policy in ("selective", "sac") else 0.1
-        assert abs(got["peak_bytes"] - planned) <= tolerance * planned, (policy, got, planned)
+        # (within 5%: what the running layer holds is counted by its copies' liveness since the
+        # twenty-third session, selective and sac were +6.0% and +2.0% before; full since the thirtieth,
+        # -9.3% before, when its count was torch checkpoint's, the whole layer made again at once. sac
+        # may count up to 10% over: it keeps every matmul output torchtitan's policy stores, w2's too,
+        # which nothing reads and the runtime frees; with the held gradients counted it is -5.8%)
+        low = 0.1 if policy == "sac" else 0.05
+        assert -low * planned <= got["peak_bytes"] - planned <= 0.05 * planned, (policy, got, planned)
 
 
 def test_moe_policy_holds_what_the_plan_predicts():
@@ -172,14 +174,15 @@ def test_pipeline_stages_hold_what_the_plan_predicts():
     # frees those nothing reads (w2's), so it may count up to 15% over. Every stage holds the
     # messages it has received and not yet read (a receive is posted at its peer's send): the plan
     # counted none until the twenty-fourth session (interleaved rank 1 measured 6.5% over it); now
-    # a bound (the most it holds at any moment), so ZB-H1's first stage under full recompute (whose
-    # count is already the whole layer at once) may count up to 15% over as well
+    # a bound (the most it holds at any moment). Full recompute's copies are counted by their
+    # liveness too since the thirtieth session (before, the whole layer at once, torch checkpoint's
+    # count: ZB-H1's first stage -12.7%, 1F1B's -9.4%; now -2.4% and +1.7%)
     runs = (("1f1b", "none"), ("1f1b", "selective"), ("1f1b", "sac"), ("1f1b", "full"), ("zb-h1", "full"),
             ("interleaved", "none"))
     ranks = spawn_world(_measure_pipeline, 2, runs)
     for stage, out in enumerate(ranks):
         assert out["1f1b", "full"][0]["peak_bytes"] < 0.5 * out["1f1b", "none"][0]["peak_bytes"], (stage, out)
         for run, (got, planned) in out.items():
-            low, high = (0.15, 0.05) if run[1] in ("sac", "full") else (0.1, 0.05)
+            low, high = (0.15, 0.05) if run[1] == "sac" else (0.1, 0.05)
             assert -low * planned <= got["peak_bytes"] - planned <= high * planned, (stage, run, got, planned)
     assert ranks[1]["zb-h1", "full"][0]["peak_bytes"] > ranks[1]["1f1b", "none"][0]["peak_bytes"]
