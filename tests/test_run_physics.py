@@ -159,7 +159,8 @@ def test_recompute_keeps_what_the_dropped_ops_are_recomputed_from(tp):
     dropped norms and rotary embeddings are recomputed from. Checked as bytes per device; each
     is more than counting only the saved outputs a policy does not drop (0.44 and 0.47 GB of a
     1.04 and 1.55 GB block at 2 x 8192 tokens). The head keeps the logits under SAC; the loss,
-    which reads them, does not count them again. The head keeps the final norm's output."""
+    which reads them, does not count them again. The head keeps the final norm's output.
+    autopar's runtime, which drops the same ops, keeps what the backward reads: not w2's output."""
     batch, seq = 1, 1024
     model, inputs, loss_fn, target = llama.build(size="8b", batch=batch, seq=seq, n_layers=2, device="meta")
     gm, gm2 = trace_pair(model, inputs, cluster=H100, loss_fn=loss_fn, example_target=target)
@@ -169,7 +170,8 @@ def test_recompute_keeps_what_the_dropped_ops_are_recomputed_from(tp):
     cost = evaluate(problem, sol).layers
     block = cost["layers.1"]
     selective = block.activation_bytes - block.cheap_activation_bytes
-    sac = selective - block.sac_activation_bytes
+    sac = selective - block.torch_sac_activation_bytes
+    ours = selective - block.sac_activation_bytes
     t, d, kv, ffn, heads = batch * seq, 4096, 1024, 14336, 32
 
     gemms = [(v, n) for v, n in enumerate(sg.nodes) if n.layer == "layers.1" and n.phase == "F" and n.kernel == "gemm"]
@@ -192,16 +194,18 @@ def test_recompute_keeps_what_the_dropped_ops_are_recomputed_from(tp):
     assert len(x) == 1 and sg.nodes[block_in[0].src].out_bytes[0](batch) == t * d * 2
     x_local = share(*next(iter(x)))
     assert sac == pytest.approx(x_local + mm[0] + mm[2] + mm[4] + mm[6] + att)
+    assert ours == pytest.approx(sac - mm[6])
     assert selective == pytest.approx(att + mm[4] + mm[5] + x_local + mm[0] + mm[1] + mm[2] + mm[3])
     if tp == 1:
         assert sac == 2 * t * (d + d + kv + ffn + d + d) + t * heads * 4
     head = cost["output"]
-    assert head.activation_bytes - head.cheap_activation_bytes - head.sac_activation_bytes >= t * 128256 * 2 / tp
+    assert head.activation_bytes - head.cheap_activation_bytes - head.torch_sac_activation_bytes >= t * 128256 * 2 / tp
     # and, under both, the final norm's output (replicated here), which the head's weight gradient reads: the
     # recompute pass makes copies for the norm's own backward only, so the head reads the original
     assert head.activation_bytes - head.cheap_activation_bytes == t * d * 2
     loss = cost["<loss>"]
-    assert loss.activation_bytes - loss.cheap_activation_bytes - loss.sac_activation_bytes == 0
+    assert loss.activation_bytes - loss.cheap_activation_bytes - loss.torch_sac_activation_bytes == 0
+    assert loss.sac_activation_bytes == 0  # (autopar's runtime keeps the log-softmax output, as selective)
 
 
 def test_moe_recompute_makes_the_moe_layers_forward_again_collectives_included():

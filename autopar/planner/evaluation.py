@@ -50,7 +50,9 @@ class LayerCost:
     "except every second mm")."""
     sac_activation_bytes: float = 0.0
     """What op-level SAC frees beyond selective recompute: selective's kept bytes less what
-    SAC stores (:mod:`autopar.planner.recompute_keep`)."""
+    SAC keeps as autopar's runtime runs it (:mod:`autopar.planner.recompute_keep`)."""
+    torch_sac_activation_bytes: float = 0.0
+    """The same for what torchtitan's policy stores (``torch_sac``), for pricing its runs."""
     moe_forward_s: float = 0.0
     """Forward time of the layer's MoE-layer ops with FLOPs (router, experts) and of the collectives
     into any MoE-layer op (tp gathers): what "moe" recomputes beyond selective's FLOP-free ops
@@ -303,10 +305,14 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
     w_inputs = _weight_gradient_inputs(problem, solution, aliases)
     layers = {name: LayerCost(compute_s=dict(comp[name]), comm_s=dict(com[name]), param_bytes=params[name],
                               n_params_local=nparams[name], activation_bytes=acts[name],
-                              cheap_activation_bytes=acts[name] - keep[name][0], cheap_forward_s=cheap_f[name],
-                              sac_forward_s=sac_f[name], sac_activation_bytes=keep[name][0] - keep[name][1],
-                              moe_forward_s=moe_f[name], moe_activation_bytes=keep[name][0] - keep[name][2],
-                              full_kept_bytes=keep[name][3],
+                              cheap_activation_bytes=acts[name] - keep[name]["selective"],
+                              cheap_forward_s=cheap_f[name],
+                              sac_forward_s=sac_f[name],
+                              sac_activation_bytes=keep[name]["selective"] - keep[name]["sac"],
+                              torch_sac_activation_bytes=keep[name]["selective"] - keep[name]["torch_sac"],
+                              moe_forward_s=moe_f[name],
+                              moe_activation_bytes=keep[name]["selective"] - keep[name]["moe"],
+                              full_kept_bytes=keep[name]["full"],
                               transient_bytes=transient[name], remade_extra_bytes=remade.get(name, (0.0,) * 4),
                               weight_gradient_input_bytes=w_inputs[name],
                               expert_transient=(other[name], tuple(sorted(expert_ws[name]))))

@@ -79,9 +79,10 @@ def make_plan(model: nn.Module, example_inputs: Any, *, cluster: str | Cluster, 
 
     ``whole_layer_recompute`` prices activation recompute's memory as ``torch.utils.checkpoint``
     (torchtitan's full and op-level selective AC) and Megatron-LM run it, for the same purpose: what a
-    layer dropped is made again at once as its backward begins, all its activations alive then;
-    autopar's runtime makes each op again right before its first backward reader, and the plan
-    counts that by default.
+    layer dropped is made again at once as its backward begins, all its activations alive then, and
+    ``recompute="sac"`` keeps what torchtitan's policy stores; autopar's runtime makes each op again
+    right before its first backward reader and keeps what the backward reads, and the plan counts
+    that by default.
 
     ``replicated`` (traced graph -> names of its ops) keeps those ops' outputs whole on every tp
     rank (the MIP may not shard them): for pricing a published program that does so
@@ -300,7 +301,9 @@ def plan_graphs(gm: fx.GraphModule, gm2: fx.GraphModule | tuple[TwinFacts, ...],
                         cheap_f_s=lc.cheap_forward_s if lc else 0.0,
                         act_bytes=lc.activation_bytes if lc else 0.0,
                         cheap_act_bytes=lc.cheap_activation_bytes if lc else 0.0,
-                        sac_f_s=lc.sac_forward_s if lc else 0.0, sac_act_bytes=lc.sac_activation_bytes if lc else 0.0,
+                        sac_f_s=lc.sac_forward_s if lc else 0.0,
+                        sac_act_bytes=(lc.torch_sac_activation_bytes if whole_layer_recompute else
+                                       lc.sac_activation_bytes) if lc else 0.0,
                         transient_bytes=lc.transient_bytes if lc else 0.0,
                         moe_f_s=lc.moe_forward_s if lc else 0.0, moe_act_bytes=lc.moe_activation_bytes if lc else 0.0,
                         remade_extra_bytes=lc.remade_extra_bytes if lc else (0.0,) * 4,

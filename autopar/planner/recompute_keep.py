@@ -13,7 +13,10 @@ embeddings are recomputed from).
   ones its own backward reads are recomputed from: walking back from each such op through
   FLOP-free ops of the layer to the first output that is not recomputed: an output of a GEMM
   or attention op of the layer, or a value made outside the layer (the block's input).
-- **sac** keeps what torchtitan's op-level SAC stores (``torchtitan/models/llama/
+- **sac** as autopar's runtime runs it keeps as selective does, every second forward GEMM of the
+  layer (:func:`sac_recomputed_matmuls`) dropped with the FLOP-free ops: what the backward reads
+  of the rest, and what the dropped ops are made again from.
+- **torch_sac** keeps what torchtitan's op-level SAC stores (``torchtitan/models/llama/
   parallelize_llama.py`` at 0596be3, ``_save_list`` and the policy in
   ``_apply_ac_to_transformer_block``: it saves the outputs of ``mm``, the SDPA kernels and
   ``reduce_scatter_tensor`` "except every second mm"; ``bench/calibration.yaml``); PyTorch's
@@ -21,7 +24,9 @@ embeddings are recomputed from).
   the policy marks MUST_SAVE whether or not the backward reads them), plus what
   ``torch.utils.checkpoint`` keeps of every checkpointed region: its inputs. So: every
   output of the layer's forward GEMMs except every second one, every output of its
-  attention ops, and the block's input.
+  attention ops, and the block's input (w2's output too, which nothing reads). For pricing runs
+  of that program (``make_plan(whole_layer_recompute=True)``); until the thirtieth session it was
+  the plan's count for autopar's runtime as well, 8% over Llama small's measured peak.
 - **moe** (Megatron-LM's ``--recompute-modules layernorm moe``) keeps as selective does, every
   forward op of each MoE layer (:func:`moe_recomputed_ops`) dropped with the FLOP-free ones: the
   layer keeps what its MoE layer reads from outside it (its input), not what is made inside.
@@ -92,11 +97,11 @@ def moe_recomputed_ops(g) -> frozenset[int]:
 
 
 def kept_bytes(problem: Problem, solution: Solution, local, source, moe: frozenset[int] | None = None
-               ) -> dict[str, tuple[float, float, float, float]]:
-    """Per layer: (bytes kept under selective recompute, under op-level SAC, under "moe", under full),
-    per device for one micro-batch, one instance of the layer ("moe" keeps as selective does, its
-    MoE layers' forward ops dropped as FLOP-free ops are; full as well, every forward op dropped:
-    what the layer's forward reads from outside it). ``local(v, o)``: the bytes of output
+               ) -> dict[str, dict[str, float]]:
+    """Per layer, per policy ("selective", "sac", "torch_sac", "moe", "full": the module docstring's),
+    the bytes kept per device for one micro-batch, one instance of the layer ("sac", "moe" and
+    "full" keep as selective does, their dropped ops with the FLOP-free ones; under full every
+    forward op is dropped, and the layer keeps what its forward reads from outside it). ``local(v, o)``: the bytes of output
     ``o`` of node ``v`` one device holds under ``solution``; ``source(v, o)``: the value an output
     really is, through views (:func:`autopar.planner.evaluation._aliases`); ``moe``: the graph's
     :func:`moe_recomputed_ops`, where the caller has them."""
@@ -130,15 +135,17 @@ def kept_bytes(problem: Problem, solution: Solution, local, source, moe: frozens
     by_layer: dict[str, list[int]] = defaultdict(list)
     for v, node in enumerate(g.nodes):
         by_layer[node.layer].append(v)
-    selective, sac, moe_kept, full = {}, {}, {}, {}
     recomputed = sac_recomputed_matmuls(g)
+    dropped = {"selective": cheap, "sac": lambda v: cheap(v) or v in recomputed,
+               "moe": lambda v: cheap(v) or v in moe, "full": forward.__contains__}
+    kept: dict[str, dict[str, set]] = {policy: {} for policy in (*dropped, "torch_sac")}
     for layer, members in by_layer.items():
         remade = lambda v, layer=layer: layer in read_back[v]  # noqa: E731
-        selective[layer] = _selective(g, layer, members, inputs, cheap, layer_input, remade)
-        sac[layer] = _sac(g, layer, members, inputs, layer_input, recomputed)
-        moe_kept[layer] = (_selective(g, layer, members, inputs, lambda v: cheap(v) or v in moe, layer_input, remade)
-                           if moe else selective[layer])
-        full[layer] = _selective(g, layer, members, inputs, forward.__contains__, layer_input, remade)
+        for policy, drops in dropped.items():
+            if policy != "moe" or moe:  # (no MoE layer: "moe" is selective)
+                kept[policy][layer] = _selective(g, layer, members, inputs, drops, layer_input, remade)
+        kept["moe"].setdefault(layer, kept["selective"][layer])
+        kept["torch_sac"][layer] = _sac(g, layer, members, inputs, layer_input, recomputed)
     # what another layer's backward reads is kept: autopar.passes.recompute makes copies for the backward
     # of the dropping layer only (the final norm's output, read by the head's weight gradient). By the
     # reading layer, as its input is (a pipeline stage holds what its own layers read), or where it is
@@ -148,10 +155,8 @@ def kept_bytes(problem: Problem, solution: Solution, local, source, moe: frozens
         others = layers - {made.layer}
         if made.kind == "op" and made.phase == "F" and others:
             owner = next(iter(others)) if len(others) == 1 else made.layer
-            selective[owner].add(value)
-            sac[owner].add(value)
-            moe_kept[owner].add(value)
-            full[owner].add(value)
+            for sets in kept.values():
+                sets[owner].add(value)
 
     def total(kept: dict[str, set], layer: str) -> float:
         memo: dict[tuple[int, int], bool] = {}
@@ -171,14 +176,14 @@ def kept_bytes(problem: Problem, solution: Solution, local, source, moe: frozens
         # a layer's input that another layer keeps (or a view of it) is counted there
         return sum(local(*value) for value in kept[layer] if g.nodes[value[0]].layer == layer or not derivable(value))
 
-    return {layer: (total(selective, layer), total(sac, layer), total(moe_kept, layer), total(full, layer))
-            for layer in by_layer}
+    return {layer: {policy: total(sets, layer) for policy, sets in kept.items()} for layer in by_layer}
 
 
 def _selective(g, layer: str, members: list[int], inputs, cheap, layer_input, remade) -> set[tuple[int, int]]:
     """The values ``layer`` keeps under selective recompute: the saved outputs of its ops with
     FLOPs, and what its dropped FLOP-free ops are recomputed from (those whose outputs its own
-    backward reads: ``remade(v)``). Under "moe", ``cheap`` also holds the MoE layers' ops."""
+    backward reads: ``remade(v)``). Under "sac", "moe" and "full", ``cheap`` also holds the other ops
+    the policy drops."""
     kept = {(v, o) for v in members if not cheap(v) for o, saved in enumerate(g.nodes[v].saved) if saved}
     todo = [v for v in members if cheap(v) and g.nodes[v].phase == "F" and remade(v)]
     seen = set(todo)
