@@ -299,7 +299,7 @@ def evaluate(problem: Problem, solution: Solution) -> CostBreakdown:
             collectives[kind]["count"] += weight
             collectives[kind]["bytes"] += weight * sent
             collectives[kind]["time_s"] += weight * t
-    local = functools.partial(_local_out_bytes, problem, solution)
+    local = functools.cache(functools.partial(_local_out_bytes, problem, solution))  # (asked many times a value)
     keep = kept_bytes(problem, solution, local, aliases[1], moe_ops)
     remade = remade_extra_bytes(problem, local, sets, aliases[1], moe_ops)
     w_inputs = _weight_gradient_inputs(problem, solution, aliases)

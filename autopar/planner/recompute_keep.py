@@ -1,4 +1,5 @@
-"""What a layer keeps for its backward under selective recompute and op-level SAC.
+"""What a layer keeps for its backward under each recompute policy, and what the copies its
+backward makes again hold at their peak.
 
 A recomputed op needs its inputs again in the backward, so a policy that drops an op's
 saved output keeps whatever that op is recomputed from. Counting only the saved outputs a
@@ -245,11 +246,10 @@ def remade_extra_bytes(problem: Problem, local, working: dict[int, float], sourc
     value an output really is, through views (they hold nothing of their own, and a copy's view
     keeps the copy alive); ``moe``: as :func:`kept_bytes`'s."""
     g = problem.graph
-    ordered: dict[int, list[tuple[int, tuple[int, int]]]] = defaultdict(list)
+    inputs: dict[int, list[tuple[int, int]]] = defaultdict(list)  # in argument order, as the graph's edges are
     for e in g.edges:
         if not e.virtual:
-            ordered[e.dst].append((e.dst_in, source(e.src, e.src_out)))
-    inputs = {v: [value for _, value in sorted(ins, key=lambda x: x[0])] for v, ins in ordered.items()}
+            inputs[e.dst].append(source(e.src, e.src_out))
     largest: dict[str, float] = defaultdict(float)
     for v, ws in working.items():
         largest[g.nodes[v].layer] = max(largest[g.nodes[v].layer], ws)
@@ -278,31 +278,43 @@ def remade_extra_bytes(problem: Problem, local, working: dict[int, float], sourc
                 running, gone = layer, 0.0
             live -= freed_copies.get(t, 0.0)
             gone += freed.get(t, 0.0)
-            # the copies made right before r, in the pass's order; one that only they read (last read
-            # here, not by r) dies once its last reader among them is made
-            reads = set(inputs.get(r, ()))
-            inner = {value for value in bursts[t] if last[value] == t and value not in reads}
-            pending: dict[tuple[int, int], int] = defaultdict(int)
-            for value in bursts[t]:
-                for x in inputs.get(value[0], ()):
-                    if x in inner:
-                        pending[x] += 1
-            # (while they are made, r's input gradients are alive too: part of its working set)
-            grads = sum(local(*x) for x in set(inputs.get(r, ())) if g.nodes[x[0]].phase in ("B", "W"))
-            peak = live + grads
-            for value in bursts[t]:
-                live += local(*value)
-                peak = max(peak, live + grads)
-                for x in inputs.get(value[0], ()):
-                    if x in inner:
-                        pending[x] -= 1
-                        if pending[x] == 0:
-                            live -= local(*x)
-                            freed_copies[t + 1] -= local(*x)  # (gone already)
-            if bursts[t] or live > 0:
-                out[layer][i] = max(out[layer][i],
-                                    max(peak, live + working.get(r, 0.0)) + held[t] - gone - largest[layer])
+            burst = bursts[t]
+            peak = 0.0
+            if burst:  # the copies made right before r
+                peak, early = _burst_peak(g, r, burst, last, t, inputs, local, live)
+                live += sum(local(*value) for value in burst) - early
+                freed_copies[t + 1] -= early  # (dead already)
+            peak = max(peak, live + working.get(r, 0.0))  # (r's working set holds its input gradients)
+            if burst or live > 0:
+                out[layer][i] = max(out[layer][i], peak + held[t] - gone - largest[layer])
     return {layer: (a, b, c if moe else a, d) for layer, (a, b, c, d) in out.items()}
+
+
+def _burst_peak(g, r: int, burst, last, t: int, inputs, local, live: float) -> tuple[float, float]:
+    """(the most alive while the copies ``burst`` are made right before backward op ``r`` at position
+    ``t``, the bytes of those that die as it is made), ``live`` alive before them: they are made in
+    the pass's order, beside ``r``'s input gradients (alive already), and a copy that only copies
+    of this moment read (last read at ``t``, not by ``r``) dies once the last of them is made."""
+    reads = set(inputs.get(r, ()))
+    inner = {value for value in burst if last[value] == t and value not in reads}
+    pending: dict[tuple[int, int], int] = defaultdict(int)
+    for value in burst:
+        for x in inputs.get(value[0], ()):
+            if x in inner:
+                pending[x] += 1
+    grads = sum(local(*x) for x in reads if g.nodes[x[0]].phase in ("B", "W"))
+    peak = running = live + grads
+    early = 0.0
+    for value in burst:
+        running += local(*value)
+        peak = max(peak, running)
+        for x in inputs.get(value[0], ()):
+            if x in inner:
+                pending[x] -= 1
+                if pending[x] == 0:
+                    running -= local(*x)
+                    early += local(*x)
+    return peak, early
 
 
 def _copies(g, backward: list[int], inputs, dropped) -> tuple[list[list[tuple[int, int]]], dict, dict]:
