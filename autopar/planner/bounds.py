@@ -80,8 +80,9 @@ def stage_activation_bytes(chunk: Sequence[Unit], recompute: str, inflight: int,
     """Activation bytes a stage of units ``chunk`` holds at its peak, ``inflight`` micro-batches in
     flight: what each keeps for its backward, plus the largest op's working set once.
 
-    Under recompute a micro-batch keeps what the policy keeps of each unit (under full its input,
-    the boundary of the unit before) and, while one unit's backward runs, what :func:`running_bytes`
+    Under recompute a micro-batch keeps what the policy keeps of each unit (under full what its
+    forward reads from outside it, :attr:`Unit.full_kept_bytes`; in a program that re-runs layers
+    whole, its boundary) and, while one unit's backward runs, what :func:`running_bytes`
     counts for that unit (:mod:`autopar.passes.recompute` re-runs the dropped ops there); the units
     after it have freed theirs, those before it still hold what they kept. So the peak is the
     other micro-batches' kept bytes plus the largest, over units k, of what the units before k

@@ -51,10 +51,9 @@ class _Layers:
             pre_e.append(pre_e[-1] + u.expert_params)
         self.pre_t, self.pre_a, self.pre_p, self.pre_e = pre_t, pre_a, pre_p, pre_e
         # the working set: the largest op's; under recompute, the peak over units k of what the units before k
-        # keep (pre_a: under full a unit keeps its input, the unit before's boundary) + what k holds in its
-        # backward (bounds.running_bytes: under full its activations made again, under selective and sac what
-        # it kept and the copies alive at their peak) (bounds.stage_activation_bytes; the stage's pre_a[i] is
-        # taken off)
+        # keep (pre_a: what the policy keeps of each, bounds._unit_times) + what k holds in its backward
+        # (bounds.running_bytes: what it kept and the copies alive at their peak, or in a program that makes
+        # them again at once its activations) (bounds.stage_activation_bytes; the stage's pre_a[i] is taken off)
         self.transient = _sparse_max([pre_a[k] + running_bytes(u, recompute) if self.remakes else u.transient_bytes
                                       for k, u in enumerate(units)])
         self.recompute = recompute
