@@ -104,7 +104,8 @@ def kept_bytes(problem: Problem, solution: Solution, local, source, moe: frozens
     "full" keep as selective does, their dropped ops with the FLOP-free ones; under full every
     forward op is dropped, and the layer keeps what its forward reads from outside it).
     ``local(v, o)``: the bytes of output ``o`` of node ``v`` one device holds under ``solution``;
-    ``source(v, o)``: the value an output really is, through views (:func:`autopar.planner.evaluation._aliases`); ``moe``: the graph's
+    ``source(v, o)``: the value an output really is, through views
+    (:func:`autopar.planner.evaluation._aliases`); ``moe``: the graph's
     :func:`moe_recomputed_ops`, where the caller has them."""
     g = problem.graph
     cheap_ops = frozenset(v for v, node in enumerate(g.nodes) if node.kind == "op" and node.flops(problem.batch) == 0)
