@@ -241,7 +241,8 @@ def test_full_recompute_peaks_at_one_layers_backward():
     from autopar.planner.bounds import stage_activation_bytes
 
     mb = 1e6
-    units = [replace(u, act_bytes=act * mb, boundary_bytes=b * mb, transient_bytes=t * mb, whole_layer_remade=True)
+    units = [replace(u, act_bytes=act * mb, boundary_bytes=b * mb, full_kept_bytes=b * mb, transient_bytes=t * mb,
+                     whole_layer_remade=True)
              for u, (act, b, t) in zip(_units(3), [(10, 1, 5), (4, 2, 1), (12, 3, 0)])]
     # layer 0: 10 + 5; layer 1: 1 + 4 + 1; layer 2: 1 + 2 + 12 + 0 -> 15 (not 12 + 6 + 5 = 23)
     assert stage_activation_bytes(units, "full", 1) == 15 * mb
@@ -262,8 +263,9 @@ def test_zero_bubble_stage_holds_weight_gradient_inputs_between_b_and_w():
     from autopar.planner.bounds import stage_activation_bytes
 
     mb = 1e6
-    units = [replace(u, act_bytes=act * mb, boundary_bytes=b * mb, transient_bytes=t * mb, w_held_bytes=h * mb,
-                     whole_layer_remade=True)  # (full recompute re-runs each layer whole: torch checkpoint's count)
+    # (full recompute re-runs each layer whole: torch checkpoint's count)
+    units = [replace(u, act_bytes=act * mb, boundary_bytes=b * mb, full_kept_bytes=b * mb, transient_bytes=t * mb,
+                     w_held_bytes=h * mb, whole_layer_remade=True)
              for u, (act, b, t, h) in zip(_units(3), [(10, 1, 5, 6), (4, 2, 1, 3), (12, 3, 0, 8)])]
     # ZB-H1, 2 stages, the last: (0 before B, 2 between B and W), or one in its B beside (0, 1)
     moments = P.zero_bubble_moments("zb-h1", 2, 4)[1]

@@ -44,7 +44,7 @@ def _schedule(kind: str, pp: int, m: int, v: int = 1):
 def _unit_times(u: Unit, recompute: str) -> tuple[float, float, float, float]:
     """(F, B, W, activation bytes) of a unit under a recompute policy."""
     if recompute == "full":
-        return u.f_s, u.b_s + u.f_s, u.w_s, u.boundary_bytes if u.whole_layer_remade else u.full_kept_bytes
+        return u.f_s, u.b_s + u.f_s, u.w_s, u.full_kept_bytes
     if recompute == "selective":
         return u.f_s, u.b_s + u.cheap_f_s, u.w_s, u.act_bytes - u.cheap_act_bytes
     if recompute == "sac":
@@ -81,8 +81,8 @@ def stage_activation_bytes(chunk: Sequence[Unit], recompute: str, inflight: int,
     flight: what each keeps for its backward, plus the largest op's working set once.
 
     Under recompute a micro-batch keeps what the policy keeps of each unit (under full what its
-    forward reads from outside it, :attr:`Unit.full_kept_bytes`; in a program that re-runs layers
-    whole, its boundary) and, while one unit's backward runs, what :func:`running_bytes`
+    forward reads from outside it, or in a program that re-runs layers whole its boundary:
+    :attr:`Unit.full_kept_bytes`) and, while one unit's backward runs, what :func:`running_bytes`
     counts for that unit (:mod:`autopar.passes.recompute` re-runs the dropped ops there); the units
     after it have freed theirs, those before it still hold what they kept. So the peak is the
     other micro-batches' kept bytes plus the largest, over units k, of what the units before k

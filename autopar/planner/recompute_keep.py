@@ -355,8 +355,8 @@ def _held_gradients(g, backward: list[int], inputs, local) -> list[float]:
     it, other than its own inputs (those are its working set): a block's output gradient is read
     by the first ops of its backward and again by the last, where the residual branch adds it to
     the input's gradient, so it is alive through the whole block's backward. (Not counted until
-    the thirtieth session: Llama tiny under full recompute measured 3.7% over the plan, one such
-    gradient at the peak.)"""
+    the thirtieth session: Llama tiny's two 1F1B stages under full recompute measured 5.2% and
+    6.2% over the plan without it, 1.7% and 2.4% with it.)"""
     made: dict[tuple[int, int], int] = {}
     last: dict[tuple[int, int], int] = {}
     for t, r in enumerate(backward):

@@ -167,11 +167,12 @@ class Unit:
     """(selective, sac, moe, full): what the copies made again in the unit's backward add to
     ``transient_bytes`` at their peak (``evaluation.LayerCost.remade_extra_bytes``)."""
     full_kept_bytes: float = 0.0
-    """What full recompute keeps of the unit (``evaluation.LayerCost.full_kept_bytes``)."""
+    """What full recompute keeps of the unit (``evaluation.LayerCost.full_kept_bytes``; in a program
+    that re-runs layers whole, ``boundary_bytes``)."""
     whole_layer_remade: bool = False
     """Recompute makes what the unit dropped again all at once as its backward begins (``torch.utils.
     checkpoint``, Megatron-LM), not each copy before its first reader as autopar's runtime does:
-    ``make_plan(whole_layer_recompute=True)``; full recompute then keeps ``boundary_bytes``."""
+    ``make_plan(whole_layer_recompute=True)``."""
     w_held_bytes: float | None = None
     """What a micro-batch holds for this unit between its B and its W, the two apart under a
     zero-bubble schedule (``evaluation.LayerCost.weight_gradient_input_bytes``); None: as much as
